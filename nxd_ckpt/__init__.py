@@ -1,0 +1,57 @@
+"""nxd_ckpt: fast, crash-consistent checkpoints for PyTorch/XLA training, in NeuronX Distributed's layout."""
+
+from .api import (
+    finalize_checkpoint,
+    get_manager,
+    has_checkpoint,
+    latest_checkpoint_tag,
+    list_checkpoint_tags,
+    load_checkpoint,
+    reset_manager,
+    save_checkpoint,
+)
+from .errors import (
+    AsyncSaveError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    FormatError,
+    IntegrityError,
+    InvalidTagError,
+    LayoutMismatchError,
+    RemoteRankError,
+    StateMismatchError,
+    StorageError,
+    UnsafeCheckpointError,
+)
+from .manager import CheckpointManager, SaveReport
+from .parallel_state import destroy_model_parallel, initialize_model_parallel
+from .topology import Topology
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncSaveError",
+    "CheckpointError",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "FormatError",
+    "IntegrityError",
+    "InvalidTagError",
+    "LayoutMismatchError",
+    "RemoteRankError",
+    "SaveReport",
+    "StateMismatchError",
+    "StorageError",
+    "Topology",
+    "UnsafeCheckpointError",
+    "destroy_model_parallel",
+    "finalize_checkpoint",
+    "get_manager",
+    "has_checkpoint",
+    "initialize_model_parallel",
+    "latest_checkpoint_tag",
+    "list_checkpoint_tags",
+    "load_checkpoint",
+    "reset_manager",
+    "save_checkpoint",
+]

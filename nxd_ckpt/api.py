@@ -1,0 +1,137 @@
+"""The public functions, with NeuronX Distributed's signatures, delegating to one process-wide manager."""
+
+from __future__ import annotations
+
+import atexit
+import os
+from typing import Any
+
+from . import tags
+from .manager import CheckpointManager, SaveReport
+from .storage import storage_for
+
+
+class _DefaultManager:
+    """Holds the process-wide CheckpointManager; ``reset`` drops it (tests, or a new process group)."""
+
+    def __init__(self) -> None:
+        self.manager: CheckpointManager | None = None
+        self._atexit_registered = False
+
+    def get(self) -> CheckpointManager:
+        if self.manager is None:
+            self.manager = CheckpointManager()
+            if not self._atexit_registered:
+                atexit.register(self._finalize_at_exit)
+                self._atexit_registered = True
+        return self.manager
+
+    def reset(self) -> None:
+        if self.manager is not None:
+            self.manager.finalize()
+        self.manager = None
+
+    def _finalize_at_exit(self) -> None:
+        if self.manager is not None:
+            self.manager.finalize()
+
+
+_default = _DefaultManager()
+
+
+def get_manager() -> CheckpointManager:
+    """The manager ``save_checkpoint``/``load_checkpoint`` use."""
+    return _default.get()
+
+
+def reset_manager() -> None:
+    """Finish pending saves and forget the process-wide manager (its coordinator, writer and counters)."""
+    _default.reset()
+
+
+def save_checkpoint(
+    checkpoint_dir: str | os.PathLike[str],
+    tag: str,
+    model: Any = None,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    user_content: Any = None,
+    num_workers: int = 8,
+    use_xser: bool = False,
+    num_kept_ckpts: int | None = None,
+    async_save: bool = False,
+    zero1_optimizer: bool = False,
+) -> SaveReport:
+    """Save a checkpoint under ``checkpoint_dir/tag`` in NxD's layout; every rank must call it.
+
+    Model and replicated optimizer states are written by DP rank 0 of each (TP, PP) coordinate, ZeRO-1
+    optimizer shards by every rank, scheduler and user content by global rank 0. The tag is complete (``done``)
+    once every rank's files are durable. With ``async_save`` the call returns once the state is staged in host
+    memory and the files are written in the background.
+
+    Returns:
+        A SaveReport (bytes, blocked/staging/write time); for async saves ``wait()`` blocks until durable.
+    """
+    return get_manager().save(
+        checkpoint_dir,
+        tag,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        user_content=user_content,
+        num_workers=num_workers,
+        use_xser=use_xser,
+        num_kept_ckpts=num_kept_ckpts,
+        async_save=async_save,
+        zero1_optimizer=zero1_optimizer,
+    )
+
+
+def load_checkpoint(
+    checkpoint_dir: str | os.PathLike[str],
+    tag: str | None = None,
+    model: Any = None,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    num_workers: int = 8,
+    strict: bool = True,
+    allow_pickle: bool = False,
+) -> Any:
+    """Load ``tag`` (default: the latest complete checkpoint) into the given objects; every rank must call it.
+
+    Dicts passed as ``model``/``optimizer``/``scheduler`` are filled in place. ``allow_pickle`` opts in to
+    files holding arbitrary pickled classes (it runs code from the checkpoint: only for trusted ones).
+
+    Returns:
+        The saved user content, or None if none was saved.
+    """
+    return get_manager().load(
+        checkpoint_dir,
+        tag=tag,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        num_workers=num_workers,
+        strict=strict,
+        allow_pickle=allow_pickle,
+    )
+
+
+def finalize_checkpoint() -> None:
+    """Wait for every pending save to be durable and committed; raise if one failed."""
+    get_manager().finalize()
+
+
+def has_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> bool:
+    """Whether ``checkpoint_dir`` holds at least one complete checkpoint."""
+    return tags.latest_tag(storage_for(checkpoint_dir)) is not None
+
+
+def list_checkpoint_tags(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
+    """Complete tags, oldest first."""
+    return [t.name for t in tags.list_tags(storage_for(checkpoint_dir))]
+
+
+def latest_checkpoint_tag(checkpoint_dir: str | os.PathLike[str]) -> str | None:
+    """The newest complete tag, or None."""
+    return tags.latest_tag(storage_for(checkpoint_dir))

@@ -1,0 +1,94 @@
+"""Pure path builders for the NxD checkpoint tree; the only place that knows file names.
+
+All paths are relative to the checkpoint directory and use "/" separators (they are storage keys too).
+"""
+
+from __future__ import annotations
+
+import re
+
+from .errors import InvalidTagError
+
+CHECKPOINT_MARKER = "checkpoint"
+DONE_MARKER = "done"
+MODEL_DIR = "model"
+OPTIM_DIR = "optim"
+SCHEDULER_FILE = "scheduler.pt"
+USER_CONTENT_FILE = "user_content.pt"
+METADATA_FILE = "nxd_ckpt.json"
+"""nxd_ckpt's own per-tag metadata (layout, order, format); NxD ignores it."""
+EXTRAS_DIR = "nxd_ckpt"
+"""Per-rank extras nxd_ckpt adds (manifests, per-rank state): a folder NxD never looks into."""
+XSER_TENSORS_SUFFIX = ".tensors"
+XSER_INFO_SUFFIX = ".info.pt"
+
+_TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=@-]{0,199}$")
+_STATE_FILE_RE = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
+_FULL_OPTIM_RE = re.compile(r"^full_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
+
+
+def validate_tag(tag: object) -> str:
+    """Return ``tag`` if it is a plain directory name, else raise InvalidTagError saying why."""
+    if not isinstance(tag, str):
+        raise InvalidTagError(f"checkpoint tag must be a string, got {type(tag).__name__} {tag!r}")
+    if tag in ("", ".", "..") or "/" in tag or "\\" in tag or not _TAG_RE.match(tag):
+        raise InvalidTagError(
+            f"invalid checkpoint tag {tag!r}: use a plain name of letters, digits and . _ - + = @ "
+            "(at most 200 characters, not starting with a dot), e.g. 'step_1200'"
+        )
+    return tag
+
+
+def tag_path(tag: str, *parts: str) -> str:
+    return "/".join((validate_tag(tag), *parts))
+
+
+def state_file_name(dp: int, tp: int, pp: int) -> str:
+    return f"dp_rank_{dp:02d}_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
+
+
+def model_file(tag: str, tp: int, pp: int) -> str:
+    """Model state of a (TP, PP) coordinate; always named with DP rank 0."""
+    return tag_path(tag, MODEL_DIR, state_file_name(0, tp, pp))
+
+
+def optim_file(tag: str, dp: int, tp: int, pp: int) -> str:
+    """Optimizer state: ``dp`` is the DP rank for ZeRO-1 shards and 0 for replicated optimizers."""
+    return tag_path(tag, OPTIM_DIR, state_file_name(dp, tp, pp))
+
+
+def full_optim_file(tag: str, tp: int, pp: int) -> str:
+    """Merged (unsharded) ZeRO-1 optimizer state written by the offline converter."""
+    return tag_path(tag, OPTIM_DIR, f"full_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt")
+
+
+def parse_state_file_name(name: str) -> tuple[int, int, int] | None:
+    """(dp, tp, pp) from ``dp_rank_XX_tp_rank_YY_pp_rank_ZZ.pt``, or None for other names."""
+    m = _STATE_FILE_RE.match(name)
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
+
+
+def parse_full_optim_file_name(name: str) -> tuple[int, int] | None:
+    """(tp, pp) from ``full_tp_rank_YY_pp_rank_ZZ.pt``, or None."""
+    m = _FULL_OPTIM_RE.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def xser_tensors_dir(path: str) -> str:
+    return path + XSER_TENSORS_SUFFIX
+
+
+def xser_tensor_file(path: str, tid: int) -> str:
+    return f"{path}{XSER_TENSORS_SUFFIX}/tensor_{tid}.pt"
+
+
+def xser_info_file(path: str) -> str:
+    return path + XSER_INFO_SUFFIX
+
+
+def manifest_file(tag: str, rank: int) -> str:
+    return tag_path(tag, EXTRAS_DIR, f"manifest_rank_{rank:05d}.json")
+
+
+def rank_state_file(tag: str, rank: int) -> str:
+    return tag_path(tag, EXTRAS_DIR, f"rank_state_{rank:05d}.pt")

@@ -1,0 +1,439 @@
+"""CheckpointManager: owns the per-process checkpoint state (coordinator, background writer, save counter).
+
+``save`` call order, on every rank:
+  1. begin      rank 0 prepares the tag (``checkpoint`` marker) and broadcasts the save's identity;
+  2. plan       which state files this rank writes (``plan.plan_save``);
+  3. stage      the state is copied to host memory (``staging``), the only part async saves block on;
+  4. write      the files are written and made durable (inline, or on the writer thread);
+  5. commit     ranks ``arrive`` on the store; rank 0 writes metadata and ``done`` last, then retention.
+Steps 4-5 use no collectives, so they can run on a background thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import adapters, layout, plan, staging, statefile, tags
+from .commit import CommitBarrier
+from .dist import Coordinator, format_exception
+from .errors import (
+    AsyncSaveError,
+    CheckpointError,
+    FormatError,
+    LayoutMismatchError,
+)
+from .parallel_state import current_topology
+from .storage import Storage, storage_for
+from .topology import Topology
+
+logger = logging.getLogger("nxd_ckpt")
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class SaveReport:
+    """What one save cost; for async saves the write fields are filled in when the background write ends."""
+
+    tag: str
+    checkpoint_dir: str
+    async_save: bool
+    bytes_written: int = 0
+    blocked_s: float = 0.0
+    staging_s: float = 0.0
+    write_s: float = 0.0
+    files_written: int = 0
+    completed: bool = False
+    _future: Future | None = field(default=None, repr=False)
+
+    @property
+    def throughput_gbps(self) -> float:
+        return self.bytes_written / self.write_s / 1e9 if self.write_s > 0 else 0.0
+
+    def wait(self) -> SaveReport:
+        """Block until this save is durable on this rank (re-raises its error)."""
+        if self._future is not None:
+            self._future.result()
+        return self
+
+
+@dataclass(frozen=True)
+class _SaveContext:
+    storage: Storage
+    tag: str
+    seq: int
+    created_at: float
+    topology: Topology
+    zero1: bool
+    use_xser: bool
+    num_kept_ckpts: int | None
+    items: tuple[str, ...]
+
+
+class CheckpointManager:
+    """Per-process owner of everything a save or load needs between calls. One per process is typical."""
+
+    def __init__(self) -> None:
+        self._coordinator: Coordinator | None = None
+        self._coordinator_key: tuple | None = None
+        self._session: str | None = None
+        self._seq = 0
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+        self._pending_tag: str | None = None
+        self._error: BaseException | None = None
+
+    # ----------------------------------------------------------------- plumbing
+    def coordinator(self) -> Coordinator:
+        """The coordinator for the current process group (re-created if the group changed)."""
+        import torch.distributed as dist
+
+        key = (dist.is_initialized(), id(dist.group.WORLD) if dist.is_initialized() else None)
+        if self._coordinator is None or key != self._coordinator_key:
+            self._coordinator = Coordinator()
+            self._coordinator_key = key
+            session = uuid.uuid4().hex[:12] if self._coordinator.rank == 0 else None
+            self._session = self._coordinator.broadcast_object(session)
+            self._seq = 0
+        return self._coordinator
+
+    def _writer(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nxd_ckpt_writer")
+        return self._executor
+
+    def check_for_errors(self) -> None:
+        """Raise (once) the error of a background save that failed since the last call."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise AsyncSaveError(f"a background checkpoint save failed: {format_exception(error)}") from error
+
+    def wait_pending(self) -> float:
+        """Wait for the save in flight, if any; return the seconds waited."""
+        if self._pending is None:
+            return 0.0
+        start = time.perf_counter()
+        try:
+            self._pending.result()
+        except BaseException as e:  # noqa: BLE001 - kept and raised by check_for_errors
+            self._error = self._error or e
+        self._pending, self._pending_tag = None, None
+        return time.perf_counter() - start
+
+    def finalize(self) -> None:
+        """Wait for everything pending, release the writer, and raise a background error if there was one."""
+        self.wait_pending()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        self.check_for_errors()
+
+    # ----------------------------------------------------------------- save
+    def save(
+        self,
+        checkpoint_dir: str | os.PathLike[str],
+        tag: str,
+        model: Any = None,
+        optimizer: Any = None,
+        scheduler: Any = None,
+        user_content: Any = None,
+        num_workers: int = 8,
+        use_xser: bool = False,
+        num_kept_ckpts: int | None = None,
+        async_save: bool = False,
+        zero1_optimizer: bool = False,
+    ) -> SaveReport:
+        call_start = time.perf_counter()
+        layout.validate_tag(tag)
+        if num_kept_ckpts is not None and (not isinstance(num_kept_ckpts, int) or num_kept_ckpts < 1):
+            raise ValueError(f"num_kept_ckpts must be None or an integer >= 1, got {num_kept_ckpts!r}")
+        if not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers must be an integer >= 1, got {num_workers!r}")
+        self.check_for_errors()
+        waited = self.wait_pending()
+        if waited > 0.001:
+            logger.info("save of %s waited %.2f s for the previous save to finish writing", tag, waited)
+        self.check_for_errors()
+
+        coord = self.coordinator()
+        topo = current_topology()
+        storage = storage_for(checkpoint_dir)
+        zero1 = bool(zero1_optimizer) or adapters.is_zero1_optimizer(optimizer)
+        items = tuple(
+            name
+            for name, obj in (
+                ("model", model),
+                ("optimizer", optimizer),
+                ("scheduler", scheduler),
+                ("user_content", user_content),
+            )
+            if obj is not None
+        )
+        ctx = self._begin(coord, storage, tag, topo, zero1, use_xser, num_kept_ckpts, items)
+
+        report = SaveReport(tag=tag, checkpoint_dir=storage.url, async_save=async_save)
+        stage_start = time.perf_counter()
+        writes = plan.plan_save(
+            topo,
+            tag,
+            model=adapters.model_state(model) if model is not None else None,
+            optimizer=adapters.optimizer_state(optimizer) if optimizer is not None else None,
+            scheduler=adapters.scheduler_state(scheduler) if scheduler is not None else None,
+            user_content=user_content,
+            zero1=zero1,
+        )
+        staged = [(w.path, staging.to_host(w.state, copy=async_save)) for w in writes]
+        report.staging_s = time.perf_counter() - stage_start
+
+        def write_and_commit() -> None:
+            self._write_and_commit(ctx, coord, staged, report, num_workers if not async_save else None)
+
+        if async_save:
+            self._pending = self._writer().submit(write_and_commit)
+            self._pending_tag = tag
+            report._future = self._pending
+            report.blocked_s = time.perf_counter() - call_start
+        else:
+            write_and_commit()
+            report.blocked_s = time.perf_counter() - call_start
+            self._log_save(report, coord)
+        return report
+
+    def _begin(
+        self,
+        coord: Coordinator,
+        storage: Storage,
+        tag: str,
+        topo: Topology,
+        zero1: bool,
+        use_xser: bool,
+        num_kept_ckpts: int | None,
+        items: tuple[str, ...],
+    ) -> _SaveContext:
+        """Rank 0 marks the tag as being saved (removing an old ``done`` first); all ranks agree on the save."""
+
+        def prepare() -> float:
+            if coord.rank != 0:
+                return 0.0
+            storage.delete(layout.tag_path(tag, layout.DONE_MARKER))
+            storage.delete(layout.tag_path(tag, layout.METADATA_FILE))
+            storage.write_bytes(layout.tag_path(tag, layout.CHECKPOINT_MARKER), b"1")
+            return time.time()
+
+        created_at = coord.broadcast_object(coord.run_all(prepare, f"starting checkpoint {tag!r}"))
+        self._seq += 1
+        return _SaveContext(
+            storage=storage,
+            tag=tag,
+            seq=self._seq,
+            created_at=created_at,
+            topology=topo,
+            zero1=zero1,
+            use_xser=use_xser,
+            num_kept_ckpts=num_kept_ckpts,
+            items=items,
+        )
+
+    def _write_and_commit(
+        self,
+        ctx: _SaveContext,
+        coord: Coordinator,
+        staged: list[tuple[str, Any]],
+        report: SaveReport,
+        waves: int | None,
+    ) -> None:
+        """Write this rank's files, then run the commit protocol. ``waves`` bounds concurrent writers per
+        host for synchronous saves (it uses barriers); background writes pass None (no collectives)."""
+        barrier = CommitBarrier(coord.store, str(self._session), ctx.seq, coord.rank, coord.world_size)
+        write_start = time.perf_counter()
+        error: BaseException | None = None
+
+        def write_files() -> None:
+            written: list[str] = []
+            for path, state in staged:
+                written += statefile.write_plain(ctx.storage, path, state)
+                report.bytes_written += sum(t.numel() * t.element_size() for t in _tensors(state))
+            ctx.storage.sync_dirs({p.rsplit("/", 1)[0] for p in written})
+            report.files_written = len(written)
+
+        if waves is not None and coord.distributed and waves < ctx.topology.local_world_size:
+            try:
+                coord.in_waves(
+                    waves, ctx.topology.local_rank, ctx.topology.local_world_size, write_files, "writing"
+                )
+            except BaseException as e:  # noqa: BLE001 - reported through the commit barrier
+                error = e
+        else:
+            try:
+                write_files()
+            except BaseException as e:  # noqa: BLE001
+                error = e
+        report.write_s = time.perf_counter() - write_start
+        barrier.arrive(None if error is None else f"rank {coord.rank}: {format_exception(error)}")
+
+        if coord.rank == 0:
+            errors = barrier.wait_all_arrived()
+            commit_error: BaseException | None = None
+            if not errors:
+                try:
+                    self._write_done(ctx, coord.world_size)
+                except BaseException as e:  # noqa: BLE001
+                    commit_error = e
+            summary = "; ".join(errors[r] for r in sorted(errors)) if errors else None
+            if commit_error is not None:
+                summary = f"rank 0 could not commit: {format_exception(commit_error)}"
+            barrier.publish_outcome(summary)
+            if error is not None:
+                raise error
+            if commit_error is not None:
+                raise commit_error
+            if summary is not None:
+                raise CheckpointError(f"checkpoint {ctx.tag!r} was not completed: {summary}")
+            report.completed = True
+            if ctx.num_kept_ckpts is not None:
+                deleted = tags.apply_retention(ctx.storage, ctx.num_kept_ckpts, protect={ctx.tag})
+                if deleted:
+                    logger.info("retention deleted %s", ", ".join(deleted))
+        else:
+            if error is not None:
+                raise error
+            if waves is not None or not report.async_save:
+                barrier.wait_outcome()
+                report.completed = True
+
+    def _write_done(self, ctx: _SaveContext, world_size: int) -> None:
+        topo = ctx.topology
+        metadata = {
+            "format": "nxd_ckpt",
+            "format_version": FORMAT_VERSION,
+            "tag": ctx.tag,
+            "created_at": ctx.created_at,
+            "layout": {"tp": topo.tp_size, "pp": topo.pp_size, "dp": topo.dp_size, "world_size": world_size},
+            "zero1": ctx.zero1,
+            "zero1_dp_size": topo.dp_size if ctx.zero1 else None,
+            "xser": ctx.use_xser,
+            "items": list(ctx.items),
+            "torch_version": torch.__version__,
+        }
+        ctx.storage.write_bytes(
+            layout.tag_path(ctx.tag, layout.METADATA_FILE), json.dumps(metadata, indent=1).encode()
+        )
+        ctx.storage.write_bytes(layout.tag_path(ctx.tag, layout.DONE_MARKER), b"1")
+        ctx.storage.sync_dirs([ctx.tag])
+
+    def _log_save(self, report: SaveReport, coord: Coordinator) -> None:
+        if coord.rank == 0:
+            logger.info(
+                "saved %s: %.1f MB on rank 0 in %.2f s (%.2f GB/s), training blocked %.2f s",
+                report.tag,
+                report.bytes_written / 1e6,
+                report.write_s,
+                report.throughput_gbps,
+                report.blocked_s,
+            )
+
+    # ----------------------------------------------------------------- load
+    def load(
+        self,
+        checkpoint_dir: str | os.PathLike[str],
+        tag: str | None = None,
+        model: Any = None,
+        optimizer: Any = None,
+        scheduler: Any = None,
+        num_workers: int = 8,
+        strict: bool = True,
+        allow_pickle: bool = False,
+    ) -> Any:
+        self.check_for_errors()
+        self.wait_pending()
+        self.check_for_errors()
+        coord = self.coordinator()
+        topo = current_topology()
+        storage = storage_for(checkpoint_dir)
+
+        def resolve() -> tuple[str, dict]:
+            resolved = tags.resolve_tag(storage, tag)
+            return resolved, describe_checkpoint(storage, resolved)
+
+        resolved, info = coord.broadcast_object(coord.run_all(resolve if coord.rank == 0 else lambda: None, "resolving"))
+        _check_layout(info, topo, storage.url, resolved)
+
+        def read_and_apply() -> Any:
+            if model is not None:
+                path = layout.model_file(resolved, topo.tp_rank, topo.pp_rank)
+                state = _read(storage, path, info, allow_pickle)
+                adapters.load_model_state(model, state, strict=strict, source=f"{storage.url}/{path}")
+            if optimizer is not None:
+                dp = topo.dp_rank if info["zero1"] else 0
+                path = layout.optim_file(resolved, dp, topo.tp_rank, topo.pp_rank)
+                state = _read(storage, path, info, allow_pickle)
+                adapters.load_optimizer_state(optimizer, state, source=f"{storage.url}/{path}")
+            if scheduler is not None:
+                path = layout.tag_path(resolved, layout.SCHEDULER_FILE)
+                state = _read(storage, path, info, allow_pickle)
+                adapters.load_scheduler_state(scheduler, state, source=f"{storage.url}/{path}")
+            path = layout.tag_path(resolved, layout.USER_CONTENT_FILE)
+            if storage.exists(path):
+                return statefile.read_plain(storage, path, trusted=allow_pickle)
+            return None
+
+        start = time.perf_counter()
+        result = coord.in_waves(num_workers, topo.local_rank, topo.local_world_size, read_and_apply, "loading")
+        if coord.rank == 0:
+            logger.info("loaded %s from %s in %.2f s", resolved, storage.url, time.perf_counter() - start)
+        return result
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    from .tree import iter_tensors
+
+    return [t for _, t in iter_tensors(state)]
+
+
+def _read(storage: Storage, path: str, info: dict, allow_pickle: bool) -> Any:
+    if not storage.exists(path):
+        raise FormatError(
+            f"checkpoint file {storage.url}/{path} is missing; the checkpoint is damaged or was saved "
+            "without this state (load without it, or pick another tag)"
+        )
+    return statefile.read_plain(storage, path, trusted=allow_pickle)
+
+
+def describe_checkpoint(storage: Storage, tag: str) -> dict:
+    """Layout facts of a saved tag: from nxd_ckpt's metadata, else inferred from NxD's file names."""
+    meta = tags.read_metadata(storage, tag) or {}
+    model_coords = [
+        c for n in storage.list_dir(layout.tag_path(tag, layout.MODEL_DIR)) if (c := layout.parse_state_file_name(n))
+    ]
+    optim_coords = [
+        c for n in storage.list_dir(layout.tag_path(tag, layout.OPTIM_DIR)) if (c := layout.parse_state_file_name(n))
+    ]
+    coords = model_coords + optim_coords
+    if "layout" in meta:
+        tp, pp = meta["layout"]["tp"], meta["layout"]["pp"]
+    elif coords:
+        tp, pp = max(c[1] for c in coords) + 1, max(c[2] for c in coords) + 1
+    else:
+        tp = pp = None
+    zero1 = meta.get("zero1", any(c[0] > 0 for c in optim_coords))
+    dp_saved = meta.get("zero1_dp_size") or (max(c[0] for c in optim_coords) + 1 if zero1 and optim_coords else None)
+    return {"tp": tp, "pp": pp, "zero1": bool(zero1), "zero1_dp_size": dp_saved, "metadata": meta or None}
+
+
+def _check_layout(info: dict, topo: Topology, url: str, tag: str) -> None:
+    if info["tp"] is None:
+        return
+    if (info["tp"], info["pp"]) != (topo.tp_size, topo.pp_size):
+        raise LayoutMismatchError(
+            f"checkpoint {url}/{tag} was saved with TP={info['tp']} PP={info['pp']} but this job runs "
+            f"{topo.describe()}; load it with the same TP and PP sizes (DP may differ)"
+        )

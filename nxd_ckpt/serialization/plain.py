@@ -1,0 +1,61 @@
+"""Plain ``torch.save`` encoding and safe loading of CPU state.
+
+Loading is ``torch.load(weights_only=True)`` with a small allow-list by default, so no code stored in a
+checkpoint runs; ``trusted=True`` is the explicit opt-in for files holding arbitrary pickled classes.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+from collections.abc import Iterable
+from typing import IO, Any
+
+import torch
+
+from ..errors import FormatError, UnsafeCheckpointError
+
+_extra_safe_globals: list[Any] = []
+
+
+def register_safe_globals(objs: Iterable[Any]) -> None:
+    """Allow more classes in safe loading (for format classes such as xser's TensorReference)."""
+    for obj in objs:
+        if obj not in _extra_safe_globals:
+            _extra_safe_globals.append(obj)
+
+
+def save(obj: Any, f: IO[bytes]) -> None:
+    """Write ``obj`` (CPU tensors and plain Python values) with ``torch.save``."""
+    torch.save(obj, f)
+
+
+def load(f: IO[bytes], *, what: str, trusted: bool = False) -> Any:
+    """Read a ``torch.save`` file onto the CPU.
+
+    Args:
+        f: a readable, seekable binary stream.
+        what: the file's name, used in error messages.
+        trusted: allow arbitrary pickled objects (runs code from the file); off by default.
+    """
+    try:
+        if trusted:
+            return torch.load(f, map_location="cpu", weights_only=False)
+        with torch.serialization.safe_globals(list(_extra_safe_globals)):
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if trusted or "weights_only" not in str(e) and "Unsupported global" not in str(e):
+            raise FormatError(f"{what} is not a readable torch.save file: {_first_line(e)}") from e
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        name = found.group(1) if found else "an object that is not a tensor or plain Python value"
+        raise UnsafeCheckpointError(
+            f"{what} holds a pickled {name}; loading it would run code from the checkpoint. If you trust "
+            "this checkpoint, pass allow_pickle=True to load_checkpoint (or trusted=True to the reader)."
+        ) from e
+    except (RuntimeError, EOFError, ValueError, OSError) as e:
+        raise FormatError(f"{what} is truncated or not a torch.save file: {_first_line(e)}") from e
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__

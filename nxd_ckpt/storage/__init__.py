@@ -1,0 +1,24 @@
+"""Storage backends, chosen from the checkpoint directory's form (``s3://`` or a local path)."""
+
+from __future__ import annotations
+
+import os
+
+from .base import Storage, check_relative_path
+from .local import LocalStorage
+
+__all__ = ["LocalStorage", "Storage", "check_relative_path", "storage_for"]
+
+
+def storage_for(checkpoint_dir: str | os.PathLike[str] | Storage) -> Storage:
+    """The backend for a checkpoint directory: an ``s3://bucket/prefix`` URL or a local path."""
+    if isinstance(checkpoint_dir, Storage):
+        return checkpoint_dir
+    url = os.fspath(checkpoint_dir)
+    if url.startswith("s3://"):
+        from .s3 import S3Storage  # imported lazily: boto3 is optional
+
+        return S3Storage(url)
+    if "://" in url:
+        raise ValueError(f"unsupported checkpoint location {url!r}: use a local path or s3://bucket/prefix")
+    return LocalStorage(url)

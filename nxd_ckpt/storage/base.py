@@ -1,0 +1,91 @@
+"""The storage interface: bytes and "/"-separated relative paths only, no torch, no serialization.
+
+Paths are relative to the storage root (the checkpoint directory). Strings rather than ``Path`` objects, because
+``s3://bucket/prefix`` must not be mangled. Retention, tag resolution and the commit protocol are built on this
+surface without knowing which backend answers.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import BinaryIO
+
+from ..errors import InvalidTagError
+
+
+def check_relative_path(path: str) -> str:
+    """Reject paths that could leave the storage root (absolute, ``..``, empty components)."""
+    if not isinstance(path, str) or path.startswith("/") or "\\" in path:
+        raise InvalidTagError(f"storage path {path!r} must be relative and use '/' separators")
+    parts = path.split("/") if path else []
+    if any(p in ("", ".", "..") for p in parts):
+        raise InvalidTagError(f"storage path {path!r} has an empty, '.' or '..' component")
+    return path
+
+
+class Storage(abc.ABC):
+    """A checkpoint directory on some backend."""
+
+    url: str
+
+    @abc.abstractmethod
+    def open_write(self, path: str) -> AbstractContextManager[BinaryIO]:
+        """A writable binary stream; the file appears at ``path`` only when the block exits without error.
+
+        On local disk the data is flushed and fsynced to a temporary name and renamed into place; on S3 the
+        object is uploaded when the block ends. An exception inside the block leaves nothing at ``path``.
+        """
+
+    @abc.abstractmethod
+    def open_read(self, path: str) -> AbstractContextManager[BinaryIO]:
+        """A readable, seekable binary stream of the whole file."""
+
+    @abc.abstractmethod
+    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        """The file's bytes, or ``length`` bytes from ``offset``."""
+
+    @abc.abstractmethod
+    def exists(self, path: str) -> bool:
+        """Whether a file (or a non-empty directory/prefix) exists at ``path``."""
+
+    @abc.abstractmethod
+    def list_dir(self, path: str = "") -> list[str]:
+        """Names directly under ``path`` (files and sub-directories), sorted; empty if there is nothing."""
+
+    @abc.abstractmethod
+    def size(self, path: str) -> int:
+        """Size of a file in bytes."""
+
+    @abc.abstractmethod
+    def mtime(self, path: str) -> float:
+        """Modification time of a file (seconds since the epoch)."""
+
+    @abc.abstractmethod
+    def delete(self, path: str) -> None:
+        """Delete one file; a missing file is not an error."""
+
+    @abc.abstractmethod
+    def delete_tree(self, path: str) -> None:
+        """Delete a directory/prefix and everything under it; missing is not an error."""
+
+    def sync_dirs(self, paths: Iterator[str] | list[str] | set[str]) -> None:  # noqa: B027 - optional hook
+        """Make renames into these directories durable (fsync on local disk; nothing to do on S3)."""
+
+    def write_bytes(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        """Write a whole small file atomically."""
+        with self.open_write(path) as f:
+            f.write(data)
+
+    def walk_files(self, path: str = "") -> list[str]:
+        """All file paths under ``path`` (recursive), relative to the root, sorted."""
+        out: list[str] = []
+        for name in self.list_dir(path):
+            child = f"{path}/{name}" if path else name
+            sub = self.list_dir(child)
+            if sub:
+                out.extend(self.walk_files(child))
+            elif self.exists(child):
+                out.append(child)
+        return sorted(out)

@@ -1,0 +1,121 @@
+"""Local (or shared POSIX, e.g. FSx for Lustre) filesystem storage: tmp file + fsync + rename per file."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from typing import BinaryIO
+
+from ..errors import StorageError
+from .base import Storage, check_relative_path
+
+WRITE_BUFFER_BYTES = 8 << 20
+
+
+class LocalStorage(Storage):
+    """A checkpoint directory on a POSIX filesystem; nothing is ever written or deleted outside ``root``."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+        self.url = self.root
+
+    def _abs(self, path: str) -> str:
+        check_relative_path(path)
+        full = os.path.normpath(os.path.join(self.root, path)) if path else self.root
+        if full != self.root and not full.startswith(self.root + os.sep):
+            raise StorageError(f"path {path!r} resolves outside the checkpoint directory {self.root}")
+        return full
+
+    @contextlib.contextmanager
+    def open_write(self, path: str) -> Iterator[BinaryIO]:
+        final = self._abs(path)
+        directory = os.path.dirname(final)
+        tmp = os.path.join(directory, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:12]}")
+        try:
+            os.makedirs(directory, exist_ok=True)
+            f = open(tmp, "wb", buffering=WRITE_BUFFER_BYTES)  # noqa: SIM115 - closed below on every path
+        except OSError as e:
+            raise StorageError(f"cannot create {final}: {e.strerror or e}") from e
+        try:
+            yield f  # type: ignore[misc]
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+            os.replace(tmp, final)
+        except BaseException as e:
+            f.close()
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            if isinstance(e, OSError) and not isinstance(e, StorageError):
+                raise StorageError(f"writing {final} failed: {e.strerror or e}") from e
+            raise
+
+    @contextlib.contextmanager
+    def open_read(self, path: str) -> Iterator[BinaryIO]:
+        full = self._abs(path)
+        try:
+            f = open(full, "rb")  # noqa: SIM115
+        except FileNotFoundError as e:
+            raise StorageError(f"file not found: {full}") from e
+        except OSError as e:
+            raise StorageError(f"cannot read {full}: {e.strerror or e}") from e
+        with f:
+            yield f
+
+    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        with self.open_read(path) as f:
+            if offset:
+                f.seek(offset)
+            return f.read() if length is None else f.read(length)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(self._abs(path))
+
+    def list_dir(self, path: str = "") -> list[str]:
+        full = self._abs(path)
+        try:
+            return sorted(n for n in os.listdir(full) if ".tmp-" not in n)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def walk_files(self, path: str = "") -> list[str]:
+        out = []
+        base = self._abs(path)
+        for dirpath, _, files in os.walk(base):
+            for name in files:
+                if ".tmp-" in name:
+                    continue
+                rel = os.path.relpath(os.path.join(dirpath, name), self.root)
+                out.append(rel.replace(os.sep, "/"))
+        return sorted(out)
+
+    def size(self, path: str) -> int:
+        return os.path.getsize(self._abs(path))
+
+    def mtime(self, path: str) -> float:
+        return os.path.getmtime(self._abs(path))
+
+    def delete(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._abs(path))
+
+    def delete_tree(self, path: str) -> None:
+        full = self._abs(path)
+        if full == self.root:
+            raise StorageError(f"refusing to delete the whole checkpoint directory {self.root}")
+        shutil.rmtree(full, ignore_errors=False) if os.path.isdir(full) else self.delete(path)
+
+    def sync_dirs(self, paths: Iterator[str] | list[str] | set[str]) -> None:
+        for path in sorted(set(paths)):
+            full = self._abs(path)
+            try:
+                fd = os.open(full, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)

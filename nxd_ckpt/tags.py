@@ -1,0 +1,137 @@
+"""Tags in a checkpoint directory: which are complete, which is latest, what retention deletes.
+
+A tag is complete only when ``<tag>/done`` exists. Order: the creation time nxd_ckpt records in
+``<tag>/nxd_ckpt.json`` (it survives copying a directory), else, for NxD-written tags, the modification time of
+``done``; the tag name breaks ties. Retention deletes ``done`` first, so a crash mid-deletion never leaves a tag
+that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+
+from . import layout
+from .errors import CheckpointNotFoundError, FormatError
+from .storage import Storage
+
+logger = logging.getLogger("nxd_ckpt")
+
+
+@dataclass(frozen=True)
+class TagInfo:
+    """One tag directory: whether it is complete and its position in the order."""
+
+    name: str
+    complete: bool
+    order_time: float
+    metadata: dict | None
+
+    @property
+    def sort_key(self) -> tuple:
+        return (self.order_time, _natural_key(self.name))
+
+
+def _natural_key(name: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
+def read_metadata(storage: Storage, tag: str) -> dict | None:
+    """nxd_ckpt's metadata of a tag, or None for tags written by NxD (or unfinished ones)."""
+    path = layout.tag_path(tag, layout.METADATA_FILE)
+    if not storage.exists(path):
+        return None
+    try:
+        return json.loads(storage.read_bytes(path))
+    except ValueError as e:
+        raise FormatError(f"{storage.url}/{path} is not valid JSON: {e}") from e
+
+
+def _tag_info(storage: Storage, name: str) -> TagInfo | None:
+    try:
+        layout.validate_tag(name)
+    except ValueError:
+        return None
+    complete = storage.exists(layout.tag_path(name, layout.DONE_MARKER))
+    has_marker = storage.exists(layout.tag_path(name, layout.CHECKPOINT_MARKER))
+    if not complete and not has_marker:
+        return None  # not a checkpoint directory
+    meta = None
+    try:
+        meta = read_metadata(storage, name)
+    except FormatError:
+        logger.warning("ignoring unreadable metadata of tag %s in %s", name, storage.url)
+    if meta is not None and "created_at" in meta:
+        order_time = float(meta["created_at"])
+    else:
+        marker = layout.DONE_MARKER if complete else layout.CHECKPOINT_MARKER
+        order_time = storage.mtime(layout.tag_path(name, marker))
+    return TagInfo(name=name, complete=complete, order_time=order_time, metadata=meta)
+
+
+def list_tags(storage: Storage, include_incomplete: bool = False) -> list[TagInfo]:
+    """Tags in order, oldest first; complete ones only unless ``include_incomplete``."""
+    infos = [info for name in storage.list_dir("") if (info := _tag_info(storage, name)) is not None]
+    infos.sort(key=lambda i: i.sort_key)
+    return [i for i in infos if include_incomplete or i.complete]
+
+
+def latest_tag(storage: Storage) -> str | None:
+    """The newest complete tag, or None if there is none."""
+    tags = list_tags(storage)
+    return tags[-1].name if tags else None
+
+
+def resolve_tag(storage: Storage, tag: str | None) -> str:
+    """The tag to load: ``tag`` itself (which must be complete) or, for None, the latest complete one."""
+    if tag is None:
+        latest = latest_tag(storage)
+        if latest is None:
+            incomplete = [t.name for t in list_tags(storage, include_incomplete=True)]
+            hint = f" (incomplete, without 'done': {', '.join(incomplete)})" if incomplete else ""
+            raise CheckpointNotFoundError(f"no complete checkpoint in {storage.url}{hint}")
+        return latest
+    layout.validate_tag(tag)
+    if storage.exists(layout.tag_path(tag, layout.DONE_MARKER)):
+        return tag
+    complete = [t.name for t in list_tags(storage)]
+    state = "is incomplete (no 'done' marker: the save was interrupted)" if storage.exists(tag) else "does not exist"
+    raise CheckpointNotFoundError(
+        f"checkpoint tag {tag!r} in {storage.url} {state}; complete tags: {', '.join(complete) or 'none'}"
+    )
+
+
+def tags_to_delete(tags: list[TagInfo], keep: int, protect: set[str] = frozenset()) -> list[str]:
+    """Retention policy (pure): complete tags beyond the newest ``keep``, oldest first, then incomplete tags
+    older than the oldest kept complete one. Tags in ``protect`` (saves in flight) are never chosen."""
+    if keep < 1:
+        raise ValueError(f"num_kept_ckpts must be >= 1, got {keep}")
+    ordered = sorted(tags, key=lambda i: i.sort_key)
+    complete = [t for t in ordered if t.complete]
+    doomed = [t.name for t in complete[: max(0, len(complete) - keep)]]
+    kept = complete[-keep:] if complete else []
+    if kept:
+        oldest_kept = kept[0].sort_key
+        doomed += [t.name for t in ordered if not t.complete and t.sort_key < oldest_kept]
+    return [name for name in doomed if name not in protect]
+
+
+def delete_tag(storage: Storage, tag: str) -> None:
+    """Delete one tag: ``done`` first (so it stops counting as complete), then everything else."""
+    storage.delete(layout.tag_path(tag, layout.DONE_MARKER))
+    storage.sync_dirs([layout.validate_tag(tag)])
+    storage.delete_tree(tag)
+
+
+def apply_retention(storage: Storage, keep: int, protect: set[str] = frozenset()) -> list[str]:
+    """Delete what the retention policy selects; return the deleted tags. One failed deletion is logged."""
+    deleted = []
+    for name in tags_to_delete(list_tags(storage, include_incomplete=True), keep, protect):
+        try:
+            delete_tag(storage, name)
+            deleted.append(name)
+        except Exception as e:  # noqa: BLE001 - retention must not fail the save that triggered it
+            logger.warning("retention could not delete checkpoint %s in %s: %s", name, storage.url, e)
+    return deleted

@@ -1,0 +1,161 @@
+"""Run a plain (pytest) function on N spawned ranks with a real gloo process group.
+
+    @run_with_ranks(4)
+    def test_dp4(tmp_path):
+        ...  # runs on 4 processes; torch.distributed is initialised (gloo), rank from dist.get_rank()
+
+The decorated function is re-imported by module and name in each child (spawn, as on a real cluster), so it
+must live at module level. Each rank's exception and traceback is reported by the parent.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+_RANK_ENV = "NXD_CKPT_TEST_RANK"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(
+    module: str,
+    qualname: str,
+    rank: int,
+    world_size: int,
+    port: int,
+    kwargs: dict[str, Any],
+    results: Any,
+    sys_path: list[str],
+    extra_env: dict[str, str],
+) -> None:
+    sys.path[:] = sys_path
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            _RANK_ENV: str(rank),
+            **extra_env,
+        }
+    )
+    try:
+        import datetime
+
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=120),
+        )
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        fn = getattr(obj, "__rank_fn__", obj)
+        fn(**kwargs)
+        results.put((rank, None))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, traceback.format_exc()))
+    finally:
+        try:
+            import nxd_ckpt
+
+            nxd_ckpt.reset_manager()
+        except BaseException:  # noqa: BLE001
+            pass
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except BaseException:  # noqa: BLE001
+            pass
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = 240.0,
+    env: dict[str, str] | None = None,
+) -> None:
+    """Run module-level function ``fn(**kwargs)`` on ``world_size`` spawned gloo ranks; raise if any failed."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    module, qualname = fn.__module__, fn.__qualname__
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(module, qualname, r, world_size, port, kwargs or {}, results, list(sys.path), env or {}),
+            name=f"rank{r}",
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    failures: dict[int, str] = {}
+    reported: set[int] = set()
+    deadline, shortened = time.monotonic() + timeout, False
+    while len(reported) < world_size:
+        try:
+            rank, err = results.get(timeout=0.5)
+            reported.add(rank)
+            if err is not None:
+                failures[rank] = err
+        except queue.Empty:
+            dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in reported]
+            if dead and all(not p.is_alive() for p in procs):
+                for i in dead:
+                    failures[i] = f"rank {i} exited with code {procs[i].exitcode} without reporting"
+                break
+            if time.monotonic() > deadline:
+                for i in range(world_size):
+                    if i not in reported:
+                        failures[i] = f"rank {i} timed out after {timeout:.0f} s"
+                break
+        if failures and not shortened:  # one rank failed: the others get 20 s to report, not the full timeout
+            deadline, shortened = min(deadline, time.monotonic() + 20), True
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if failures:
+        details = "\n".join(f"--- rank {r} ---\n{msg}" for r, msg in sorted(failures.items()))
+        raise AssertionError(f"{len(failures)} of {world_size} ranks failed:\n{details}")
+
+
+def run_with_ranks(world_size: int, timeout: float = 240.0, env: dict[str, str] | None = None) -> Callable:
+    """Decorator form of ``run_on_ranks`` for plain pytest functions (fixtures arrive as keyword arguments)."""
+
+    def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> None:
+            if args:
+                raise TypeError("run_with_ranks functions take keyword arguments (pytest fixtures) only")
+            run_on_ranks(wrapper, world_size, kwargs, timeout=timeout, env=env)
+
+        wrapper.__rank_fn__ = fn  # type: ignore[attr-defined]
+        return wrapper
+
+    return decorator

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Create (or reuse) a virtual environment for one test lane and print its python path on the last line.
+#   cpu: torch 2.13 CPU build + nxd_ckpt[test,s3]        xla: torch 2.9.0 + torch-xla 2.9.0 + nxd_ckpt[test,s3]
+# Environments live outside the clone (NXD_CKPT_ENV_DIR, default ~/.cache/nxd-ckpt/envs) and are rebuilt only
+# when pyproject.toml or this script changes, so repeated CI runs on one machine skip the set-up.
+set -euo pipefail
+lane="${1:-cpu}"
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+env_dir="${NXD_CKPT_ENV_DIR:-$HOME/.cache/nxd-ckpt/envs}/$lane"
+case "$lane" in
+  cpu) torch_pins=(torch==2.13.0) ;;
+  xla) torch_pins=(torch==2.9.0 torch-xla==2.9.0) ;;
+  *) echo "setup_env.sh: unknown lane '$lane' (expected cpu or xla)" >&2; exit 2 ;;
+esac
+stamp_src="$(cat "$root/pyproject.toml" "$root/scripts/setup_env.sh" | sha256sum | cut -c1-16)"
+stamp_file="$env_dir/.nxd_ckpt_stamp"
+if [ -x "$env_dir/bin/python" ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp_src" ]; then
+  echo "[setup] $lane environment up to date: $env_dir" >&2
+else
+  echo "[setup] building the $lane environment in $env_dir (first run or dependencies changed) ..." >&2
+  start=$(date +%s)
+  python3 -m venv "$env_dir"
+  "$env_dir/bin/python" -m pip install -q --upgrade pip >&2
+  # torch first and pinned, so nothing later can pull another (CUDA) build through a version range.
+  "$env_dir/bin/python" -m pip install -q "${torch_pins[@]}" >&2
+  "$env_dir/bin/python" -m pip install -q "${torch_pins[@]}" -e "$root[test,s3]" >&2
+  echo "$stamp_src" > "$stamp_file"
+  echo "[setup] $lane environment ready in $(( $(date +%s) - start )) s" >&2
+fi
+# The package itself is installed editable; make sure this clone is the one on the path.
+if ! "$env_dir/bin/python" -c "import nxd_ckpt, os, sys; sys.exit(0 if os.path.realpath(nxd_ckpt.__path__[0]).startswith(os.path.realpath('$root')) else 1)" 2>/dev/null; then
+  "$env_dir/bin/python" -m pip install -q --no-deps -e "$root" >&2
+fi
+echo "$env_dir/bin/python"
