@@ -291,6 +291,12 @@ class CheckpointManager:
             summary = "; ".join(errors[r] for r in sorted(errors)) if errors else None
             if commit_error is not None:
                 summary = f"rank 0 could not commit: {format_exception(commit_error)}"
+            if summary is None and ctx.num_kept_ckpts is not None:
+                # After 'done' (the commit), before the outcome, so a synchronous save returns on every rank
+                # with retention applied; apply_retention never raises.
+                deleted = tags.apply_retention(ctx.storage, ctx.num_kept_ckpts, protect={ctx.tag})
+                if deleted:
+                    logger.info("retention deleted %s", ", ".join(deleted))
             barrier.publish_outcome(summary)
             if error is not None:
                 raise error
@@ -299,10 +305,6 @@ class CheckpointManager:
             if summary is not None:
                 raise CheckpointError(f"checkpoint {ctx.tag!r} was not completed: {summary}")
             report.completed = True
-            if ctx.num_kept_ckpts is not None:
-                deleted = tags.apply_retention(ctx.storage, ctx.num_kept_ckpts, protect={ctx.tag})
-                if deleted:
-                    logger.info("retention deleted %s", ", ".join(deleted))
         else:
             if error is not None:
                 raise error

@@ -1,0 +1,94 @@
+"""Complete tags, latest, and the retention policy."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import pytest
+
+from nxd_ckpt import tags
+from nxd_ckpt.errors import CheckpointNotFoundError
+from nxd_ckpt.storage import LocalStorage
+
+
+def _make_tag(root, name, *, done=True, created_at=None, mtime=None):
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "checkpoint").write_text("1")
+    if created_at is not None:
+        (d / "nxd_ckpt.json").write_text(json.dumps({"created_at": created_at}))
+    if done:
+        (d / "done").write_text("1")
+    if mtime is not None:
+        for f in d.iterdir():
+            os.utime(f, (mtime, mtime))
+
+
+def test_latest_follows_recorded_creation_time_not_file_times(tmp_path):
+    _make_tag(tmp_path, "step_10", created_at=100.0)
+    _make_tag(tmp_path, "step_9", created_at=200.0)  # newer despite the smaller number
+    s = LocalStorage(tmp_path)
+    assert tags.latest_tag(s) == "step_9"
+    # Copying the directory (new mtimes everywhere) must not change the answer.
+    time.sleep(0.01)
+    shutil.copytree(tmp_path, tmp_path.parent / "copy")
+    os.utime(tmp_path.parent / "copy" / "step_10" / "done")
+    assert tags.latest_tag(LocalStorage(tmp_path.parent / "copy")) == "step_9"
+
+
+def test_nxd_written_tags_are_ordered_by_done_mtime(tmp_path):
+    _make_tag(tmp_path, "b", mtime=2000)
+    _make_tag(tmp_path, "a", mtime=3000)
+    _make_tag(tmp_path, "c", done=False, mtime=4000)
+    s = LocalStorage(tmp_path)
+    assert [t.name for t in tags.list_tags(s)] == ["b", "a"]
+    assert [t.name for t in tags.list_tags(s, include_incomplete=True)] == ["b", "a", "c"]
+    assert tags.latest_tag(s) == "a"
+
+
+def test_directories_that_are_not_checkpoints_are_ignored(tmp_path):
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "notes.txt").write_text("x")
+    assert tags.list_tags(LocalStorage(tmp_path), include_incomplete=True) == []
+
+
+def test_resolve_errors_name_what_exists(tmp_path):
+    s = LocalStorage(tmp_path)
+    with pytest.raises(CheckpointNotFoundError, match="no complete checkpoint"):
+        tags.resolve_tag(s, None)
+    _make_tag(tmp_path, "step_1", created_at=1.0)
+    _make_tag(tmp_path, "step_2", created_at=2.0, done=False)
+    with pytest.raises(CheckpointNotFoundError, match=r"'step_5' .* does not exist; complete tags: step_1"):
+        tags.resolve_tag(s, "step_5")
+    with pytest.raises(CheckpointNotFoundError, match="'step_2' .* is incomplete"):
+        tags.resolve_tag(s, "step_2")
+    assert tags.resolve_tag(s, None) == "step_1"
+
+
+def test_retention_policy_keeps_newest_n_and_drops_stale_incomplete():
+    def info(name, t, complete=True):
+        return tags.TagInfo(name=name, complete=complete, order_time=t, metadata=None)
+
+    all_tags = [info("s1", 1), info("s2", 2), info("x", 2.5, False), info("s3", 3), info("s4", 4), info("n", 5, False)]
+    assert tags.tags_to_delete(all_tags, keep=2) == ["s1", "s2", "x"]
+    assert tags.tags_to_delete(all_tags, keep=10) == []
+    assert tags.tags_to_delete(all_tags, keep=2, protect={"s1"}) == ["s2", "x"]
+    with pytest.raises(ValueError, match="num_kept_ckpts"):
+        tags.tags_to_delete(all_tags, keep=0)
+
+
+def test_delete_removes_done_first(tmp_path):
+    _make_tag(tmp_path, "s1", created_at=1.0)
+    s = LocalStorage(tmp_path)
+
+    class CrashAfterDone(LocalStorage):
+        def delete_tree(self, path):
+            raise OSError("power loss")
+
+    with pytest.raises(OSError):
+        tags.delete_tag(CrashAfterDone(tmp_path), "s1")
+    assert tags.list_tags(s) == []  # no longer looks complete
+    assert [t.name for t in tags.list_tags(s, include_incomplete=True)] == ["s1"]
