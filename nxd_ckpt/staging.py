@@ -3,11 +3,22 @@
 XLA tensors are materialised with one sync for the whole tree and moved in bulk transfers; CPU tensors are
 copied only when the snapshot must outlive the call (async saves), because ``state_dict()`` returns live
 references that the optimizer updates in place.
+
+Async saves stage through a ``StagingPool`` (the role of DCP's ``AsyncStager.stage``): CPU tensors are copied
+into host buffers kept from the previous save, matched by the tensor's position in the save and its shape and
+dtype, so a steady training loop allocates (and first-touches) its staging memory once, not on every save.
+At most ``max_sets`` buffer sets exist (a save being written plus the one being staged); ``clear`` gives the
+memory back. Transfers from an XLA device already produce private host tensors (torch_xla has no transfer
+into a caller's buffer), so those are used as the snapshot directly instead of being copied a second time.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,8 +56,143 @@ def _bulk_to_cpu(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     out: dict[int, torch.Tensor] = {}
     if xla_tensors and xla is not None:
         cpu = xla._XLAC._xla_get_cpu_tensors(xla_tensors)
-        out.update({id(t): c for t, c in zip(xla_tensors, cpu)})
+        out.update({id(t): c for t, c in zip(xla_tensors, cpu, strict=True)})
     for t in tensors:
         if id(t) not in out:
             out[id(t)] = t.detach().to("cpu")
     return out
+
+
+def _copyable(t: torch.Tensor) -> bool:
+    """Dense CPU tensors are copied into pooled buffers; anything else (sparse, quantized...) is cloned."""
+    return t.layout == torch.strided and not t.is_quantized
+
+
+@dataclass
+class _BufferSet:
+    """Host buffers of one staged save; ``buffers[i]`` holds the i-th distinct CPU tensor of that save."""
+
+    generation: int
+    buffers: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+
+@dataclass
+class StagedState:
+    """The training-safe host copy of one save's trees; ``release`` hands its buffers back to the pool."""
+
+    trees: list[Any]
+    nbytes: int
+    """Bytes of tensor data in the snapshot (each distinct tensor once)."""
+    allocated_bytes: int
+    """Bytes of host memory newly allocated by this staging (0 when every buffer was reused)."""
+    copy_s: float
+    _pool: StagingPool | None = field(default=None, repr=False)
+    _set: _BufferSet | None = field(default=None, repr=False)
+
+    def release(self) -> None:
+        """Hand the buffers back to the pool once the files are written; the trees are invalid after."""
+        pool, buffer_set, self._pool, self._set = self._pool, self._set, None, None
+        if pool is not None and buffer_set is not None:
+            pool._give_back(buffer_set)
+
+
+def _copy_into(buffer_set: _BufferSet, tensors: list[torch.Tensor], staged: dict[int, torch.Tensor]) -> int:
+    """Copy ``tensors`` into ``buffer_set`` (position i -> buffer i), replacing buffers whose shape or dtype
+    changed; record each copy in ``staged`` by the source's id; return the bytes newly allocated."""
+    allocated = 0
+    buffers = buffer_set.buffers
+    with torch.no_grad():
+        for i, t in enumerate(tensors):
+            buf = buffers[i] if i < len(buffers) else None
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = torch.empty(t.shape, dtype=t.dtype)
+                allocated += buf.numel() * buf.element_size()
+                if i < len(buffers):
+                    buffers[i] = buf
+                else:
+                    buffers.append(buf)
+            buf.copy_(t.detach())
+            staged[id(t)] = buf
+    del buffers[len(tensors) :]
+    return allocated
+
+
+class StagingPool:
+    """Reusable host staging memory for async saves, bounded to ``max_sets`` sets of buffers.
+
+    ``stage`` blocks while all sets are lent out (a save is being written and another is already staged),
+    which bounds staging memory to ``max_sets`` times the rank's state.
+    """
+
+    def __init__(self, max_sets: int = 2) -> None:
+        if max_sets < 1:
+            raise ValueError(f"max_sets must be >= 1, got {max_sets}")
+        self.max_sets = max_sets
+        self._cond = threading.Condition()
+        self._free: list[_BufferSet] = []
+        self._lent = 0
+        self._generation = 0
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of host memory in free (reusable) buffer sets."""
+        with self._cond:
+            return sum(s.nbytes for s in self._free)
+
+    def stage(self, trees: Sequence[Any], timeout: float | None = None) -> StagedState:
+        """Copy ``trees`` to host memory no later training step can modify; same structure, host tensors.
+
+        A tensor object that appears several times (tied weights) is staged once and stays shared.
+        """
+        unique: dict[int, torch.Tensor] = {}
+        for tree in trees:
+            for _, t in iter_tensors(tree):
+                unique.setdefault(id(t), t)
+        device = [t for t in unique.values() if t.device.type != "cpu"]
+        host_cpu = [t for t in unique.values() if t.device.type == "cpu" and _copyable(t)]
+        start = time.perf_counter()
+        staged: dict[int, torch.Tensor] = _bulk_to_cpu(device) if device else {}
+        buffer_set = self._acquire(timeout) if host_cpu else None
+        allocated = 0
+        if buffer_set is not None:
+            try:
+                allocated = _copy_into(buffer_set, host_cpu, staged)
+            except BaseException:
+                self._give_back(buffer_set)
+                raise
+        for t in unique.values():
+            if id(t) not in staged:
+                staged[id(t)] = t.detach().clone()
+        copy_s = time.perf_counter() - start
+        out = [map_tensors(tree, lambda t: staged[id(t)]) for tree in trees]
+        nbytes = sum(t.numel() * t.element_size() for t in staged.values())
+        return StagedState(out, nbytes, allocated, copy_s, _pool=self, _set=buffer_set)
+
+    def clear(self) -> None:
+        """Free every buffer; sets still lent out are dropped when they come back."""
+        with self._cond:
+            self._free.clear()
+            self._generation += 1
+
+    def _acquire(self, timeout: float | None) -> _BufferSet:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._free or self._lent < self.max_sets, timeout):
+                raise TimeoutError(
+                    f"all {self.max_sets} staging buffer sets are still in use after {timeout} s: "
+                    "the previous saves are still being written"
+                )
+            self._lent += 1
+            if self._free:
+                return self._free.pop()
+            return _BufferSet(generation=self._generation)
+
+    def _give_back(self, buffer_set: _BufferSet) -> None:
+        with self._cond:
+            self._lent -= 1
+            if buffer_set.generation == self._generation:
+                self._free.append(buffer_set)
+            self._cond.notify_all()

@@ -1,0 +1,167 @@
+"""AsyncWriter: one named background thread that runs checkpoint write jobs in order, and keeps their errors.
+
+Modelled on orbax's ``_AsyncManager`` (one thread, ``check_for_errors`` raises once, ``wait_until_finished``)
+and DCP's single-worker executor (``submit`` returns a ``Future``). Jobs run strictly first in, first out, so
+a save's commit and its retention deletions always follow its own writes and precede the next save's writes.
+
+Jobs must not issue collectives: they run while the training thread may be inside one. Cross-rank
+coordination from a job goes through the c10d store only (see ``commit.py``).
+
+A failed job does not stop the queue: later jobs still run (a retention job is independent of the next
+save). The first unreported error is raised, once, by ``check_for_errors`` as an ``AsyncSaveError`` whose
+``__cause__`` is the original exception; errors of further failed jobs are logged and counted in its message.
+The thread is a daemon so a forgotten writer cannot hang the interpreter, and an ``atexit`` hook waits for
+pending jobs instead, so interpreter exit never cuts a checkpoint short.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .dist import format_exception
+from .errors import AsyncSaveError
+
+logger = logging.getLogger("nxd_ckpt")
+
+T = TypeVar("T")
+
+THREAD_NAME = "nxd_ckpt_writer"
+
+
+@dataclass
+class _Job:
+    name: str
+    fn: Callable[[], Any]
+    future: Future
+
+
+class AsyncWriter:
+    """A FIFO of background jobs on one named thread, with deferred error reporting.
+
+    >>> writer = AsyncWriter()
+    >>> fut = writer.submit(lambda: 1 + 1, name="demo")
+    >>> writer.wait_until_finished()  # doctest: +SKIP
+    >>> writer.check_for_errors()  # raises AsyncSaveError if a job failed
+    """
+
+    def __init__(self, name: str = THREAD_NAME) -> None:
+        self.name = name
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._unfinished = 0
+        self._errors: list[tuple[str, BaseException]] = []
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        ref = weakref.ref(self)
+        self._atexit_hook = lambda: _wait_at_exit(ref)
+        atexit.register(self._atexit_hook)
+
+    # ------------------------------------------------------------------ submitting
+    def submit(self, fn: Callable[[], T], name: str) -> Future[T]:
+        """Queue ``fn`` to run after every job submitted before it; return its Future."""
+        job = _Job(name=name, fn=fn, future=Future())
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"the checkpoint writer is closed; cannot run {name!r}")
+            self._unfinished += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+        self._queue.put(job)
+        return job.future
+
+    @property
+    def pending(self) -> int:
+        """Jobs queued or running."""
+        with self._lock:
+            return self._unfinished
+
+    # ------------------------------------------------------------------ waiting and errors
+    def wait_until_finished(self, timeout: float | None = None) -> float:
+        """Block until every submitted job has run; return the seconds waited. Does not raise job errors."""
+        start = time.perf_counter()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._idle:
+            while self._unfinished:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(
+                        f"{self._unfinished} checkpoint job(s) still running after {timeout} s"
+                    )
+                self._idle.wait(remaining)
+        return time.perf_counter() - start
+
+    def check_for_errors(self) -> None:
+        """Raise (once) the first error of a job that failed since the last call, chained as ``__cause__``."""
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if not errors:
+            return
+        name, first = errors[0]
+        more = f" (and {len(errors) - 1} later job(s) failed too; see the log)" if len(errors) > 1 else ""
+        raise AsyncSaveError(
+            f"background checkpoint job {name!r} failed: {format_exception(first)}{more}"
+        ) from first
+
+    def close(self) -> None:
+        """Wait for pending jobs, then stop the thread. Errors stay available to ``check_for_errors``."""
+        self.wait_until_finished()
+        with self._lock:
+            self._closed = True
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+        atexit.unregister(self._atexit_hook)
+
+    def __del__(self) -> None:
+        if getattr(self, "_unfinished", 0) and not getattr(self, "_closed", True):
+            logger.warning("AsyncWriter dropped with %d checkpoint job(s) still pending", self._unfinished)
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if job.future.set_running_or_notify_cancel():
+                try:
+                    job.future.set_result(job.fn())
+                except BaseException as e:
+                    logger.error(
+                        "background checkpoint job %r failed (raised by the next save or finalize): %s",
+                        job.name,
+                        format_exception(e),
+                    )
+                    with self._lock:
+                        self._errors.append((job.name, e))
+                    job.future.set_exception(e)
+            del job  # drop references to staged state before idling
+            with self._idle:
+                self._unfinished -= 1
+                if self._unfinished == 0:
+                    self._idle.notify_all()
+
+
+def _wait_at_exit(ref: weakref.ReferenceType[AsyncWriter]) -> None:
+    """atexit: let pending checkpoint jobs finish; report errors nobody collected."""
+    writer = ref()
+    if writer is None:
+        return
+    if writer.pending:
+        logger.info("waiting for %d pending checkpoint job(s) before exiting", writer.pending)
+    writer.wait_until_finished()
+    with writer._lock:
+        errors = list(writer._errors)
+    for name, error in errors:
+        logger.error("checkpoint job %r failed and was never reported: %s", name, format_exception(error))
