@@ -109,8 +109,7 @@ def check_model_state(expected: dict, saved: Any, *, strict: bool, source: str) 
         if unexpected:
             parts.append(f"unexpected keys {_short(unexpected)}")
         raise StateMismatchError(
-            f"{source} does not match the model: {'; '.join(parts)}. "
-            "Pass strict=False to load only the matching keys."
+            f"{source} does not match the model: {'; '.join(parts)}. Pass strict=False to load only the matching keys."
         )
     bad = []
     for key, value in expected.items():

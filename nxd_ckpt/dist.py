@@ -92,7 +92,7 @@ class Coordinator:
         result: Any = None
         try:
             result = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised below after telling the other ranks
+        except BaseException as e:
             error = e
         if self.distributed:
             report = None if error is None else f"{type(error).__name__}: {error}"
@@ -104,9 +104,7 @@ class Coordinator:
             raise error
         if failed:
             first = min(failed)
-            raise RemoteRankError(
-                f"{what} failed on rank(s) {sorted(failed)}; rank {first}: {failed[first]}"
-            )
+            raise RemoteRankError(f"{what} failed on rank(s) {sorted(failed)}; rank {first}: {failed[first]}")
         return result  # type: ignore[no-any-return]
 
     def in_waves(self, limit: int, local_rank: int, local_world_size: int, fn: Callable[[], T], what: str) -> T:
@@ -120,7 +118,7 @@ class Coordinator:
             if wave == my_wave or not self.distributed:
                 try:
                     result = fn()
-                except BaseException as e:  # noqa: BLE001
+                except BaseException as e:
                     error = e
             if self.distributed and waves > 1:
                 self.barrier()

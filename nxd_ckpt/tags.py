@@ -132,6 +132,6 @@ def apply_retention(storage: Storage, keep: int, protect: set[str] = frozenset()
         try:
             delete_tag(storage, name)
             deleted.append(name)
-        except Exception as e:  # noqa: BLE001 - retention must not fail the save that triggered it
+        except Exception as e:
             logger.warning("retention could not delete checkpoint %s in %s: %s", name, storage.url, e)
     return deleted

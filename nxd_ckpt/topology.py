@@ -48,7 +48,11 @@ class Topology:
 
     def coords_of(self, rank: int) -> tuple[int, int, int]:
         """(pp, dp, tp) of a global rank."""
-        return rank // (self.tp_size * self.dp_size), (rank // self.tp_size) % self.dp_size, rank % self.tp_size
+        return (
+            rank // (self.tp_size * self.dp_size),
+            (rank // self.tp_size) % self.dp_size,
+            rank % self.tp_size,
+        )
 
     def rank_of(self, pp: int, dp: int, tp: int) -> int:
         """Global rank at grid coordinates (pp, dp, tp)."""

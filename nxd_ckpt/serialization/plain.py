@@ -44,7 +44,7 @@ def load(f: IO[bytes], *, what: str, trusted: bool = False) -> Any:
         with torch.serialization.safe_globals(list(_extra_safe_globals)):
             return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        if trusted or "weights_only" not in str(e) and "Unsupported global" not in str(e):
+        if trusted or ("weights_only" not in str(e) and "Unsupported global" not in str(e)):
             raise FormatError(f"{what} is not a readable torch.save file: {_first_line(e)}") from e
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
         name = found.group(1) if found else "an object that is not a tensor or plain Python value"

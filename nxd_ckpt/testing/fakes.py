@@ -57,7 +57,9 @@ def assert_state_equal(a: Any, b: Any, path: str = "") -> None:
     """Bit-exact equality of two nested states (tensors compared by dtype, shape and bytes)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), f"{path}: {type(a)} vs {type(b)}"
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        )
         assert torch.equal(a.detach().cpu(), b.detach().cpu()), f"{path}: tensor values differ"
     elif isinstance(a, dict):
         assert isinstance(b, dict) and list(a.keys()) == list(b.keys()), f"{path}: keys {list(a)} vs {list(b)}"
@@ -65,7 +67,7 @@ def assert_state_equal(a: Any, b: Any, path: str = "") -> None:
             assert_state_equal(a[k], b[k], f"{path}/{k}")
     elif isinstance(a, (list, tuple)):
         assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{path}: {a!r} vs {b!r}"
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_state_equal(x, y, f"{path}/{i}")
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"

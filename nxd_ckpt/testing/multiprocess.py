@@ -73,21 +73,21 @@ def _rank_main(
         fn = getattr(obj, "__rank_fn__", obj)
         fn(**kwargs)
         results.put((rank, None))
-    except BaseException:  # noqa: BLE001 - reported to the parent
+    except BaseException:
         results.put((rank, traceback.format_exc()))
     finally:
         try:
             import nxd_ckpt
 
             nxd_ckpt.reset_manager()
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             pass
         try:
             import torch.distributed as dist
 
             if dist.is_initialized():
                 dist.destroy_process_group()
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             pass
 
 

@@ -72,7 +72,14 @@ def test_retention_policy_keeps_newest_n_and_drops_stale_incomplete():
     def info(name, t, complete=True):
         return tags.TagInfo(name=name, complete=complete, order_time=t, metadata=None)
 
-    all_tags = [info("s1", 1), info("s2", 2), info("x", 2.5, False), info("s3", 3), info("s4", 4), info("n", 5, False)]
+    all_tags = [
+        info("s1", 1),
+        info("s2", 2),
+        info("x", 2.5, False),
+        info("s3", 3),
+        info("s4", 4),
+        info("n", 5, False),
+    ]
     assert tags.tags_to_delete(all_tags, keep=2) == ["s1", "s2", "x"]
     assert tags.tags_to_delete(all_tags, keep=10) == []
     assert tags.tags_to_delete(all_tags, keep=2, protect={"s1"}) == ["s2", "x"]
