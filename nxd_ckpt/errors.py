@@ -45,3 +45,7 @@ class AsyncSaveError(CheckpointError):
 
 class RemoteRankError(CheckpointError):
     """Another rank failed during a collective checkpoint step; its message is included."""
+
+
+class DeviceUnavailableError(CheckpointError, RuntimeError):
+    """A device was asked for (e.g. ``xla``) whose runtime is not installed in this environment."""

@@ -14,7 +14,6 @@ into a caller's buffer), so those are used as the snapshot directly instead of b
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -23,12 +22,8 @@ from typing import Any
 
 import torch
 
+from . import xla
 from .tree import iter_tensors, map_tensors
-
-
-def _torch_xla() -> Any | None:
-    """torch_xla if the program already imported it (a state can only hold XLA tensors then)."""
-    return sys.modules.get("torch_xla")
 
 
 def has_device_tensors(tree: Any) -> bool:
@@ -51,11 +46,11 @@ def to_host(tree: Any, *, copy: bool) -> Any:
 
 
 def _bulk_to_cpu(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-    xla = _torch_xla()
+    """Host copies by source id: XLA tensors with one sync and batched bulk transfers (``xla.to_cpu``)."""
     xla_tensors = [t for t in tensors if t.device.type == "xla"]
     out: dict[int, torch.Tensor] = {}
-    if xla_tensors and xla is not None:
-        cpu = xla._XLAC._xla_get_cpu_tensors(xla_tensors)
+    if xla_tensors:
+        cpu = xla.to_cpu(xla_tensors)
         out.update({id(t): c for t, c in zip(xla_tensors, cpu, strict=True)})
     for t in tensors:
         if id(t) not in out:

@@ -1,0 +1,222 @@
+"""The torch_xla seam: detection without importing it, one sync for many tensors, bulk device<->host moves.
+
+torch_xla is only imported when the program already did (a state can hold XLA tensors only then) or when a
+caller explicitly asks for an XLA device. Device->host moves materialise all pending graphs of the given
+tensors with ONE ``_xla_sync_multi`` and then fetch them with ``_xla_get_cpu_tensors`` in batches of at most
+``batch_bytes`` (measured 1.3-1.5x faster than per-tensor ``.cpu()``, and the batch bounds the transient host
+memory of one transfer). XLA tensors never reach ``torch.distributed``: callers exchange the CPU results.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from .errors import DeviceUnavailableError
+from .tree import iter_tensors, map_tensors
+
+BATCH_BYTES_ENV = "NXD_CKPT_XLA_TRANSFER_BATCH_BYTES"
+DEFAULT_BATCH_BYTES = 256 << 20  # 4 x 256 MiB beat 1 x 1 GiB on XLA:CPU (0.86 s vs 1.08 s)
+
+
+def loaded() -> ModuleType | None:
+    """torch_xla if this process already imported it, else None (never imports it)."""
+    return sys.modules.get("torch_xla")
+
+
+def available() -> bool:
+    """Whether torch_xla is imported or importable, checked without importing it."""
+    return loaded() is not None or importlib.util.find_spec("torch_xla") is not None
+
+
+def require(reason: str) -> ModuleType:
+    """Import torch_xla because ``reason`` explicitly needs it; raise a clear error when it is missing."""
+    module = loaded()
+    if module is not None:
+        return module
+    try:
+        return importlib.import_module("torch_xla")
+    except ImportError as e:
+        raise DeviceUnavailableError(
+            f"{reason} needs torch_xla, which is not installed in this environment ({e}). Install torch-xla "
+            "built for this torch version (e.g. torch==2.9.0 with torch-xla==2.9.0), or load onto the CPU "
+            "(device=None or 'cpu'); checkpoints of XLA tensors load as CPU tensors without torch_xla."
+        ) from e
+
+
+def resolve_device(device: str | torch.device | None, what: str = "device") -> torch.device | None:
+    """Validate a requested device; an XLA device imports torch_xla (clear error if it is missing)."""
+    if device is None:
+        return None
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{what}={device!r} is not a valid torch device: {e}") from e
+    if resolved.type == "xla":
+        xla = require(f"{what}={str(device)!r}")
+        if resolved.index is None:
+            resolved = torch.device(xla.device())
+    return resolved
+
+
+def is_xla(t: torch.Tensor) -> bool:
+    return t.device.type == "xla"
+
+
+def batch_bytes_from_env() -> int:
+    """The transfer batch budget in bytes (NXD_CKPT_XLA_TRANSFER_BATCH_BYTES, default 256 MiB)."""
+    raw = os.environ.get(BATCH_BYTES_ENV)
+    if raw is None:
+        return DEFAULT_BATCH_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{BATCH_BYTES_ENV}={raw!r} must be a positive integer number of bytes")
+    return value
+
+
+def plan_batches(sizes: Sequence[int], budget: int) -> list[list[int]]:
+    """Group indices (in order) so each group's total stays within ``budget``; a bigger item goes alone."""
+    if budget < 1:
+        raise ValueError(f"transfer batch budget must be >= 1 byte, got {budget}")
+    batches: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, size in enumerate(sizes):
+        if current and used + size > budget:
+            batches.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += size
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def sync(tensors: Sequence[torch.Tensor]) -> None:
+    """Materialise the pending graphs of all XLA ``tensors`` with one execution and wait for it."""
+    xla_tensors = [t for t in tensors if is_xla(t)]
+    if not xla_tensors:
+        return
+    xla = require("materialising XLA tensors")
+    xla._XLAC._xla_sync_multi(xla_tensors, devices=[], wait=True, sync_xla_data=False)
+
+
+def iter_to_cpu(
+    tensors: Sequence[torch.Tensor], batch_bytes: int | None = None, *, synced: bool = False
+) -> Iterator[tuple[list[int], list[torch.Tensor]]]:
+    """Yield ``(indices, cpu_tensors)`` batch by batch, after one sync for all of ``tensors`` (all XLA).
+
+    Consumers that drop each batch once used keep at most one batch in host memory. The CPU tensors are
+    fresh memory: later training steps cannot change them. ``synced`` skips the sync (already done).
+    """
+    if not tensors:
+        return
+    if not all(is_xla(t) for t in tensors):
+        raise ValueError("iter_to_cpu takes XLA tensors only; move other devices with .to('cpu')")
+    xla = require("copying XLA tensors to the host")
+    detached = [t.detach() for t in tensors]
+    if not synced:
+        sync(detached)
+    budget = batch_bytes if batch_bytes is not None else batch_bytes_from_env()
+    for batch in plan_batches([_nbytes(t) for t in detached], budget):
+        yield batch, list(xla._XLAC._xla_get_cpu_tensors([detached[i] for i in batch]))
+
+
+def to_cpu(tensors: Sequence[torch.Tensor], batch_bytes: int | None = None) -> list[torch.Tensor]:
+    """CPU copies of XLA ``tensors`` (same order): one sync, then bulk transfers of at most ``batch_bytes``."""
+    return _collect(len(tensors), iter_to_cpu(tensors, batch_bytes))
+
+
+def _collect(n: int, batches: Iterator[tuple[list[int], list[torch.Tensor]]]) -> list[torch.Tensor]:
+    """Reassemble per-batch results into one list in the original order."""
+    out: list[torch.Tensor | None] = [None] * n
+    for batch, results in batches:
+        for i, t in zip(batch, results, strict=True):
+            out[i] = t
+    return out  # type: ignore[return-value]
+
+
+def to_device(
+    tensors: Sequence[torch.Tensor], device: torch.device, batch_bytes: int | None = None
+) -> list[torch.Tensor]:
+    """Copies of CPU ``tensors`` on ``device``; XLA placement uses bulk host->device transfers in batches."""
+    if device.type != "xla":
+        return [t.to(device) for t in tensors]
+    xla = require(f"placing tensors on {device}")
+    budget = batch_bytes if batch_bytes is not None else batch_bytes_from_env()
+    cpu = [t.detach().to("cpu") for t in tensors]
+    batches = plan_batches([_nbytes(t) for t in cpu], budget)
+    return _collect(
+        len(cpu),
+        ((b, xla._XLAC._xla_tensors_from_aten([cpu[i] for i in b], [str(device)] * len(b))) for b in batches),
+    )
+
+
+def place_tree(tree: Any, device: torch.device) -> Any:
+    """A copy of ``tree`` with every tensor on ``device`` (shared tensors stay shared); bulk for XLA."""
+
+    unique: dict[int, torch.Tensor] = {}
+    for _, t in iter_tensors(tree):
+        if t.device != device:
+            unique.setdefault(id(t), t)
+    if not unique:
+        return tree
+    keys = list(unique)
+    placed = dict(zip(keys, to_device([unique[k] for k in keys], device), strict=True))
+    return map_tensors(tree, lambda t: placed.get(id(t), t))
+
+
+def tree_device(tree: Any) -> torch.device | None:
+    """The XLA device every XLA tensor of ``tree`` lives on, or None when it holds no XLA tensor."""
+    devices = {t.device for _, t in iter_tensors(tree) if is_xla(t)}
+    if len(devices) > 1:
+        raise ValueError(f"state spans several XLA devices {sorted(map(str, devices))}; expected one")
+    return next(iter(devices), None)
+
+
+def sync_tree(tree: Any) -> None:
+    """One sync for every XLA tensor in ``tree`` (e.g. after loading state into a model on the device)."""
+    sync([t for _, t in iter_tensors(tree) if is_xla(t)])
+
+
+class DeviceSnapshot:
+    """On-device copies of XLA tensors taken under one sync; ``to_cpu`` may then run on another thread.
+
+    The copies are new device buffers that training never writes to (in-place updates and buffer donation
+    touch only the originals), so the host transfer can overlap training. It costs one extra device copy of
+    the state until ``to_cpu`` returns (then ``release`` drops it).
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        if not all(is_xla(t) for t in tensors):
+            raise ValueError("DeviceSnapshot takes XLA tensors only")
+        copies = [t.detach().clone() for t in tensors]
+        sync(copies)
+        self._copies: list[torch.Tensor] | None = copies
+        self.nbytes = sum(_nbytes(t) for t in copies)
+
+    def to_cpu(self, batch_bytes: int | None = None) -> list[torch.Tensor]:
+        """Host copies (same order as given); the device copies are released afterwards."""
+        if self._copies is None:
+            raise RuntimeError("DeviceSnapshot.to_cpu was already called (the device copies are released)")
+        out = _collect(len(self._copies), iter_to_cpu(self._copies, batch_bytes, synced=True))
+        self.release()
+        return out
+
+    def release(self) -> None:
+        """Drop the device copies (idempotent)."""
+        self._copies = None
