@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from . import xla
 from .errors import StateMismatchError
 
 ZERO1_CLASSES = (
@@ -73,27 +74,40 @@ def _state_dict_of(obj: Any, role: str) -> Any:
     return fn()
 
 
-def _fill_dict(target: dict, state: Any, role: str) -> None:
+def _fill_dict(target: dict, state: Any, role: str, device: torch.device | None = None) -> None:
+    """Replace ``target``'s contents with ``state``; tensors stay on the CPU unless ``device`` is given."""
     if not isinstance(state, dict):
         raise StateMismatchError(f"saved {role} state is a {type(state).__name__}, cannot fill a dict with it")
+    if device is not None:
+        state = xla.place_tree(state, device)
     target.clear()
     target.update(state)
 
 
-def load_model_state(model: Any, state: Any, *, strict: bool, source: str) -> None:
-    """Load ``state`` into ``model``, checking keys (under ``strict``) and shapes first with clear errors."""
+def load_model_state(model: Any, state: Any, *, strict: bool, source: str, device: torch.device | None = None) -> None:
+    """Load ``state`` into ``model``, checking keys (under ``strict``) and shapes first with clear errors.
+
+    A model on an XLA device gets the state moved there in bulk first and materialised with one sync after;
+    ``device`` applies to dict targets only (objects keep the device they live on).
+    """
     if isinstance(model, dict):
-        _fill_dict(model, state, "model")
+        _fill_dict(model, state, "model", device)
         return
+    current = model_state(model)
+    target_device = xla.tree_device(current)
+    if target_device is not None:
+        state = xla.place_tree(state, target_device)
     if _is_instance_of_loaded(model, PP_MODEL_CLASSES) and hasattr(model, "load_state_dict"):
         model.load_state_dict(state, strict=strict)
-        return
-    if isinstance(model, torch.nn.Module):
-        check_model_state(model.state_dict(), state, strict=strict, source=source)
-    try:
-        model.load_state_dict(state, strict=strict)
-    except RuntimeError as e:
-        raise StateMismatchError(f"loading {source} into the model failed: {e}") from e
+    else:
+        if isinstance(model, torch.nn.Module):
+            check_model_state(current, state, strict=strict, source=source)
+        try:
+            model.load_state_dict(state, strict=strict)
+        except RuntimeError as e:
+            raise StateMismatchError(f"loading {source} into the model failed: {e}") from e
+    if target_device is not None:
+        xla.sync_tree(model_state(model))
 
 
 def check_model_state(expected: dict, saved: Any, *, strict: bool, source: str) -> None:
@@ -120,19 +134,22 @@ def check_model_state(expected: dict, saved: Any, *, strict: bool, source: str) 
         raise StateMismatchError(f"{source} has shapes that do not match the model: {_short(bad)}")
 
 
-def load_optimizer_state(optimizer: Any, state: Any, *, source: str) -> None:
+def load_optimizer_state(optimizer: Any, state: Any, *, source: str, device: torch.device | None = None) -> None:
+    """Load ``state`` into ``optimizer``; the optimizer itself moves state to its parameters' devices."""
     if isinstance(optimizer, dict):
-        _fill_dict(optimizer, state, "optimizer")
+        _fill_dict(optimizer, state, "optimizer", device)
         return
     try:
         optimizer.load_state_dict(state)
     except (ValueError, KeyError, RuntimeError) as e:
         raise StateMismatchError(f"loading {source} into the optimizer failed: {e}") from e
+    if xla.loaded() is not None:
+        xla.sync_tree(optimizer.state_dict())
 
 
-def load_scheduler_state(scheduler: Any, state: Any, *, source: str) -> None:
+def load_scheduler_state(scheduler: Any, state: Any, *, source: str, device: torch.device | None = None) -> None:
     if isinstance(scheduler, dict):
-        _fill_dict(scheduler, state, "scheduler")
+        _fill_dict(scheduler, state, "scheduler", device)
         return
     scheduler.load_state_dict(state)
 
