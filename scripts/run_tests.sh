@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: lint, then the suite on plain CPU (torch 2.13), then again on the XLA CPU device
-# (torch 2.9.0 + torch-xla 2.9.0, PJRT_DEVICE=CPU). Environments are built on first use and cached.
+# (torch 2.9.0 + torch-xla 2.9.0, PJRT_DEVICE=CPU, NXD_CKPT_TEST_DEVICE=xla: training state on the XLA device).
+# Environments are built on first use and cached.
 # Set NXD_CKPT_LANES="cpu" or "xla" to run one lane; extra arguments go to pytest.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -15,12 +16,17 @@ for lane in $lanes; do
     "$py" -m ruff check nxd_ckpt tests scripts
     "$py" -m ruff format --check nxd_ckpt tests scripts
   fi
-  set +e
   if [ "$lane" = xla ]; then
-    PJRT_DEVICE=CPU NXD_CKPT_TEST_LANE=xla "$py" -m pytest -p no:cacheprovider "$@"
+    # Model/optimizer state of the shared fixtures (testing.fakes.make_training) lives on the XLA CPU device;
+    # every spawned rank gets its own xla:0. Cross-rank exchange stays on gloo with CPU objects.
+    lane_env=(PJRT_DEVICE=CPU NXD_CKPT_TEST_LANE=xla NXD_CKPT_TEST_DEVICE=xla)
   else
-    NXD_CKPT_TEST_LANE=cpu "$py" -m pytest -p no:cacheprovider "$@"
+    lane_env=(NXD_CKPT_TEST_LANE=cpu NXD_CKPT_TEST_DEVICE=cpu)
   fi
+  env "${lane_env[@]}" "$py" -c "import sys, torch; xla = sys.argv[1] == 'xla' and __import__('torch_xla'); print('[$lane] python', sys.version.split()[0], '| torch', torch.__version__, '| torch_xla', xla.__version__ if xla else '-', flush=True)" "$lane"
+  echo "[$lane] env: ${lane_env[*]}"
+  set +e
+  env "${lane_env[@]}" "$py" -m pytest -p no:cacheprovider "$@"
   rc=$?
   set -e
   # pytest exit code 5 means no tests were collected: that is a failure here, never a silent pass.

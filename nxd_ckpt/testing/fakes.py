@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 from torch import nn
 
+from .. import xla
 from ..tree import iter_tensors
+
+TEST_DEVICE_ENV = "NXD_CKPT_TEST_DEVICE"
+
+
+def lane_device() -> torch.device:
+    """Where tests train by default: NXD_CKPT_TEST_DEVICE ('cpu' unless set; the XLA lane sets 'xla')."""
+    resolved = xla.resolve_device(os.environ.get(TEST_DEVICE_ENV) or "cpu", TEST_DEVICE_ENV)
+    assert resolved is not None
+    return resolved
 
 
 class TinyMLP(nn.Module):
@@ -25,9 +36,15 @@ class TinyMLP(nn.Module):
 
 
 def make_training(
-    seed: int = 0, lr: float = 1e-2, dropout: float = 0.0, device: str | torch.device = "cpu"
+    seed: int = 0, lr: float = 1e-2, dropout: float = 0.0, device: str | torch.device | None = None
 ) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
-    """A seeded TinyMLP with AdamW and a StepLR schedule."""
+    """A seeded TinyMLP with AdamW and a StepLR schedule.
+
+    ``device=None`` means ``lane_device()`` (the lane's device), except with dropout: XLA's RNG is not part of
+    a checkpoint's saved RNG streams, so dropout models stay on the CPU unless a device is given.
+    """
+    if device is None:
+        device = lane_device() if dropout == 0.0 else torch.device("cpu")
     torch.manual_seed(seed)
     model = TinyMLP(dropout=dropout).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -49,6 +66,8 @@ def train_steps(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, steps:
         opt.step()
         sched.step()
         model.steps_seen += 1
+        if device.type == "xla":  # one graph per step, as a real XLA training loop does
+            xla.require("training on XLA").sync()
         losses.append(float(loss.detach().cpu()))
     return losses
 
