@@ -29,18 +29,24 @@ def plan_save(
     scheduler: Any = None,
     user_content: Any = None,
     zero1: bool = False,
+    spread_replicated: bool = False,
 ) -> list[StateWrite]:
     """The files this rank writes: model and replicated optimizer by DP rank 0 of each (TP, PP) coordinate,
-    ZeRO-1 optimizer shards by every rank, scheduler and user content by the master (global rank 0)."""
+    ZeRO-1 optimizer shards by every rank, scheduler and user content by the master (global rank 0).
+
+    With ``spread_replicated`` (xser, where a file is many tensor files) every DP replica gets the replicated
+    files too, and the encoding writes only its share of them (see ``statefile.write_state_file``).
+    """
     writes: list[StateWrite] = []
     replicas = tuple(topo.dp_group_ranks())
-    if model is not None and topo.dp_rank == 0:
+    writes_replicated = topo.dp_rank == 0 or spread_replicated
+    if model is not None and writes_replicated:
         writes.append(StateWrite("model", layout.model_file(tag, topo.tp_rank, topo.pp_rank), model, replicas))
     if optimizer is not None:
         if zero1:
             path = layout.optim_file(tag, topo.dp_rank, topo.tp_rank, topo.pp_rank)
             writes.append(StateWrite("optimizer", path, optimizer, (topo.rank,)))
-        elif topo.dp_rank == 0:
+        elif writes_replicated:
             path = layout.optim_file(tag, 0, topo.tp_rank, topo.pp_rank)
             writes.append(StateWrite("optimizer", path, optimizer, replicas))
     if topo.is_master:

@@ -1,12 +1,46 @@
-"""One state file on storage, in either encoding: plain ``torch.save`` or xser (one file per tensor)."""
+"""One state file on storage, in either encoding: plain ``torch.save`` or xser (one file per tensor).
+
+xser files are written and read by a pool of threads, one tensor file per task, largest first. A replicated
+state (model, non-ZeRO optimizer) is spread over the DP replicas holding it: its tensors are binned by size so
+each replica writes about 1/DP of the bytes, and the first replica also writes the reference and info files.
+Replicas that load the same file read each tensor from storage once between them and broadcast it
+(``ReplicaGroup``), so a DP group reads every byte once, not DP times.
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from . import layout
-from .serialization import plain
+from .dist import Coordinator, format_exception
+from .errors import FormatError, StorageError
+from .serialization import plain, xser
 from .storage import Storage
+from .topology import Topology
+from .tree import tensor_bytes
+
+PACK_BELOW_BYTES = 1 << 20
+"""Tensors smaller than this are broadcast packed together (one collective per ``PACK_BYTES``), not one by one."""
+PACK_BYTES = 64 << 20
+
+
+def io_threads() -> int:
+    """Threads per rank for tensor-file I/O (NXD_CKPT_IO_THREADS, default 4)."""
+    return max(1, int(os.environ.get("NXD_CKPT_IO_THREADS", "4")))
+
+
+@dataclass(frozen=True)
+class WrittenFiles:
+    """What one ``write_state_file`` call put on storage: the paths, and the tensor bytes in them."""
+
+    paths: list[str]
+    nbytes: int
 
 
 def is_xser_file(storage: Storage, path: str) -> bool:
@@ -24,3 +58,313 @@ def write_plain(storage: Storage, path: str, state: Any) -> list[str]:
 def read_plain(storage: Storage, path: str, *, trusted: bool = False) -> Any:
     with storage.open_read(path) as f:
         return plain.load(f, what=f"{storage.url}/{path}", trusted=trusted)
+
+
+# ----------------------------------------------------------------------------------------------- writing
+
+
+def balance(sizes: Sequence[int], parts: int) -> list[list[int]]:
+    """Indices of ``sizes`` split into ``parts`` bins of about equal total: largest first, each onto the
+    lightest bin (ties to the lower index and bin), so every replica computes the same split."""
+    bins: list[list[int]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        target = min(range(parts), key=lambda b: (loads[b], b))
+        bins[target].append(i)
+        loads[target] += sizes[i]
+    return [sorted(b) for b in bins]
+
+
+def write_state_file(
+    storage: Storage,
+    path: str,
+    state: Any,
+    *,
+    xser_encoding: bool = False,
+    replicas: Sequence[int] | None = None,
+    rank: int = 0,
+    threads: int | None = None,
+) -> WrittenFiles:
+    """Write this rank's part of one state file.
+
+    Plain: the whole ``torch.save`` file. xser: the tensor files of this rank's share of ``replicas`` (the
+    global ranks holding the same state; default just ``rank``), plus the reference and info files when
+    ``rank`` is the first replica.
+    """
+    if not xser_encoding:
+        storage.delete_tree(layout.xser_tensors_dir(path))  # a stale xser directory would mark it as xser
+        return WrittenFiles(write_plain(storage, path, state), tensor_bytes(state))
+    replicas = tuple(replicas) if replicas else (rank,)
+    if rank not in replicas:
+        raise ValueError(f"rank {rank} is not one of the replicas {replicas} that hold {path}")
+    ref_data, tensors = xser.encode(state)
+    sizes = [xser.tensor_nbytes(t) for t in tensors]
+    index = replicas.index(rank)
+    share = balance(sizes, len(replicas))[index]
+    jobs: list[tuple[str, Callable[[], None]]] = []
+    if index == 0:
+        jobs.append((path, lambda: _write(storage, path, lambda f: xser.save_ref(ref_data, f))))
+        info = xser.make_info(tensors)
+        info_path = layout.xser_info_file(path)
+        jobs.append((info_path, lambda: _write(storage, info_path, lambda f: xser.save_info(info, f))))
+    for tid in sorted(share, key=lambda i: -sizes[i]):
+        tensor_path = layout.xser_tensor_file(path, tid)
+        jobs.append((tensor_path, _tensor_writer(storage, tensor_path, tensors[tid])))
+    _run_parallel(jobs, threads, f"writing {storage.url}/{path}")
+    return WrittenFiles([p for p, _ in jobs], sum(sizes[tid] for tid in share))
+
+
+def _write(storage: Storage, path: str, fn: Callable[[Any], None]) -> None:
+    with storage.open_write(path) as f:
+        fn(f)
+
+
+def _tensor_writer(storage: Storage, path: str, tensor: torch.Tensor) -> Callable[[], None]:
+    return lambda: _write(storage, path, lambda f: xser.save_tensor(tensor, f))
+
+
+def _run_parallel(jobs: list[tuple[str, Callable[[], Any]]], threads: int | None, what: str) -> list[Any]:
+    """Run the jobs on a thread pool; wait for all, then raise the first failure (naming its file)."""
+    if len(jobs) <= 1 or (threads or io_threads()) == 1:
+        return [fn() for _, fn in jobs]
+    with ThreadPoolExecutor(max_workers=min(threads or io_threads(), len(jobs)), thread_name_prefix="nxd_io") as pool:
+        futures = [(name, pool.submit(fn)) for name, fn in jobs]
+        results, errors = [], []
+        for name, fut in futures:
+            try:
+                results.append(fut.result())
+            except BaseException as e:  # collected, the first is raised below
+                errors.append((name, e))
+                results.append(None)
+    if errors:
+        raise errors[0][1]
+    return results
+
+
+# ----------------------------------------------------------------------------------------------- reading
+
+
+class ReplicaGroup:
+    """DP replicas that load the same state file together: each reads a share of the tensors, then shares them.
+
+    ``broadcast`` is the one seam for moving tensor bytes between replicas (gloo over CPU tensors today; a
+    device collective could take its place on Neuron hardware). Every replica must make the same calls.
+    """
+
+    def __init__(self, coordinator: Coordinator, ranks: Sequence[int], group: Any) -> None:
+        self.coordinator = coordinator
+        self.ranks = tuple(ranks)
+        self.group = group
+        self.index = self.ranks.index(coordinator.rank)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def broadcast(self, tensor: torch.Tensor, src_index: int) -> None:
+        """Fill ``tensor`` in place on every replica with replica ``src_index``'s bytes."""
+        self.coordinator.broadcast_tensor(tensor, src=self.ranks[src_index], group=self.group)
+
+    def broadcast_object(self, obj: Any, src_index: int) -> Any:
+        return self.coordinator.broadcast_object(obj, src=self.ranks[src_index], group=self.group)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return self.coordinator.all_gather_object(obj, group=self.group)
+
+
+def replica_groups(coordinator: Coordinator, topo: Topology) -> ReplicaGroup | None:
+    """This rank's DP replica group (None without DP replicas); creates every DP group, in the same order on
+    every rank, as process-group creation requires."""
+    if not coordinator.distributed or topo.dp_size <= 1:
+        return None
+    mine = None
+    for pp in range(topo.pp_size):
+        for tp in range(topo.tp_size):
+            ranks = topo.dp_group_ranks(topo.rank_of(pp, 0, tp))
+            group = coordinator.subgroup(ranks)
+            if coordinator.rank in ranks:
+                mine = ReplicaGroup(coordinator, ranks, group)
+    return mine
+
+
+def read_state_file(
+    storage: Storage,
+    path: str,
+    *,
+    trusted: bool = False,
+    group: ReplicaGroup | None = None,
+    threads: int | None = None,
+) -> Any:
+    """Read one state file in whichever encoding it has; xser reads are shared across ``group`` if given."""
+    if not is_xser_file(storage, path):
+        return read_plain(storage, path, trusted=trusted)
+    return read_xser(storage, path, trusted=trusted, group=group, threads=threads)
+
+
+@dataclass(frozen=True)
+class _Header:
+    ref_data: Any
+    info: dict[int, dict[str, Any]] | None
+    tids: list[int]
+    sizes: list[int]
+
+
+def read_xser(
+    storage: Storage,
+    path: str,
+    *,
+    trusted: bool = False,
+    group: ReplicaGroup | None = None,
+    threads: int | None = None,
+) -> Any:
+    """Read an xser state file (ours, NxD's or torch_xla's) onto the CPU."""
+    what = f"{storage.url}/{path}"
+    if group is None:
+        header = _read_header(storage, path, trusted)
+    else:
+        header = _shared(group, lambda: _read_header(storage, path, trusted), what)
+    parts = balance(header.sizes, group.size if group else 1)
+    mine = [header.tids[i] for i in parts[group.index if group else 0]]
+    loaded: dict[int, torch.Tensor] = {}
+    error: BaseException | None = None
+    try:
+        loaded = _read_tensors(storage, path, mine, header.info, threads)
+    except BaseException as e:  # shared with the replicas before raising
+        error = e
+    if group is None:
+        if error is not None:
+            raise error
+        tensors = loaded
+    else:
+        owners = [[header.tids[i] for i in part] for part in parts]
+        tensors = _exchange(group, loaded, error, owners, what)
+    return xser.decode(header.ref_data, tensors, what=what)
+
+
+def _read_header(storage: Storage, path: str, trusted: bool) -> _Header:
+    what = f"{storage.url}/{path}"
+    try:
+        with storage.open_read(path) as f:
+            ref_data = xser.load_ref(f, what=what, trusted=trusted)
+    except StorageError as e:
+        raise FormatError(f"the xser reference file {what} cannot be read: {e}") from e
+    info = None
+    info_path = layout.xser_info_file(path)
+    if storage.exists(info_path):
+        with storage.open_read(info_path) as f:
+            info = xser.load_info(f, what=f"{storage.url}/{info_path}")
+    tids = xser.referenced_tids(ref_data)
+    sizes = []
+    for tid in tids:
+        entry = info.get(tid) if info is not None else None
+        if isinstance(entry, dict) and "shape" in entry and isinstance(entry.get("dtype"), torch.dtype):
+            numel = 1
+            for d in entry["shape"]:
+                numel *= int(d)
+            sizes.append(numel * torch.empty((), dtype=entry["dtype"]).element_size())
+        else:
+            tensor_path = layout.xser_tensor_file(path, tid)
+            try:
+                sizes.append(storage.size(tensor_path))
+            except OSError as e:
+                raise _missing_tensor(storage, path, tid) from e
+    return _Header(ref_data, info, tids, sizes)
+
+
+def _missing_tensor(storage: Storage, path: str, tid: int) -> FormatError:
+    return FormatError(
+        f"tensor file {storage.url}/{layout.xser_tensor_file(path, tid)} is missing, but the reference file "
+        f"{storage.url}/{path} refers to tensor {tid}; the checkpoint is incomplete or damaged"
+    )
+
+
+def _read_tensors(
+    storage: Storage, path: str, tids: list[int], info: dict[int, dict[str, Any]] | None, threads: int | None
+) -> dict[int, torch.Tensor]:
+    def read_one(tid: int) -> torch.Tensor:
+        tensor_path = layout.xser_tensor_file(path, tid)
+        what = f"{storage.url}/{tensor_path}"
+        try:
+            with storage.open_read(tensor_path) as f:
+                tensor = xser.load_tensor(f, what=what)
+        except StorageError as e:
+            raise _missing_tensor(storage, path, tid) from e
+        xser.check_against_info(tid, tensor, info, what=what)
+        return tensor
+
+    jobs = [(str(tid), (lambda tid=tid: read_one(tid))) for tid in tids]
+    return dict(zip(tids, _run_parallel(jobs, threads, f"reading {storage.url}/{path}"), strict=True))
+
+
+def _shared(group: ReplicaGroup, fn: Callable[[], Any], what: str) -> Any:
+    """Run ``fn`` on the first replica and give its result (or its error) to every replica."""
+    result, error = None, None
+    if group.index == 0:
+        try:
+            result = fn()
+        except BaseException as e:  # sent to the replicas, then raised
+            error = e
+    message, result = group.broadcast_object((None if error is None else format_exception(error), result), 0)
+    if error is not None:
+        raise error
+    if message is not None:
+        raise FormatError(f"replica rank {group.ranks[0]} could not read {what}: {message}")
+    return result
+
+
+def _exchange(
+    group: ReplicaGroup,
+    loaded: dict[int, torch.Tensor],
+    error: BaseException | None,
+    owners: list[list[int]],
+    what: str,
+) -> dict[int, torch.Tensor]:
+    """Give every replica every tensor: each owner broadcasts the tensors it read (small ones packed)."""
+    meta = {tid: (t.dtype, tuple(t.shape)) for tid, t in loaded.items()}
+    gathered = group.all_gather_object((None if error is None else format_exception(error), meta))
+    if error is not None:
+        raise error
+    failed = [(group.ranks[j], msg) for j, (msg, _) in enumerate(gathered) if msg is not None]
+    if failed:
+        raise FormatError(f"replica rank {failed[0][0]} could not read its part of {what}: {failed[0][1]}")
+    tensors = dict(loaded)
+    for j, tids in enumerate(owners):
+        metas = gathered[j][1]
+        pack: list[int] = []
+        pack_bytes = 0
+        for tid in tids:
+            dtype, shape = metas[tid]
+            if tid not in tensors:
+                tensors[tid] = torch.empty(shape, dtype=dtype)
+            nbytes = xser.tensor_nbytes(tensors[tid])
+            if nbytes == 0:
+                continue
+            if nbytes >= PACK_BELOW_BYTES:
+                group.broadcast(_bytes_of(tensors[tid]), j)
+                continue
+            pack.append(tid)
+            pack_bytes += nbytes
+            if pack_bytes >= PACK_BYTES:
+                _broadcast_packed(group, j, [tensors[t] for t in pack])
+                pack, pack_bytes = [], 0
+        if pack:
+            _broadcast_packed(group, j, [tensors[t] for t in pack])
+    return tensors
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's bytes (gloo then never sees dtypes it lacks, e.g. bf16)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _broadcast_packed(group: ReplicaGroup, src_index: int, tensors: list[torch.Tensor]) -> None:
+    if group.index == src_index:
+        group.broadcast(torch.cat([_bytes_of(t) for t in tensors]), src_index)
+        return
+    flat = torch.empty(sum(xser.tensor_nbytes(t) for t in tensors), dtype=torch.uint8)
+    group.broadcast(flat, src_index)
+    offset = 0
+    for t in tensors:
+        n = xser.tensor_nbytes(t)
+        _bytes_of(t).copy_(flat[offset : offset + n])
+        offset += n

@@ -1,0 +1,322 @@
+"""The xser encoding of ``torch_xla.utils.serialization``, without needing torch_xla.
+
+A state becomes three kinds of files (see docs of the NxD layout):
+  * the reference file: ``torch.save`` of the state with every tensor replaced by a ``TensorReference(tid)``
+    whose pickled class is ``torch_xla.utils.serialization.TensorReference``; tids number distinct tensors in
+    depth-first order from 0, and a tensor stored twice keeps one tid;
+  * ``tensor_<tid>.pt``: ``torch.save`` of one compact CPU tensor;
+  * the info file NxD adds: ``{tid: {"dtype", "shape", "expert_model_parallel"}}``.
+This module only converts between objects and byte streams (no storage, no threads, no ranks): statefile.py
+puts the files on storage in parallel and spreads them over DP replicas.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import io
+import pickle
+import sys
+import threading
+import types
+from collections.abc import Iterator
+from typing import IO, Any
+
+import torch
+import torch._weights_only_unpickler as _weights_only
+
+from ..errors import FormatError
+from . import plain
+
+XSER_MODULE = "torch_xla.utils.serialization"
+_REF_NAME = "TensorReference"
+_GLOBAL_OPCODE = pickle.GLOBAL + f"{XSER_MODULE}\n{_REF_NAME}\n".encode()
+
+
+class TensorReference:
+    """Stand-in for ``torch_xla.utils.serialization.TensorReference``: the tensor file a reference names."""
+
+    def __init__(self, tid: int) -> None:
+        self.tid = tid
+
+    def __repr__(self) -> str:
+        return f"TensorReference(tid={self.tid})"
+
+
+# Pickled and allow-listed under torch_xla's name, so files match torch_xla's byte for byte in that respect.
+TensorReference.__module__ = XSER_MODULE
+plain.register_safe_globals([TensorReference])
+
+
+def reference_class() -> type:
+    """torch_xla's own class when the program already imported it, else the stand-in (same pickled name)."""
+    module = sys.modules.get(XSER_MODULE)
+    real = getattr(module, _REF_NAME, None) if module is not None else None
+    return real if isinstance(real, type) else TensorReference
+
+
+def _is_reference(obj: Any) -> bool:
+    return type(obj).__name__ == _REF_NAME and type(obj).__module__ == XSER_MODULE and hasattr(obj, "tid")
+
+
+# ----------------------------------------------------------------------------------------------- encode
+
+
+def encode(state: Any) -> tuple[Any, list[torch.Tensor]]:
+    """Split ``state`` into reference data and its distinct tensors, numbered by a depth-first walk.
+
+    Dicts (OrderedDict kept), lists and tuples are rebuilt; other leaves are kept as they are. The same tensor
+    object met twice becomes one tid, as in torch_xla. Tensors are returned as found (see ``compact``).
+    """
+    ref_cls = reference_class()
+    tensors: list[torch.Tensor] = []
+    tids: dict[int, Any] = {}
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            ref = tids.get(id(obj))
+            if ref is None:
+                ref = ref_cls(len(tensors))
+                tensors.append(obj)
+                tids[id(obj)] = ref
+            return ref
+        if isinstance(obj, dict):
+            out = collections.OrderedDict() if isinstance(obj, collections.OrderedDict) else {}
+            for k, v in obj.items():
+                out[k] = walk(v)
+            return out
+        if isinstance(obj, list):
+            return [walk(v) for v in obj]
+        if isinstance(obj, tuple):
+            return tuple(walk(v) for v in obj)
+        return obj
+
+    return walk(state), tensors
+
+
+def compact(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached CPU tensor owning exactly its bytes (views and strided tensors are copied, as torch_xla does)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    nbytes = t.numel() * t.element_size()
+    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == nbytes:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def tensor_nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def make_info(tensors: list[torch.Tensor]) -> dict[int, dict[str, Any]]:
+    """The ``.info.pt`` content NxD writes: dtype, shape and expert-parallel flag per tid."""
+    return {
+        tid: {
+            "dtype": t.dtype,
+            "shape": t.shape,
+            "expert_model_parallel": bool(getattr(t, "expert_model_parallel", False)),
+        }
+        for tid, t in enumerate(tensors)
+    }
+
+
+class _RefPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
+    """Pure-Python pickler that writes the stand-in class under torch_xla's global name."""
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        if obj is TensorReference:
+            self.write(_GLOBAL_OPCODE)
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+
+_ref_pickle_module = types.ModuleType("nxd_ckpt_xser_pickle")
+_ref_pickle_module.Pickler = _RefPickler  # type: ignore[attr-defined]
+_ref_pickle_module.Unpickler = pickle.Unpickler  # type: ignore[attr-defined]
+
+
+def save_ref(ref_data: Any, f: IO[bytes]) -> None:
+    """Write the reference file (loadable by ``torch_xla.utils.serialization.load`` and by ``load_ref``)."""
+    torch.save(ref_data, f, pickle_module=_ref_pickle_module)
+
+
+def save_info(info: dict[int, dict[str, Any]], f: IO[bytes]) -> None:
+    torch.save(info, f)
+
+
+_crc_lock = threading.Lock()
+_crc_state = {"users": 0, "saved": True}
+
+
+@contextlib.contextmanager
+def _no_crc32() -> Iterator[None]:
+    """Skip torch.save's CRC32 of tensor data while tensor files are written: it is a quarter of a save's CPU
+    time and torch.load never checks it. Reference-counted, so concurrent writers restore the setting once."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # torch < 2.6 has no switch
+        yield
+        return
+    with _crc_lock:
+        if _crc_state["users"] == 0:
+            _crc_state["saved"] = config.save.compute_crc32
+            config.save.compute_crc32 = False
+        _crc_state["users"] += 1
+    try:
+        yield
+    finally:
+        with _crc_lock:
+            _crc_state["users"] -= 1
+            if _crc_state["users"] == 0:
+                config.save.compute_crc32 = _crc_state["saved"]
+
+
+def save_tensor(tensor: torch.Tensor, f: IO[bytes]) -> None:
+    """Write one ``tensor_<tid>.pt``: ``torch.save`` of a compact CPU tensor, streamed straight into ``f``."""
+    with _no_crc32():
+        torch.save(compact(tensor), f)
+
+
+# ----------------------------------------------------------------------------------------------- decode
+
+
+class _RefUnpickler(pickle.Unpickler):
+    """Trusted (full pickle) loading that maps torch_xla's reference class to the stand-in."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == XSER_MODULE and name == _REF_NAME:
+            return TensorReference
+        return super().find_class(module, name)
+
+
+_trusted_pickle_module = types.ModuleType("nxd_ckpt_xser_unpickle")
+_trusted_pickle_module.Unpickler = _RefUnpickler  # type: ignore[attr-defined]
+_trusted_pickle_module.Pickler = pickle.Pickler  # type: ignore[attr-defined]
+_trusted_pickle_module.load = pickle.load  # type: ignore[attr-defined]
+
+
+def load_ref(f: IO[bytes], *, what: str, trusted: bool = False) -> Any:
+    """Read a reference file (ours, torch_xla's or NxD's); references come back as the stand-in class."""
+    if not trusted:
+        return plain.load(f, what=what)
+    try:
+        return torch.load(f, map_location="cpu", weights_only=False, pickle_module=_trusted_pickle_module)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as e:
+        raise FormatError(f"{what} is truncated or not a torch.save file: {e}") from e
+
+
+def load_info(f: IO[bytes], *, what: str) -> dict[int, dict[str, Any]]:
+    info = plain.load(f, what=what)
+    if not isinstance(info, dict):
+        raise FormatError(f"{what} is not an xser info file (expected a dict of tid -> dtype/shape)")
+    return info
+
+
+def referenced_tids(ref_data: Any) -> list[int]:
+    """Distinct tids named by the references in ``ref_data``, in depth-first order."""
+    seen: dict[int, None] = {}
+
+    def walk(obj: Any) -> None:
+        if _is_reference(obj):
+            seen.setdefault(int(obj.tid), None)
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v)
+
+    walk(ref_data)
+    return list(seen)
+
+
+def decode(ref_data: Any, tensors: dict[int, torch.Tensor], *, what: str) -> Any:
+    """Put the loaded tensors back in place of their references (tensors stored inline are kept)."""
+
+    def walk(obj: Any) -> Any:
+        if _is_reference(obj):
+            try:
+                return tensors[int(obj.tid)]
+            except KeyError:
+                raise FormatError(f"{what} refers to tensor {obj.tid}, which was not loaded") from None
+        if isinstance(obj, dict):
+            out = collections.OrderedDict() if isinstance(obj, collections.OrderedDict) else {}
+            for k, v in obj.items():
+                out[k] = walk(v)
+            return out
+        if isinstance(obj, list):
+            return [walk(v) for v in obj]
+        if isinstance(obj, tuple):
+            return tuple(walk(v) for v in obj)
+        return obj
+
+    return walk(ref_data)
+
+
+def check_against_info(tid: int, tensor: torch.Tensor, info: dict[int, dict[str, Any]] | None, *, what: str) -> None:
+    """Raise FormatError when the info file disagrees with a loaded tensor (or does not list its tid)."""
+    if info is None:
+        return
+    entry = info.get(tid)
+    if not isinstance(entry, dict):
+        raise FormatError(f"{what}: the info file has no entry for tensor {tid}; the checkpoint is inconsistent")
+    dtype, shape = entry.get("dtype"), entry.get("shape")
+    if dtype != tensor.dtype or tuple(shape if shape is not None else ()) != tuple(tensor.shape):
+        raise FormatError(
+            f"{what} holds a {tensor.dtype} tensor of shape {tuple(tensor.shape)} but the info file says "
+            f"{dtype} {tuple(shape) if shape is not None else None}; the checkpoint is inconsistent or damaged"
+        )
+
+
+def load_tensor(f: IO[bytes], *, what: str) -> torch.Tensor:
+    """Read one ``tensor_<tid>.pt`` onto the CPU, reading each storage with one large ``readinto``.
+
+    ``torch.load`` of a stream copies data through many small reads; this reads the zip records torch wrote
+    straight into freshly allocated tensor memory. Anything unusual falls back to ``torch.load``.
+    """
+    try:
+        result = _load_tensor_direct(f, what)
+    except FormatError:
+        raise
+    except Exception:  # an unexpected layout: let torch.load decide (and report) instead
+        f.seek(0)
+        result = plain.load(f, what=what)
+    if not isinstance(result, torch.Tensor):
+        raise FormatError(f"{what} does not hold a tensor (found {type(result).__name__})")
+    return result
+
+
+def _load_tensor_direct(f: IO[bytes], what: str) -> Any:
+    try:
+        reader = torch._C.PyTorchFileReader(f)
+        pickled = reader.get_record("data.pkl")
+    except RuntimeError as e:
+        raise FormatError(f"{what} is truncated or not a torch.save file: {str(e).splitlines()[0]}") from e
+
+    def persistent_load(saved_id: Any) -> Any:
+        _, storage_type, key, _, numel = saved_id
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        nbytes = int(numel) * torch._utils._element_size(dtype)
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes:
+            f.seek(reader.get_record_offset(f"data/{key}"))
+            _read_exactly(f, buffer, what)
+        return torch.storage.TypedStorage(wrap_storage=buffer.untyped_storage(), dtype=dtype, _internal=True)
+
+    unpickler = _weights_only.Unpickler(io.BytesIO(pickled), encoding="utf-8")
+    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+    return unpickler.load()
+
+
+def _read_exactly(f: IO[bytes], buffer: torch.Tensor, what: str) -> None:
+    nbytes = buffer.numel()
+    view = memoryview((ctypes.c_char * nbytes).from_address(buffer.data_ptr())).cast("B")
+    done = 0
+    while done < nbytes:
+        n = f.readinto(view[done:])  # type: ignore[attr-defined]
+        if not n:
+            raise FormatError(f"{what} is truncated: expected {nbytes} bytes of tensor data, found {done}")
+        done += n
