@@ -61,6 +61,9 @@ def save_checkpoint(
     num_kept_ckpts: int | None = None,
     async_save: bool = False,
     zero1_optimizer: bool = False,
+    rank_state: Any = None,
+    save_rng: bool = False,
+    rank_state_mode: str = "per_rank",
 ) -> SaveReport:
     """Save a checkpoint under ``checkpoint_dir/tag`` in NxD's layout; every rank must call it.
 
@@ -68,6 +71,11 @@ def save_checkpoint(
     optimizer shards by every rank, scheduler and user content by global rank 0. The tag is complete (``done``)
     once every rank's files are durable. With ``async_save`` the call returns once the state is staged in host
     memory and the files are written in the background.
+
+    ``rank_state`` is this rank's own state (an object with ``state_dict()``/``load_state_dict()`` such as a
+    ``StatefulDataLoader``, or with ``save_state_rank()``/``restore_state_rank()``, or a dict of them) and
+    ``save_rng`` adds this rank's RNG streams; both go to one file per rank (``rank_state_mode="per_rank"``)
+    or are gathered into one file by the master (``"gather"``). See docs/exact-resume.md.
 
     Returns:
         A SaveReport (bytes, blocked/staging/write time); for async saves ``wait()`` blocks until durable.
@@ -84,6 +92,9 @@ def save_checkpoint(
         num_kept_ckpts=num_kept_ckpts,
         async_save=async_save,
         zero1_optimizer=zero1_optimizer,
+        rank_state=rank_state,
+        save_rng=save_rng,
+        rank_state_mode=rank_state_mode,
     )
 
 
@@ -96,11 +107,16 @@ def load_checkpoint(
     num_workers: int = 8,
     strict: bool = True,
     allow_pickle: bool = False,
+    rank_state: Any = None,
+    skip_rank_state: bool = False,
 ) -> Any:
     """Load ``tag`` (default: the latest complete checkpoint) into the given objects; every rank must call it.
 
     Dicts passed as ``model``/``optimizer``/``scheduler`` are filled in place. ``allow_pickle`` opts in to
     files holding arbitrary pickled classes (it runs code from the checkpoint: only for trusted ones).
+    ``rank_state`` receives this rank's saved per-rank state; saved RNG streams are restored whenever present.
+    A checkpoint saved with another world size or layout raises LayoutMismatchError unless
+    ``skip_rank_state=True``, which ignores per-rank state (data loaders and RNG start fresh).
 
     Returns:
         The saved user content, or None if none was saved.
@@ -114,6 +130,8 @@ def load_checkpoint(
         num_workers=num_workers,
         strict=strict,
         allow_pickle=allow_pickle,
+        rank_state=rank_state,
+        skip_rank_state=skip_rank_state,
     )
 
 

@@ -70,6 +70,24 @@ class Coordinator:
         dist.all_gather_object(out, obj, group=self._group)
         return out
 
+    def gather_object(self, obj: T, dst: int = 0) -> list[T] | None:
+        """Every rank's ``obj`` as a list on rank ``dst`` (None elsewhere); objects must hold CPU tensors only."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dst, group=self._group)
+        return out
+
+    def scatter_object(self, objs: list[T] | None, src: int = 0) -> T:
+        """Rank ``r`` receives ``objs[r]`` from rank ``src`` (``objs`` is read on ``src`` only)."""
+        if not self.distributed:
+            if objs is None or len(objs) != 1:
+                raise ValueError("scatter_object in a world of one needs a list of exactly one object")
+            return objs[0]
+        box: list[Any] = [None]
+        dist.scatter_object_list(box, objs if self.rank == src else None, src=src, group=self._group)
+        return box[0]  # type: ignore[no-any-return]
+
     def subgroup(self, ranks: list[int]) -> Any:
         """A gloo group over ``ranks``; every rank must request every subgroup in the same order."""
         key = tuple(ranks)

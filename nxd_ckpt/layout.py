@@ -92,3 +92,8 @@ def manifest_file(tag: str, rank: int) -> str:
 
 def rank_state_file(tag: str, rank: int) -> str:
     return tag_path(tag, EXTRAS_DIR, f"rank_state_{rank:05d}.pt")
+
+
+def gathered_rank_states_file(tag: str) -> str:
+    """Every rank's per-rank state in one file, written by the master (the gather-to-master pattern)."""
+    return tag_path(tag, EXTRAS_DIR, "rank_states.pt")

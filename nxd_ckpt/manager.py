@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from . import adapters, layout, plan, staging, statefile, tags
+from . import rank_state as rank_states
 from .commit import CommitBarrier
 from .dist import Coordinator, format_exception
 from .errors import (
@@ -151,6 +152,9 @@ class CheckpointManager:
         num_kept_ckpts: int | None = None,
         async_save: bool = False,
         zero1_optimizer: bool = False,
+        rank_state: Any = None,
+        save_rng: bool = False,
+        rank_state_mode: str = "per_rank",
     ) -> SaveReport:
         call_start = time.perf_counter()
         layout.validate_tag(tag)
@@ -178,6 +182,10 @@ class CheckpointManager:
             )
             if obj is not None
         )
+        # Per-rank state (data loaders, RNG) is captured first: in "gather" mode this is a collective.
+        rank_files = rank_states.stage_for_save(
+            coord, topo, tag, rank_state, save_rng=save_rng, mode=rank_state_mode, copy_state=async_save
+        )
         ctx = self._begin(coord, storage, tag, topo, zero1, use_xser, num_kept_ckpts, items)
 
         report = SaveReport(tag=tag, checkpoint_dir=storage.url, async_save=async_save)
@@ -192,6 +200,7 @@ class CheckpointManager:
             zero1=zero1,
         )
         staged = [(w.path, staging.to_host(w.state, copy=async_save)) for w in writes]
+        staged += rank_files
         report.staging_s = time.perf_counter() - stage_start
 
         def write_and_commit() -> None:
@@ -354,6 +363,8 @@ class CheckpointManager:
         num_workers: int = 8,
         strict: bool = True,
         allow_pickle: bool = False,
+        rank_state: Any = None,
+        skip_rank_state: bool = False,
     ) -> Any:
         self.check_for_errors()
         self.wait_pending()
@@ -390,6 +401,8 @@ class CheckpointManager:
 
         start = time.perf_counter()
         result = coord.in_waves(num_workers, topo.local_rank, topo.local_world_size, read_and_apply, "loading")
+        if not skip_rank_state:  # data loaders and RNG last: nothing after them may draw random numbers
+            rank_states.restore(coord, storage, resolved, topo, rank_state, trusted=allow_pickle)
         if coord.rank == 0:
             logger.info("loaded %s from %s in %.2f s", resolved, storage.url, time.perf_counter() - start)
         return result

@@ -1,0 +1,97 @@
+"""RNG capture/restore: every stream continues exactly, and the snapshot survives a weights_only round trip."""
+
+from __future__ import annotations
+
+import io
+import random
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from nxd_ckpt.rng import capture_rng_state, restore_rng_state
+from nxd_ckpt.serialization import plain
+
+
+def _draw() -> tuple:
+    """One value from each host stream, including the ones dropout and shuffling use."""
+    return (
+        random.random(),
+        random.gauss(0, 1),
+        np.random.rand(3).tolist(),
+        np.random.randn(),  # leaves a cached Gaussian behind: part of the state too
+        torch.rand(4).tolist(),
+        torch.nn.functional.dropout(torch.ones(16), 0.5).tolist(),
+    )
+
+
+def _weights_only_round_trip(state: dict) -> dict:
+    buf = io.BytesIO()
+    plain.save(state, buf)
+    buf.seek(0)
+    return plain.load(buf, what="rng round trip")
+
+
+def test_restore_continues_every_host_stream_exactly():
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    _draw()
+    state = _weights_only_round_trip(capture_rng_state())
+    expected = [_draw() for _ in range(3)]
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+    restore_rng_state(state)
+    assert [_draw() for _ in range(3)] == expected
+
+
+def test_capture_does_not_advance_any_stream():
+    torch.manual_seed(5)
+    random.seed(5)
+    np.random.seed(5)
+    before = capture_rng_state()
+    capture_rng_state()
+    after = capture_rng_state()
+    assert torch.equal(before["torch_cpu"], after["torch_cpu"])
+    assert before["python"] == after["python"]
+    assert before["numpy"] == after["numpy"]
+
+
+def test_snapshot_holds_only_plain_values_and_cpu_tensors():
+    state = capture_rng_state()
+    assert isinstance(state["python"], tuple) and all(isinstance(v, int) for v in state["python"][1])
+    assert isinstance(state["numpy"]["key"], list) and len(state["numpy"]["key"]) == 624
+    assert state["torch_cpu"].dtype == torch.uint8 and state["torch_cpu"].device.type == "cpu"
+
+
+def test_restore_rejects_something_else_naming_the_source():
+    with pytest.raises(ValueError, match="ckpt/step_1.*not an nxd_ckpt RNG snapshot"):
+        restore_rng_state({"seed": 1}, source="ckpt/step_1")
+
+
+@pytest.mark.skipif("torch_xla" in sys.modules, reason="torch_xla is already imported in this process")
+def test_no_device_stream_without_torch_xla_and_no_import_of_it():
+    state = capture_rng_state()
+    assert state["xla"] is None
+    assert "torch_xla" not in sys.modules
+
+
+@pytest.mark.xla
+def test_xla_device_stream_continues_exactly(caplog):
+    pytest.importorskip("torch_xla")
+    import torch_xla
+
+    device = torch_xla.device()
+    x = torch.ones(64, device=device)
+    torch.nn.functional.dropout(x, 0.5).cpu()
+    state = _weights_only_round_trip(capture_rng_state())
+    assert isinstance(state["xla"], int)
+    expected = [torch.nn.functional.dropout(x, 0.5).cpu() for _ in range(3)]
+    import torch_xla.core.xla_model as xm
+
+    xm.set_rng_state(12345)
+    restore_rng_state(state)
+    for want in expected:
+        assert torch.equal(torch.nn.functional.dropout(x, 0.5).cpu(), want)
