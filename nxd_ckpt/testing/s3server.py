@@ -1,0 +1,232 @@
+"""A loopback S3-protocol server for tests and benchmarks: moto's standalone server in a subprocess, plus a
+tiny HTTP proxy that answers ``503 SlowDown`` to the first requests (to test throttling retries).
+
+Everything listens on 127.0.0.1 only. No torch import: the benchmark and the S3 tests share this module.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+HOST = "127.0.0.1"
+
+# Standard AWS variables that make boto3 talk to a loopback server with dummy credentials, and never to the
+# instance-metadata service or a developer's real AWS configuration.
+TEST_AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+}
+TEST_AWS_UNSET = ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL")
+
+
+def loopback_aws_environ(endpoint_url: str) -> dict[str, str | None]:
+    """Environment changes (None = unset) pointing the standard AWS chain at a loopback endpoint."""
+    env: dict[str, str | None] = {**TEST_AWS_ENV, "AWS_ENDPOINT_URL_S3": endpoint_url}
+    env.update(dict.fromkeys(TEST_AWS_UNSET))
+    return env
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+class MotoServer:
+    """``python -m moto.server`` on 127.0.0.1 and a free port; ``stop()`` ends the process it started."""
+
+    def __init__(self, extra_env: dict[str, str] | None = None, startup_timeout: float = 60.0) -> None:
+        self.extra_env = dict(extra_env or {})
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def start(self) -> MotoServer:
+        """Start the server and wait until it answers HTTP; raise RuntimeError (with its output) if it cannot."""
+        last_error = ""
+        for _ in range(3):  # the free port can be taken between choosing it and binding it
+            self.port = free_port()
+            env = {k: v for k, v in os.environ.items() if k not in TEST_AWS_UNSET}
+            env.update({**TEST_AWS_ENV, **self.extra_env})
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self.port)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+            deadline = time.monotonic() + self.startup_timeout
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                if self._answers():
+                    self._drain_output()
+                    return self
+                time.sleep(0.1)
+            last_error = self._stop_and_collect()
+        raise RuntimeError(f"moto server did not start on {HOST}: {last_error[-2000:] or 'no output'}")
+
+    def _answers(self) -> bool:
+        try:
+            conn = http.client.HTTPConnection(HOST, self.port, timeout=2)
+            conn.request("GET", "/moto-api/")
+            conn.getresponse().read()
+            conn.close()
+            return True
+        except OSError:
+            return False
+
+    def _drain_output(self) -> None:
+        """Keep reading the server's request log so its pipe never fills up and blocks it."""
+        proc = self.proc
+
+        def drain() -> None:
+            assert proc is not None and proc.stdout is not None
+            for _ in iter(proc.stdout.readline, b""):
+                pass
+
+        threading.Thread(target=drain, name="moto-output", daemon=True).start()
+
+    def _stop_and_collect(self) -> str:
+        if self.proc is None:
+            return ""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            out, _ = self.proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        self.proc = None
+        return (out or b"").decode(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> MotoServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+_SLOWDOWN_BODY = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message><RequestId>nxd-ckpt-proxy</RequestId></Error>"
+)
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "upgrade", "trailer"}
+
+
+class ThrottlingProxy:
+    """HTTP proxy on 127.0.0.1 in front of ``upstream``: the first ``throttle_first`` requests get
+    ``503 SlowDown`` (as S3 answers when a prefix is hot); the rest are forwarded unchanged."""
+
+    def __init__(self, upstream_port: int, throttle_first: int) -> None:
+        self.upstream_port = upstream_port
+        self.throttle_first = throttle_first
+        self.requests = 0
+        self.throttled = 0
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def _body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    chunks = []
+                    while True:
+                        size = int(self.rfile.readline().split(b";")[0].strip(), 16)
+                        if size == 0:
+                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                                pass
+                            return b"".join(chunks)
+                        chunks.append(self.rfile.read(size))
+                        self.rfile.readline()
+                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+            def _handle(self) -> None:
+                body = self._body()
+                with proxy._lock:
+                    proxy.requests += 1
+                    throttle = proxy.throttled < proxy.throttle_first
+                    proxy.throttled += throttle
+                if throttle:
+                    self.send_response(503, "Slow Down")
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(_SLOWDOWN_BODY)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(_SLOWDOWN_BODY)
+                    return
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+                headers.pop("Expect", None)
+                if body or "Content-Length" in self.headers or "Transfer-Encoding" in self.headers:
+                    headers["Content-Length"] = str(len(body))
+                upstream = http.client.HTTPConnection(HOST, proxy.upstream_port, timeout=60)
+                try:
+                    upstream.request(self.command, self.path, body=body, headers=headers)
+                    response = upstream.getresponse()
+                    data = response.read()
+                    self.send_response(response.status, response.reason)
+                    for k, v in response.getheaders():
+                        if k.lower() not in _HOP_BY_HOP and k.lower() != "content-length":
+                            self.send_header(k, v)
+                    if self.command == "HEAD":
+                        self.send_header("Content-Length", response.getheader("Content-Length") or "0")
+                    else:
+                        self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(data)
+                finally:
+                    upstream.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self.server = ThreadingHTTPServer((HOST, 0), Handler)
+        self.server.daemon_threads = True
+        self.port = int(self.server.server_address[1])
+        self._thread = threading.Thread(target=self.server.serve_forever, name="throttling-proxy", daemon=True)
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def start(self) -> ThrottlingProxy:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def __enter__(self) -> ThrottlingProxy:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
