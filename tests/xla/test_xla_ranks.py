@@ -1,0 +1,64 @@
+"""Two spawned ranks, each with its own XLA CPU device, under an ``xla``-backend default group (as on Neuron).
+
+XLA collectives are silently local on XLA:CPU, so nxd_ckpt must coordinate over a gloo group it creates itself
+and exchange only CPU objects; the checkpoint must still be one consistent, complete tag.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import nxd_ckpt as nxd
+from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_steps
+from nxd_ckpt.testing.multiprocess import _free_port, run_with_ranks
+
+pytestmark = pytest.mark.xla
+
+pytest.importorskip("torch_xla")
+
+
+def _reinit_with_xla_backend() -> None:
+    """Replace the harness's gloo default group with torch_xla's ``xla`` backend over the same ranks."""
+    import torch_xla.distributed.xla_backend  # noqa: F401 - registers the "xla" backend
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    box = [_free_port() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    dist.destroy_process_group()
+    dist.init_process_group("xla", init_method=f"tcp://127.0.0.1:{box[0]}", rank=rank, world_size=world)
+
+
+@run_with_ranks(2)
+def test_xla_default_group_save_load_over_library_gloo_group(tmp_path):
+    import torch_xla
+
+    _reinit_with_xla_backend()
+    assert dist.get_backend() == "xla"
+    nxd.reset_manager()
+    coord = nxd.get_manager().coordinator()
+    assert coord.world_size == 2 and dist.get_backend(coord.group) == "gloo"
+    device = torch_xla.device()
+    assert str(device) == "xla:0"  # every process has its own xla:0
+
+    model, opt, sched = make_training(seed=1, device=device)  # DP replicas start equal
+    train_steps(model, opt, sched, 2, seed=1)
+    with pytest.raises(ValueError, match="only CPU tensors"):
+        coord.broadcast_tensor(model.fc1.weight.detach(), src=0, group=coord.group)  # never XLA over gloo
+    ckpt = str(tmp_path / "ckpt")
+    nxd.save_checkpoint(ckpt, "step_2", model=model, optimizer=opt, scheduler=sched, user_content={"ranks": 2})
+    assert os.path.exists(os.path.join(ckpt, "step_2", "done"))
+    reference = train_steps(model, opt, sched, 2, seed=2)
+
+    model2, opt2, sched2 = make_training(seed=5, device=device)
+    assert nxd.load_checkpoint(ckpt, model=model2, optimizer=opt2, scheduler=sched2) == {"ranks": 2}
+    assert {t.device.type for t in model2.state_dict().values()} == {"xla"}
+    assert opt2.state_dict()["state"][0]["exp_avg"].device == device
+    assert train_steps(model2, opt2, sched2, 2, seed=2) == reference
+    assert_state_equal(model2.state_dict(), model.state_dict())
+    losses = coord.all_gather_object(reference)  # CPU objects over gloo: both replicas trained identically
+    assert losses[0] == losses[1]
+    assert isinstance(losses[0][0], float) and not isinstance(losses[0][0], torch.Tensor)

@@ -1,0 +1,68 @@
+"""Device->host staging of real XLA tensors: one graph execution for everything, batched bulk transfers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nxd_ckpt import staging, xla
+from nxd_ckpt.testing.fakes import make_training, train_steps
+from nxd_ckpt.tree import iter_tensors
+
+pytestmark = pytest.mark.xla
+
+torch_xla = pytest.importorskip("torch_xla")
+metrics = pytest.importorskip("torch_xla.debug.metrics")
+
+
+def _executions() -> int:
+    return int(metrics.counter_value("ExecuteComputation") or 0)
+
+
+def _transfers() -> int:
+    data = metrics.metric_data("TransferFromDeviceTime")
+    return int(data[0]) if data else 0
+
+
+def test_pending_graphs_run_once_and_batches_follow_the_budget():
+    device = torch_xla.device()
+    a = torch.arange(64, dtype=torch.float32).reshape(8, 8).to(device)
+    b = torch.ones(16, dtype=torch.bfloat16).to(device)
+    torch_xla.sync()
+    pending = [a @ a, b * 3, a.sum(), (a + 1).to(torch.int32)]  # four lazy results, none computed yet
+    expected = [a.cpu() @ a.cpu(), b.cpu() * 3, a.cpu().sum(), (a.cpu() + 1).to(torch.int32)]
+    runs, fetches = _executions(), _transfers()
+    host = xla.to_cpu(pending, batch_bytes=256)  # 256 B + 32 B + 4 B + 256 B -> 3 batches
+    assert _executions() - runs == 1, "all pending graphs must be materialised by one execution"
+    assert _transfers() - fetches == len(xla.plan_batches([256, 32, 4, 256], 256)) == 3
+    for got, want in zip(host, expected, strict=True):
+        assert got.device.type == "cpu" and got.dtype == want.dtype
+        assert torch.equal(got, want)
+
+
+def test_staged_snapshot_is_host_memory_that_training_cannot_change():
+    model, opt, sched = make_training(device=torch_xla.device())
+    train_steps(model, opt, sched, 2, seed=1)
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "tied": [model.fc1.weight, model.fc1.weight]}
+    assert model.fc1.weight.device.type == "xla"
+    assert state["optim"]["state"][0]["exp_avg"].device.type == "xla"
+    host = staging.to_host(state, copy=True)
+    devices = {t.device.type for _, t in iter_tensors(host)}
+    assert devices == {"cpu"}
+    assert host["tied"][0] is host["tied"][1], "one tensor saved twice stays one tensor"
+    before = {k: v.clone() for k, v in host["model"].items()}
+    train_steps(model, opt, sched, 2, seed=2)  # in-place updates and buffer donation on the device
+    for key, value in host["model"].items():
+        assert torch.equal(value, before[key]), f"{key} changed after training continued"
+    assert not torch.equal(host["model"]["fc1.weight"], model.fc1.weight.cpu())
+
+
+def test_host_to_device_placement_is_bulk_and_keeps_sharing():
+    device = torch_xla.device()
+    shared = torch.randn(4, 4)
+    tree = {"w": shared, "again": shared, "ints": torch.arange(5), "meta": "kept"}
+    placed = xla.place_tree(tree, device)
+    assert {placed[k].device.type for k in ("w", "again", "ints")} == {"xla"}
+    assert placed["w"] is placed["again"] and placed["meta"] == "kept"
+    assert torch.equal(placed["w"].cpu(), shared) and torch.equal(placed["ints"].cpu(), torch.arange(5))
+    assert xla.tree_device(placed) == device
