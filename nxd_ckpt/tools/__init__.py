@@ -1,0 +1,1 @@
+"""Offline tools that work on saved checkpoints (single process, no process group)."""

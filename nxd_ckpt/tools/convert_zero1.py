@@ -1,0 +1,465 @@
+"""Offline ZeRO-1 optimizer conversion: sharded -> full, full -> sharded, sharded -> sharded with a new DP size.
+
+Same flags and output layout as NxD's converter (``--input_dir``, ``--output_dir``, ``--dp_size``,
+``--num_workers``, ``--convert_to_full`` | ``--convert_to_sharded``), but it streams: one parameter slot at a
+time is copied from the (memory-mapped or per-tensor xser) source files into the target files, so the memory
+peak is about one parameter's optimizer state instead of the whole merged state of a (TP, PP) coordinate.
+
+Input and output are tag directories. The output is a complete checkpoint that ``load_checkpoint`` can use
+directly: model files (xser ``.tensors`` included), scheduler, user content and per-rank extras are copied,
+``nxd_ckpt.json`` records the new ZeRO-1 DP size, and ``done`` is written last, so an interrupted run never
+leaves something that looks complete. xser in gives xser out; plain in gives plain out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import layout, zero1
+from ..errors import CheckpointError, FormatError
+from ..storage import LocalStorage
+from ..zero1_io import (
+    PlainShardWriter,
+    ShardFile,
+    XserShardWriter,
+    check_present,
+    fill_slot,
+    release_all,
+    skeleton,
+    source_paths,
+)
+
+logger = logging.getLogger("nxd_ckpt.convert_zero1")
+
+_NOT_CARRIED = {layout.DONE_MARKER, layout.CHECKPOINT_MARKER, layout.METADATA_FILE}
+
+
+@dataclass
+class ConversionReport:
+    """What a conversion did: the layouts, files and bytes, and how long it took."""
+
+    input_dir: str
+    output_dir: str
+    src_dp: int | None
+    """DP size of the input shards (None: the input was full)."""
+    dst_dp: int | None
+    """DP size of the output shards (None: converted to full)."""
+    tp: int
+    pp: int
+    xser: bool
+    files_written: list[str] = field(default_factory=list)
+    bytes_converted: int = 0
+    files_copied: int = 0
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        src = "full" if self.src_dp is None else f"DP={self.src_dp}"
+        dst = "full" if self.dst_dp is None else f"DP={self.dst_dp}"
+        return (
+            f"converted ZeRO-1 optimizer {src} -> {dst} for TP={self.tp} PP={self.pp} "
+            f"({'xser' if self.xser else 'plain'}): {len(self.files_written)} optimizer files, "
+            f"{self.bytes_converted / 1e6:.1f} MB, {self.files_copied} other files carried over, "
+            f"{self.seconds:.2f} s -> {self.output_dir}"
+        )
+
+
+@dataclass(frozen=True)
+class _InputLayout:
+    src_dp: int | None
+    tp: int
+    pp: int
+    xser: bool
+    metadata: dict | None
+
+
+# --------------------------------------------------------------------------------------------- public API
+
+
+def convert_zero1(
+    input_dir: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    dp_size: int | None = None,
+    convert_to_full: bool = False,
+    convert_to_sharded: bool | None = None,
+    num_workers: int = 1,
+    overwrite: bool = False,
+    allow_pickle: bool = False,
+    progress: bool | None = None,
+) -> ConversionReport:
+    """Convert the ZeRO-1 optimizer state of the tag directory ``input_dir`` into ``output_dir``.
+
+    Args:
+        input_dir: a tag directory (``.../step_1200``) with ``optim/dp_rank_..`` shards or ``optim/full_..``.
+        output_dir: the tag directory to create; refused if it already holds a checkpoint, unless ``overwrite``.
+        dp_size: DP size of the output shards (required unless ``convert_to_full``).
+        convert_to_full: write ``optim/full_tp_rank_XX_pp_rank_YY.pt`` instead of shards.
+        convert_to_sharded: the other direction (default: ``not convert_to_full``); both True is an error.
+        num_workers: (TP, PP) coordinates converted in parallel (each holds about one parameter at a time).
+        overwrite: replace a checkpoint already in ``output_dir``.
+        allow_pickle: read files holding arbitrary pickled classes (runs code from them: trusted files only).
+        progress: show progress (default: a bar on an interactive terminal, log lines otherwise).
+
+    Raises:
+        ValueError: bad arguments (``dp_size`` missing or < 1, both or neither direction, same dirs).
+        CheckpointError: the input is not a ZeRO-1 checkpoint, files are missing or inconsistent, or the output
+            directory already holds a checkpoint.
+    """
+    start = time.perf_counter()
+    if convert_to_sharded is None:
+        convert_to_sharded = not convert_to_full
+    if convert_to_full == convert_to_sharded:
+        raise ValueError("choose exactly one of convert_to_full / convert_to_sharded")
+    if convert_to_sharded and (dp_size is None or not isinstance(dp_size, int) or dp_size < 1):
+        raise ValueError(f"--dp_size must be an integer >= 1 when converting to shards, got {dp_size!r}")
+    if not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"num_workers must be an integer >= 1, got {num_workers!r}")
+    in_root, in_tag = _split_tag_dir(input_dir, "input")
+    out_root, out_tag = _split_tag_dir(output_dir, "output")
+    in_dir, out_dir = os.path.join(in_root, in_tag), os.path.join(out_root, out_tag)
+    if os.path.realpath(in_dir) == os.path.realpath(out_dir):
+        raise ValueError(f"output_dir must differ from input_dir ({in_dir}); write the conversion to a new tag")
+    if convert_to_full and dp_size is not None:
+        logger.warning("--dp_size %s is ignored with --convert_to_full", dp_size)
+
+    in_storage = LocalStorage(in_root)
+    info = _inspect_input(in_storage, in_tag, trusted=allow_pickle)
+    if convert_to_full and info.src_dp is None:
+        raise FormatError(f"{in_dir} already holds full optimizer states (optim/full_*.pt); nothing to convert")
+    dst_dp = None if convert_to_full else dp_size
+    _prepare_output(out_dir, overwrite)
+
+    out_storage = LocalStorage(out_root)
+    report = ConversionReport(in_dir, out_dir, info.src_dp, dst_dp, info.tp, info.pp, info.xser)
+    out_storage.write_bytes(layout.tag_path(out_tag, layout.CHECKPOINT_MARKER), b"1")
+    report.files_copied = _carry_over(in_dir, out_dir)
+
+    coords = [(tp, pp) for pp in range(info.pp) for tp in range(info.tp)]
+    probe = ShardFile(in_storage, source_paths(in_tag, 0, 0, info.src_dp)[0], trusted=allow_pickle)
+    bar = _Progress(len(coords) * max(1, len(probe.shard_paths)), enabled=progress)
+    del probe
+
+    def job(coord: tuple[int, int]) -> tuple[list[str], int]:
+        return _convert_coordinate(
+            in_storage, in_tag, out_storage, out_tag, coord, info.src_dp, dst_dp, info.xser, allow_pickle, bar
+        )
+
+    try:
+        if num_workers == 1 or len(coords) == 1:
+            results = [job(c) for c in coords]
+        else:
+            with ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="convert_zero1") as pool:
+                futures = [pool.submit(job, c) for c in coords]
+                results, errors = [], []
+                for fut in futures:
+                    try:
+                        results.append(fut.result())
+                    except BaseException as e:  # all workers finish; the first error is raised
+                        errors.append(e)
+                if errors:
+                    raise errors[0]
+    finally:
+        bar.close()
+    for files, nbytes in results:
+        report.files_written += files
+        report.bytes_converted += nbytes
+
+    _write_metadata(out_storage, out_tag, info, dst_dp)
+    out_storage.sync_dirs({out_tag, layout.tag_path(out_tag, layout.OPTIM_DIR)})
+    out_storage.write_bytes(layout.tag_path(out_tag, layout.DONE_MARKER), b"1")
+    out_storage.sync_dirs({out_tag})
+    report.seconds = time.perf_counter() - start
+    logger.info("%s", report.summary())
+    return report
+
+
+# --------------------------------------------------------------------------------------------- input / output
+
+
+def _split_tag_dir(path: str | os.PathLike[str], role: str) -> tuple[str, str]:
+    full = os.path.abspath(os.fspath(path)).rstrip(os.sep)
+    root, tag = os.path.dirname(full), os.path.basename(full)
+    try:
+        layout.validate_tag(tag)
+    except CheckpointError as e:
+        raise ValueError(f"{role} directory {full} must be a tag directory with a plain name: {e}") from e
+    return root, tag
+
+
+def _inspect_input(storage: LocalStorage, tag: str, *, trusted: bool) -> _InputLayout:
+    """The input's layout from its optim/ file names (and nxd_ckpt.json when present), all files checked."""
+    tag_dir = f"{storage.root}/{tag}"
+    if not os.path.isdir(tag_dir):
+        raise FormatError(f"input directory {tag_dir} does not exist")
+    names = storage.list_dir(layout.tag_path(tag, layout.OPTIM_DIR))
+    shards = [c for n in names if (c := layout.parse_state_file_name(n))]
+    fulls = [c for n in names if (c := layout.parse_full_optim_file_name(n))]
+    if shards and fulls:
+        raise FormatError(f"{tag_dir}/optim holds both dp_rank_* shards and full_* files; keep one kind")
+    if not shards and not fulls:
+        raise FormatError(
+            f"{tag_dir} is not a ZeRO-1 checkpoint: {tag_dir}/optim has no dp_rank_*/full_* optimizer files"
+        )
+    meta = None
+    meta_path = layout.tag_path(tag, layout.METADATA_FILE)
+    if storage.exists(meta_path):
+        try:
+            meta = json.loads(storage.read_bytes(meta_path))
+        except ValueError as e:
+            raise FormatError(f"{storage.url}/{meta_path} is not valid JSON: {e}") from e
+    if fulls:
+        src_dp, tp, pp = None, max(c[0] for c in fulls) + 1, max(c[1] for c in fulls) + 1
+    else:
+        src_dp = max(c[0] for c in shards) + 1
+        tp, pp = max(c[1] for c in shards) + 1, max(c[2] for c in shards) + 1
+        recorded = (meta or {}).get("zero1_dp_size")
+        if recorded and int(recorded) > src_dp:
+            src_dp = int(recorded)  # the highest shards are missing: reported below by name
+    if meta and "layout" in meta:
+        tp, pp = max(tp, int(meta["layout"]["tp"])), max(pp, int(meta["layout"]["pp"]))
+    expected = [p for pp_ in range(pp) for tp_ in range(tp) for p in source_paths(tag, tp_, pp_, src_dp)]
+    check_present(storage, expected)
+    first = ShardFile(storage, expected[0], trusted=trusted)  # raises if it is not a ZeRO-1 state
+    if src_dp == 1 and meta is not None and meta.get("zero1") is False:
+        raise FormatError(f"{tag_dir} was saved with a replicated optimizer (nxd_ckpt.json says zero1=false)")
+    return _InputLayout(src_dp, tp, pp, first.is_xser, meta)
+
+
+def _holds_checkpoint(out_dir: str) -> bool:
+    if not os.path.isdir(out_dir):
+        return False
+    markers = (layout.DONE_MARKER, layout.CHECKPOINT_MARKER, layout.METADATA_FILE)
+    if any(os.path.exists(os.path.join(out_dir, m)) for m in markers):
+        return True
+    return any(
+        os.path.isdir(os.path.join(out_dir, d)) and os.listdir(os.path.join(out_dir, d))
+        for d in (layout.MODEL_DIR, layout.OPTIM_DIR)
+    )
+
+
+def _prepare_output(out_dir: str, overwrite: bool) -> None:
+    if _holds_checkpoint(out_dir):
+        if not overwrite:
+            raise CheckpointError(
+                f"output directory {out_dir} already holds a checkpoint; choose a new tag directory or pass "
+                "--overwrite to replace it"
+            )
+        done = os.path.join(out_dir, layout.DONE_MARKER)
+        if os.path.exists(done):
+            os.unlink(done)  # first, so a crash mid-deletion never leaves something that looks complete
+        shutil.rmtree(out_dir)
+    os.makedirs(os.path.join(out_dir, layout.OPTIM_DIR), exist_ok=True)
+
+
+def _carry_over(in_dir: str, out_dir: str) -> int:
+    """Copy everything but the optimizer files, markers, metadata and per-rank manifests (their checksums name
+    the old optimizer files); return the number of files copied."""
+    copied = 0
+    for dirpath, _, files in os.walk(in_dir):
+        rel_dir = os.path.relpath(dirpath, in_dir)
+        top = rel_dir.split(os.sep)[0]
+        if top == layout.OPTIM_DIR:
+            continue
+        for name in files:
+            rel = os.path.normpath(os.path.join(rel_dir, name))
+            if rel in _NOT_CARRIED or ".tmp-" in name:
+                continue
+            if top == layout.EXTRAS_DIR and name.startswith("manifest_"):
+                continue
+            dst = os.path.join(out_dir, rel)
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            tmp = os.path.join(os.path.dirname(dst), f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+            shutil.copyfile(os.path.join(dirpath, name), tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, dst)
+            copied += 1
+    return copied
+
+
+def _write_metadata(storage: LocalStorage, tag: str, info: _InputLayout, dst_dp: int | None) -> None:
+    """Update the input's nxd_ckpt.json (when it had one) with the new ZeRO-1 layout."""
+    if info.metadata is None:
+        return
+    meta = dict(info.metadata)
+    meta.update(
+        {
+            "tag": tag,
+            "zero1": True,
+            "zero1_dp_size": dst_dp,
+            "zero1_full": dst_dp is None,
+            "converted_from": {"tag": info.metadata.get("tag"), "zero1_dp_size": info.src_dp},
+        }
+    )
+    storage.write_bytes(layout.tag_path(tag, layout.METADATA_FILE), json.dumps(meta, indent=1).encode())
+
+
+# --------------------------------------------------------------------------------------------- one coordinate
+
+
+def _convert_coordinate(
+    in_storage: LocalStorage,
+    in_tag: str,
+    out_storage: LocalStorage,
+    out_tag: str,
+    coord: tuple[int, int],
+    src_dp: int | None,
+    dst_dp: int | None,
+    use_xser: bool,
+    trusted: bool,
+    bar: _Progress,
+) -> tuple[list[str], int]:
+    """Convert the optimizer files of one (TP, PP) coordinate, one parameter slot at a time."""
+    tp, pp = coord
+    sources = [ShardFile(in_storage, p, trusted=trusted) for p in source_paths(in_tag, tp, pp, src_dp)]
+    n_src = len(sources)
+    for s in sources:
+        s.check(n_src)
+        sources[0].check_same_layout(s)
+    n_dst = 1 if dst_dp is None else dst_dp
+    first = sources[0]
+    small = first.small_state()
+    slots = {
+        path: (first.meta(path)[0], zero1.shard_shape(first.shapes[index], n_dst))
+        for path, index in first.shard_paths.items()
+    }
+    out_paths = source_paths(out_tag, tp, pp, dst_dp)
+    writers: list[PlainShardWriter | XserShardWriter] = []
+    nbytes = 0
+    try:
+        for out_path in out_paths:
+            sk = skeleton(small, slots)
+            if use_xser:
+                writers.append(XserShardWriter(out_storage, out_path, sk))
+            else:
+                writers.append(PlainShardWriter(os.path.join(out_storage.root, out_path), sk, slots))
+            del sk
+        for path, index in first.shard_paths.items():
+            rows = first.shapes[index][0]
+            dtype, shape = slots[path]
+            src_tensors: dict[int, torch.Tensor] = {}
+            for rank, w in enumerate(writers):
+                if isinstance(w, PlainShardWriter):
+                    out = w.target(path)
+                    fill_slot(path, rows, sources, src_tensors, n_dst, rank, out)
+                    w.done_with(out)
+                else:
+                    out = torch.empty(shape, dtype=dtype)
+                    fill_slot(path, rows, sources, src_tensors, n_dst, rank, out)
+                    w.write_tensor(path, out)
+                nbytes += out.numel() * out.element_size()
+                del out
+            release_all(sources, src_tensors)
+            bar.update(1, f"tp{tp:02d}/pp{pp:02d}")
+        for w in writers:
+            w.commit()
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    return out_paths, nbytes
+
+
+# --------------------------------------------------------------------------------------------- progress
+
+
+class _Progress:
+    """Thread-safe progress: a tqdm bar on an interactive terminal, else an INFO line every ~10%."""
+
+    def __init__(self, total: int, enabled: bool | None) -> None:
+        self.total, self.done, self._lock = total, 0, threading.Lock()
+        self._next_log = 0.1
+        self._bar = None
+        self._enabled = enabled is not False
+        if enabled is not False and (enabled or sys.stderr.isatty()):
+            try:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=total, unit="slot", desc="convert_zero1", file=sys.stderr)
+            except ImportError:
+                self._bar = None
+
+    def update(self, n: int, where: str) -> None:
+        with self._lock:
+            self.done += n
+            if self._bar is not None:
+                self._bar.update(n)
+            elif self._enabled and self.total and self.done / self.total >= self._next_log:
+                logger.info("convert_zero1: %d/%d parameter slots (%s)", self.done, self.total, where)
+                while self._next_log <= self.done / self.total:
+                    self._next_log += 0.1
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+# --------------------------------------------------------------------------------------------- command line
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The converter's flags (NxD's, plus --overwrite, --allow_pickle, --quiet); reused by the package CLI."""
+    parser = parser or argparse.ArgumentParser(
+        prog="convert_zero1_checkpoint",
+        description="Convert ZeRO-1 optimizer states of a checkpoint tag: to full, or to shards for a DP size.",
+    )
+    parser.add_argument("--input_dir", required=True, help="tag directory to read (e.g. ckpts/step_1200)")
+    parser.add_argument("--output_dir", required=True, help="tag directory to write (must not hold a checkpoint)")
+    parser.add_argument("--dp_size", type=int, default=None, help="DP size of the output shards")
+    parser.add_argument("--num_workers", type=int, default=1, help="(TP, PP) coordinates converted in parallel")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--convert_to_full", action="store_true", help="write optim/full_tp_rank_XX_pp_rank_YY.pt")
+    mode.add_argument("--convert_to_sharded", action="store_true", help="write optim/dp_rank_.. for --dp_size")
+    parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --output_dir")
+    parser.add_argument("--allow_pickle", action="store_true", help="read pickled classes (trusted files only)")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+    return parser
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run a conversion from parsed flags; print the outcome; return the exit code (0 ok, 1 failed, 2 usage)."""
+    if not logging.getLogger().handlers and not args.quiet:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        report = convert_zero1(
+            args.input_dir,
+            args.output_dir,
+            dp_size=args.dp_size,
+            convert_to_full=args.convert_to_full,
+            convert_to_sharded=args.convert_to_sharded,
+            num_workers=args.num_workers,
+            overwrite=args.overwrite,
+            allow_pickle=args.allow_pickle,
+            progress=False if args.quiet else None,
+        )
+    except ValueError as e:
+        print(f"convert_zero1: error: {e}", file=sys.stderr)
+        return 2
+    except (CheckpointError, OSError) as e:
+        print(f"convert_zero1: error: {e}", file=sys.stderr)
+        return 1
+    print(report.summary())
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point (``scripts/convert_zero1_checkpoint.py``, ``nxd-ckpt convert-zero1``)."""
+    parser = build_parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    return run_from_args(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
