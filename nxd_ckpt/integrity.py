@@ -1,0 +1,384 @@
+"""Checksums of every file a save writes, kept in per-rank manifests, and checked again on every read.
+
+Saving: ``ChecksummingStorage`` wraps the save's storage; its ``open_write`` hashes the bytes (xxh3_64) as they
+stream through, so every writer (plain, xser tensor files, per-rank state, metadata) is covered without knowing
+about it. Before arriving at the commit barrier each rank makes its files' directories durable and writes
+``<tag>/nxd_ckpt/manifest_rank_XXXXX.json`` (a folder NxD ignores): ``{path within the tag: [size, digest]}``
+plus a checksum of the manifest itself. ``done`` comes after every manifest, so a complete tag has all of them.
+
+Loading: ``VerifyingStorage`` wraps the load's storage for one tag; ``open_read`` of a listed file hashes it to
+the end, compares size and digest with the manifest, and raises IntegrityError naming the file on a mismatch.
+Tags without manifests (written by NxD, or by nxd_ckpt before manifests existed) are read unverified.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import xxhash
+
+from . import layout
+from .errors import IntegrityError
+from .storage import Storage
+
+ALGORITHM = "xxh3_64"
+MANIFEST_FORMAT = "nxd_ckpt.manifest"
+MANIFEST_VERSION = 1
+MANIFEST_PREFIX = "manifest_rank_"
+_CHUNK = 8 << 20
+_RESTORE_HINT = (
+    "the file changed after it was written (disk or transfer corruption, truncation, or tampering); restore it "
+    "from a copy or load another tag (load_checkpoint(..., fallback_to_verified=True) picks the newest intact one)"
+)
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """Size and xxh3_64 digest (hex) of one file, and the rank whose manifest lists it."""
+
+    size: int
+    digest: str
+    rank: int = -1
+
+
+def new_hasher() -> Any:
+    return xxhash.xxh3_64()
+
+
+def hash_stream(f: BinaryIO) -> tuple[int, str]:
+    """(size, digest) of a readable stream from its current position to the end."""
+    hasher = new_hasher()
+    size = 0
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    while True:
+        n = f.readinto(buf) if hasattr(f, "readinto") else _read_into(f, buf)
+        if not n:
+            break
+        hasher.update(view[:n])
+        size += n
+    return size, hasher.hexdigest()
+
+
+def _read_into(f: BinaryIO, buf: bytearray) -> int:
+    data = f.read(len(buf))
+    buf[: len(data)] = data
+    return len(data)
+
+
+def hash_bytes(data: bytes | bytearray | memoryview) -> tuple[int, str]:
+    return len(data), xxhash.xxh3_64_hexdigest(data)
+
+
+# --------------------------------------------------------------------------------------------------- manifests
+def _canonical(body: dict) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def manifest_bytes(tag: str, rank: int, records: dict[str, FileRecord]) -> bytes:
+    """A manifest: the files (paths within the tag) with size and digest, sealed by a checksum of its body."""
+    body = {
+        "format": MANIFEST_FORMAT,
+        "format_version": MANIFEST_VERSION,
+        "algorithm": ALGORITHM,
+        "tag": tag,
+        "rank": rank,
+        "files": {path: [rec.size, rec.digest] for path, rec in sorted(records.items())},
+    }
+    head = {k: v for k, v in body.items() if k != "files"}
+    head["checksum"] = hash_bytes(_canonical(body))[1]
+    lines = [f"{json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
+    files = ",\n".join(f"  {json.dumps(p)}: {json.dumps(v)}" for p, v in body["files"].items())
+    return ("{\n" + "\n".join(lines) + '\n"files": {\n' + files + "\n}\n}\n").encode()
+
+
+def parse_manifest(data: bytes, where: str) -> tuple[int, dict[str, FileRecord]]:
+    """(rank, records) of a manifest file; IntegrityError naming ``where`` if it is damaged."""
+    try:
+        doc = json.loads(data)
+        if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
+            raise ValueError("not an nxd_ckpt manifest")
+        checksum = doc.pop("checksum", None)
+        if checksum != hash_bytes(_canonical(doc))[1]:
+            raise ValueError("its own checksum does not match its content")
+        if doc.get("algorithm") != ALGORITHM:
+            raise ValueError(f"unknown checksum algorithm {doc.get('algorithm')!r}")
+        rank = int(doc["rank"])
+        records = {str(p): FileRecord(int(s), str(d), rank) for p, (s, d) in doc["files"].items()}
+    except (ValueError, KeyError, TypeError) as e:
+        raise IntegrityError(f"manifest {where} is damaged ({e}); {_RESTORE_HINT}") from e
+    return rank, records
+
+
+def manifest_paths(storage: Storage, tag: str) -> list[str]:
+    """The manifest files of a tag (empty for tags written without manifests)."""
+    extras = layout.tag_path(tag, layout.EXTRAS_DIR)
+    names = storage.list_dir(extras)
+    return [f"{extras}/{n}" for n in names if n.startswith(MANIFEST_PREFIX) and n.endswith(".json")]
+
+
+def read_index(storage: Storage, tag: str) -> dict[str, FileRecord]:
+    """Every manifest of ``tag`` merged: {path within the tag: record} (empty for tags without manifests).
+
+    Also checks that no rank's manifest is missing and that the metadata file (which the load path trusts for
+    the layout) matches its record. Raises IntegrityError naming the damaged or missing file.
+    """
+    index: dict[str, FileRecord] = {}
+    ranks: set[int] = set()
+    for path in manifest_paths(storage, tag):
+        rank, records = parse_manifest(storage.read_bytes(path), f"{storage.url}/{path}")
+        ranks.add(rank)
+        index.update(records)
+    meta_rec = index.get(layout.METADATA_FILE)
+    if meta_rec is not None:
+        meta_path = layout.tag_path(tag, layout.METADATA_FILE)
+        data = storage.read_bytes(meta_path)
+        check_record(storage.url, tag, meta_path, meta_rec, *hash_bytes(data))
+        world = json.loads(data).get("layout", {}).get("world_size")
+        missing = sorted(set(range(world)) - ranks) if isinstance(world, int) else []
+        if missing:
+            raise IntegrityError(
+                f"{storage.url}/{layout.manifest_file(tag, missing[0])} is missing ({len(missing)} of {world} "
+                f"ranks' manifests are): the files those ranks wrote cannot be checked; {_RESTORE_HINT}"
+            )
+    return index
+
+
+def check_record(url: str, tag: str, path: str, rec: FileRecord, size: int, digest: str) -> None:
+    """Raise IntegrityError naming ``url/path`` unless ``size`` and ``digest`` match the record."""
+    if size == rec.size and digest == rec.digest:
+        return
+    what = (
+        f"has {size} bytes but {rec.size} were written"
+        if size != rec.size
+        else f"has {ALGORITHM} checksum {digest} but {rec.digest} was recorded when it was written"
+    )
+    manifest = layout.manifest_file(tag, rec.rank) if rec.rank >= 0 else "its manifest"
+    raise IntegrityError(f"{url}/{path} is corrupt: it {what} (see {manifest}); {_RESTORE_HINT}")
+
+
+def remove_manifests(storage: Storage, tag: str) -> None:
+    """Delete a tag's manifests (before re-saving over it, so stale ones from another world size vanish)."""
+    for path in manifest_paths(storage, tag):
+        storage.delete(path)
+
+
+def _ancestors(path: str, stop: str) -> set[str]:
+    """Directories from ``path``'s parent up to and including ``stop``."""
+    out: set[str] = set()
+    parent = path.rsplit("/", 1)[0]
+    while parent.startswith(stop + "/") or parent == stop:
+        out.add(parent)
+        if parent == stop:
+            break
+        parent = parent.rsplit("/", 1)[0]
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- storages
+class _DelegatingStorage(Storage):
+    """Forwards everything to ``inner``; subclasses change writing or reading."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+        self.url = inner.url
+
+    def __getattr__(self, name: str) -> Any:  # backend-specific attributes (e.g. LocalStorage.root)
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def open_write(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        return self.inner.open_write(path)
+
+    def open_read(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        return self.inner.open_read(path)
+
+    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        return self.inner.read_bytes(path, offset, length)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def list_dir(self, path: str = "") -> list[str]:
+        return self.inner.list_dir(path)
+
+    def size(self, path: str) -> int:
+        return self.inner.size(path)
+
+    def mtime(self, path: str) -> float:
+        return self.inner.mtime(path)
+
+    def delete(self, path: str) -> None:
+        self.inner.delete(path)
+
+    def delete_tree(self, path: str) -> None:
+        self.inner.delete_tree(path)
+
+    def sync_dirs(self, paths: Iterator[str] | list[str] | set[str]) -> None:
+        self.inner.sync_dirs(paths)
+
+    def walk_files(self, path: str = "") -> list[str]:
+        return self.inner.walk_files(path)
+
+
+class _HashingWriter:
+    """A write-only stream that hashes and counts what passes through to ``target``.
+
+    It has no ``seek`` or ``fileno``: a writer that rewrote earlier bytes or bypassed ``write`` would make the
+    recorded checksum wrong, so such writers fail here instead of producing a false alarm on load.
+    """
+
+    def __init__(self, target: BinaryIO) -> None:
+        self._target = target
+        self._hasher = new_hasher()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n = self._target.write(view)
+        written = len(view) if n is None else n
+        self._hasher.update(view[:written])
+        self.size += written
+        return written
+
+    def flush(self) -> None:
+        self._target.flush()
+
+    def tell(self) -> int:
+        return self.size
+
+    def writable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return False
+
+    def seekable(self) -> bool:
+        return False
+
+    @property
+    def closed(self) -> bool:
+        return bool(getattr(self._target, "closed", False))
+
+    def digest(self) -> str:
+        return self._hasher.hexdigest()
+
+
+class ChecksummingStorage(_DelegatingStorage):
+    """The storage of one save on one rank: records size and digest of every file written under ``tag``."""
+
+    def __init__(self, inner: Storage, tag: str, rank: int) -> None:
+        super().__init__(inner)
+        self.tag = layout.validate_tag(tag)
+        self.rank = rank
+        self._records: dict[str, FileRecord] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def open_write(self, path: str) -> Iterator[BinaryIO]:
+        with self.inner.open_write(path) as f:
+            writer = _HashingWriter(f)
+            yield writer  # type: ignore[misc]
+        self._record(path, FileRecord(writer.size, writer.digest(), self.rank))
+
+    def _record(self, path: str, rec: FileRecord) -> None:
+        if path.startswith(self.tag + "/"):
+            with self._lock:
+                self._records[path[len(self.tag) + 1 :]] = rec
+
+    def delete(self, path: str) -> None:
+        self.inner.delete(path)
+        with self._lock:
+            self._records.pop(path.removeprefix(self.tag + "/"), None)
+
+    def delete_tree(self, path: str) -> None:
+        self.inner.delete_tree(path)
+        prefix = path.removeprefix(self.tag).strip("/")
+        with self._lock:
+            for rel in [r for r in self._records if not prefix or r == prefix or r.startswith(prefix + "/")]:
+                del self._records[rel]
+
+    @property
+    def records(self) -> dict[str, FileRecord]:
+        with self._lock:
+            return dict(self._records)
+
+    def write_manifest(self) -> str:
+        """Make this rank's files durable (their directories fsynced) and write its manifest; return its path."""
+        records = self.records
+        path = layout.manifest_file(self.tag, self.rank)
+        dirs: set[str] = {self.tag}
+        for rel in records:
+            dirs |= _ancestors(f"{self.tag}/{rel}", self.tag)
+        self.inner.sync_dirs(dirs)
+        self.inner.write_bytes(path, manifest_bytes(self.tag, self.rank, records))
+        self.inner.sync_dirs([path.rsplit("/", 1)[0], self.tag])
+        return path
+
+
+class VerifyingStorage(_DelegatingStorage):
+    """Read access to one tag that checks every file listed in the tag's manifests against its record.
+
+    ``index`` is the merged manifests (``read_index``), read lazily on first use when not given, so one rank
+    can read them and hand them to the others.
+    """
+
+    def __init__(self, inner: Storage, tag: str, index: dict[str, FileRecord] | None = None) -> None:
+        super().__init__(inner)
+        self.tag = layout.validate_tag(tag)
+        self._index = index
+        self._lock = threading.Lock()
+        self.files_verified = 0
+        self.bytes_verified = 0
+
+    def index(self) -> dict[str, FileRecord]:
+        with self._lock:
+            if self._index is None:
+                self._index = read_index(self.inner, self.tag)
+            return self._index
+
+    def record_for(self, path: str) -> FileRecord | None:
+        if not path.startswith(self.tag + "/"):
+            return None
+        return self.index().get(path[len(self.tag) + 1 :])
+
+    def _check(self, path: str, rec: FileRecord, size: int, digest: str) -> None:
+        check_record(self.url, self.tag, path, rec, size, digest)
+        with self._lock:
+            self.files_verified += 1
+            self.bytes_verified += size
+
+    @contextlib.contextmanager
+    def open_read(self, path: str) -> Iterator[BinaryIO]:
+        rec = self.record_for(path)
+        with self.inner.open_read(path) as f:
+            if rec is not None:
+                size, digest = hash_stream(f)
+                self._check(path, rec, size, digest)
+                f.seek(0)
+            yield f
+
+    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        rec = self.record_for(path)
+        if rec is None or offset or length is not None:
+            return self.inner.read_bytes(path, offset, length)
+        data = self.inner.read_bytes(path)
+        self._check(path, rec, *hash_bytes(data))
+        return data
+
+
+def verify(checkpoint_dir: Any, tag: str | None = None) -> Any:
+    """``nxd_ckpt.verify`` that raises IntegrityError (listing every problem, each naming its file) on failure.
+
+    Returns:
+        The VerifyReport of a checkpoint that passed.
+    """
+    from .verification import verify as verify_report  # imported here: verification builds on this module
+
+    return verify_report(checkpoint_dir, tag).raise_if_failed()

@@ -1,0 +1,283 @@
+"""``verify(checkpoint_dir, tag=None)``: check a whole checkpoint on storage without loading it into a model.
+
+Checks that the tag is complete (``done``), that every file the layout needs is present, and, for tags with
+manifests, that every listed file has the size and xxh3_64 checksum recorded when it was written (and that
+every rank's manifest is there). Files no manifest covers (checkpoints written by NxD) are parsed instead:
+``torch.save`` archives have their zip CRCs checked and their pickle walked opcode by opcode, which reads the
+structure and the class names it would import without executing anything. Nothing from the checkpoint runs.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickletools
+import time
+import zipfile
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+from . import integrity, layout, tags
+from .errors import CheckpointNotFoundError, FormatError, IntegrityError
+from .storage import Storage, storage_for
+
+_MARKERS = {layout.CHECKPOINT_MARKER, layout.DONE_MARKER}
+
+
+@dataclass
+class VerifyReport:
+    """The outcome of ``verify``: ``problems`` (each names a file) make it fail; ``notes`` are informational."""
+
+    checkpoint_dir: str
+    tag: str
+    complete: bool = False
+    manifests: int = 0
+    files_checked: int = 0
+    bytes_checked: int = 0
+    seconds: float = 0.0
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        """A few lines for logs and the CLI."""
+        how = f"checksums from {self.manifests} manifest(s)" if self.manifests else "structure only (no manifests)"
+        head = (
+            f"{self.checkpoint_dir}/{self.tag}: {'OK' if self.ok else 'FAILED'}, {self.files_checked} files "
+            f"({self.bytes_checked / 1e6:.1f} MB) checked by {how} in {self.seconds:.2f} s"
+        )
+        lines = [head, *(f"  problem: {p}" for p in self.problems), *(f"  note: {n}" for n in self.notes)]
+        return "\n".join(lines)
+
+    def raise_if_failed(self) -> VerifyReport:
+        """Raise IntegrityError listing the problems, if there are any."""
+        if self.problems:
+            raise IntegrityError(
+                f"checkpoint {self.checkpoint_dir}/{self.tag} failed verification: " + "; ".join(self.problems)
+            )
+        return self
+
+
+def verify(checkpoint_dir: str | os.PathLike[str] | Storage, tag: str | None = None) -> VerifyReport:
+    """Check ``tag`` (default: the latest complete tag) of ``checkpoint_dir`` without loading it into a model.
+
+    Returns:
+        A VerifyReport; ``report.ok`` is False, and ``report.problems`` names each bad file, if anything is wrong.
+    """
+    storage = storage_for(checkpoint_dir)
+    start = time.perf_counter()
+    if tag is None:
+        tag = tags.latest_tag(storage)
+        if tag is None:
+            raise CheckpointNotFoundError(f"no complete checkpoint in {storage.url} to verify")
+    layout.validate_tag(tag)
+    if not storage.list_dir(tag):
+        raise CheckpointNotFoundError(f"checkpoint tag {tag!r} does not exist in {storage.url}")
+    report = VerifyReport(checkpoint_dir=storage.url, tag=tag)
+    _Verifier(storage, tag, report).run()
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+class _Verifier:
+    def __init__(self, storage: Storage, tag: str, report: VerifyReport) -> None:
+        self.storage = storage
+        self.tag = tag
+        self.report = report
+        self.url = f"{storage.url}/{tag}"
+
+    def problem(self, text: str) -> None:
+        self.report.problems.append(text)
+
+    def run(self) -> None:
+        report = self.report
+        report.complete = self.storage.exists(layout.tag_path(self.tag, layout.DONE_MARKER))
+        if not report.complete:
+            self.problem(f"{self.url} has no 'done' marker: its save did not finish (or it was being deleted)")
+        meta = self._metadata()
+        index = self._manifests(meta)
+        for rel in self._expected_files(meta):
+            if not self.storage.exists(f"{self.tag}/{rel}"):
+                self.problem(f"{self.url}/{rel} is missing (the checkpoint's metadata says it was saved)")
+        for rel, rec in sorted(index.items()):
+            self._check_listed(rel, rec)
+        manifest_names = {p.rsplit("/", 1)[1] for p in integrity.manifest_paths(self.storage, self.tag)}
+        for path in self.storage.walk_files(self.tag):
+            rel = path[len(self.tag) + 1 :]
+            if rel in index or rel in _MARKERS or ".tmp-" in rel:
+                continue
+            if rel.startswith(layout.EXTRAS_DIR + "/") and rel.split("/", 1)[1] in manifest_names:
+                continue
+            if index:
+                report.notes.append(f"{self.url}/{rel} is not listed in any manifest; checked its structure only")
+            self._check_unlisted(rel)
+
+    def _metadata(self) -> dict | None:
+        path = layout.tag_path(self.tag, layout.METADATA_FILE)
+        if not self.storage.exists(path):
+            return None
+        try:
+            meta = json.loads(self.storage.read_bytes(path))
+            return meta if isinstance(meta, dict) else None
+        except ValueError as e:
+            self.problem(f"{self.storage.url}/{path} is not valid JSON ({e})")
+            return None
+
+    def _manifests(self, meta: dict | None) -> dict[str, integrity.FileRecord]:
+        index: dict[str, integrity.FileRecord] = {}
+        paths = integrity.manifest_paths(self.storage, self.tag)
+        ranks: set[int] = set()
+        for path in paths:
+            try:
+                rank, records = integrity.parse_manifest(self.storage.read_bytes(path), f"{self.storage.url}/{path}")
+            except IntegrityError as e:
+                self.problem(str(e))
+                continue
+            ranks.add(rank)
+            index.update(records)
+        self.report.manifests = len(ranks)
+        world = (meta or {}).get("layout", {}).get("world_size")
+        if paths and isinstance(world, int):
+            for rank in sorted(set(range(world)) - ranks):
+                self.problem(
+                    f"{self.storage.url}/{layout.manifest_file(self.tag, rank)} is missing or damaged: the files "
+                    f"rank {rank} wrote cannot be checked"
+                )
+        return index
+
+    def _expected_files(self, meta: dict | None) -> list[str]:
+        """State files the metadata says were saved, relative to the tag."""
+        if not meta or "layout" not in meta:
+            return []
+        items = set(meta.get("items") or [])
+        tp, pp = int(meta["layout"]["tp"]), int(meta["layout"]["pp"])
+        dps = range(int(meta.get("zero1_dp_size") or 1)) if meta.get("zero1") else range(1)
+        out = []
+        for t in range(tp):
+            for p in range(pp):
+                if "model" in items:
+                    out.append(f"{layout.MODEL_DIR}/{layout.state_file_name(0, t, p)}")
+                if "optimizer" in items:
+                    out += [f"{layout.OPTIM_DIR}/{layout.state_file_name(d, t, p)}" for d in dps]
+        if "scheduler" in items:
+            out.append(layout.SCHEDULER_FILE)
+        if "user_content" in items:
+            out.append(layout.USER_CONTENT_FILE)
+        return out
+
+    def _check_listed(self, rel: str, rec: integrity.FileRecord) -> None:
+        path = f"{self.tag}/{rel}"
+        where = f"{self.url}/{rel}"
+        if not self.storage.exists(path):
+            self.problem(f"{where} is missing (listed in {layout.manifest_file(self.tag, rec.rank)})")
+            return
+        with self.storage.open_read(path) as f:
+            size, digest = integrity.hash_stream(f)
+            self.report.files_checked += 1
+            self.report.bytes_checked += size
+            if size != rec.size:
+                self.problem(f"{where} is corrupt: it has {size} bytes but {rec.size} were written")
+            elif digest != rec.digest:
+                self.problem(
+                    f"{where} is corrupt: its {integrity.ALGORITHM} checksum {digest} != recorded {rec.digest}"
+                )
+            elif rel.endswith(".pt"):
+                f.seek(0)
+                self._note_unsafe(where, f, check_crc=False)
+
+    def _check_unlisted(self, rel: str) -> None:
+        path = f"{self.tag}/{rel}"
+        where = f"{self.url}/{rel}"
+        with self.storage.open_read(path) as f:
+            self.report.files_checked += 1
+            self.report.bytes_checked += self.storage.size(path)
+            if rel.endswith(".json"):
+                try:
+                    json.loads(f.read())
+                except ValueError as e:
+                    self.problem(f"{where} is not valid JSON ({e})")
+            elif rel.endswith(".pt"):
+                self._note_unsafe(where, f, check_crc=True)
+
+    def _note_unsafe(self, where: str, f: BinaryIO, check_crc: bool) -> None:
+        try:
+            names = scan_torch_file(f, check_crc=check_crc)
+        except FormatError as e:
+            self.problem(f"{where} is damaged: {e}")
+            return
+        unsafe = sorted(names - allowed_globals())
+        if unsafe:
+            self.report.notes.append(
+                f"{where} holds pickled {', '.join(unsafe)}: loading it needs allow_pickle=True (trusted files only)"
+            )
+
+
+def allowed_globals() -> set[str]:
+    """Names of the classes and functions safe loading accepts (torch's weights_only set plus registered ones)."""
+    from .serialization import plain
+
+    names: set[str] = set()
+    try:
+        from torch import _weights_only_unpickler
+
+        names |= set(_weights_only_unpickler._get_allowed_globals())
+    except (ImportError, AttributeError):  # private torch API; the note is informational only
+        pass
+    import torch
+
+    for obj in [*torch.serialization.get_safe_globals(), *plain._extra_safe_globals]:
+        obj = obj[0] if isinstance(obj, tuple) else obj
+        names.add(f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', getattr(obj, '__name__', obj))}")
+    return names
+
+
+def scan_torch_file(f: BinaryIO, check_crc: bool = True) -> set[str]:
+    """The global names a ``torch.save`` file's pickle would import, found without executing it.
+
+    Zip archives (every torch.save since 1.6) also have their members' CRCs checked when ``check_crc`` (unless
+    the writer disabled CRCs). Raises FormatError if the archive or its pickle is damaged.
+    """
+    head = f.read(4)
+    f.seek(0)
+    if head != b"PK\x03\x04":
+        try:
+            return _pickle_globals(f)
+        except Exception as e:
+            raise FormatError(f"not a readable torch.save file ({e})") from e
+    try:
+        with zipfile.ZipFile(f) as zf:
+            infos = zf.infolist()
+            pickles = [i for i in infos if i.filename.endswith("data.pkl")]
+            if not pickles:
+                raise FormatError("the archive has no data.pkl record")
+            crc_enabled = any(i.CRC for i in infos if i.file_size)
+            if check_crc and crc_enabled:
+                bad = zf.testzip()
+                if bad is not None:
+                    raise FormatError(f"record {bad} fails its CRC check")
+            with zf.open(pickles[0]) as p:
+                if not crc_enabled:
+                    p._expected_crc = None  # type: ignore[attr-defined] - the writer stored no CRCs
+                return _pickle_globals(io.BytesIO(p.read()))
+    except FormatError:
+        raise
+    except Exception as e:  # zipfile/pickletools raise many types on damaged input
+        raise FormatError(f"{type(e).__name__}: {e}") from e
+
+
+def _pickle_globals(f: BinaryIO) -> set[str]:
+    names: set[str] = set()
+    strings: list[str] = []
+    for op, arg, _ in pickletools.genops(f):
+        if op.name == "GLOBAL":
+            module, name = str(arg).split(" ", 1)
+            names.add(f"{module}.{name}")
+        elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+            names.add(f"{strings[-2]}.{strings[-1]}")
+        elif isinstance(arg, str) and "UNICODE" in op.name:
+            strings.append(arg)
+    return names
