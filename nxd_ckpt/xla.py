@@ -128,7 +128,7 @@ def iter_to_cpu(
     if not all(is_xla(t) for t in tensors):
         raise ValueError("iter_to_cpu takes XLA tensors only; move other devices with .to('cpu')")
     xla = require("copying XLA tensors to the host")
-    detached = [t.detach() for t in tensors]
+    detached = [t.detach() if t.requires_grad else t for t in tensors]  # no new XLA tensors unless needed
     if not synced:
         sync(detached)
     budget = batch_bytes if batch_bytes is not None else batch_bytes_from_env()
