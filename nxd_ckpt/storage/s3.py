@@ -377,11 +377,18 @@ class S3Storage(Storage):
     # ----------------------------------------------------------------- reading
     @contextlib.contextmanager
     def open_read(self, path: str) -> Iterator[BinaryIO]:
-        """The whole object in a seekable buffer (memory, or a spooled temp file for large objects)."""
+        """The whole object in a seekable buffer. Small objects cost one GET; for large ones that GET is cut
+        off after its headers and the transfer manager downloads parts in parallel into a spooled file."""
         key = self._key(path)
-        size = self.size(path)
-        if size < self.part_size:
-            with io.BytesIO(self.read_bytes(path)) as small:
+
+        def get_small() -> bytes | None:
+            response = self._client.get_object(Bucket=self.bucket, Key=key)
+            with contextlib.closing(response["Body"]) as body:
+                return body.read() if response["ContentLength"] < self.part_size else None
+
+        data = self._call("read", path, get_small)
+        if data is not None:
+            with io.BytesIO(data) as small:
                 yield cast(BinaryIO, small)
             return
         buf = tempfile.SpooledTemporaryFile(max_size=self.spool_bytes, prefix="nxd_ckpt_s3_")  # noqa: SIM115

@@ -1,0 +1,135 @@
+"""Checkpoints to s3:// on the loopback moto server: the same round trips as on local disk (plain and xser),
+latest and retention, async saves, a save that completes through 503 SlowDown throttling, and a 2-rank ZeRO-1
+save/load with retention and an async save."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import nxd_ckpt as nxd
+from nxd_ckpt.storage.s3 import ENDPOINT_ENV, S3Storage
+from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_steps
+from nxd_ckpt.testing.multiprocess import run_with_ranks
+from nxd_ckpt.testing.s3server import ThrottlingProxy
+
+pytestmark = pytest.mark.s3
+
+MODEL_FILE = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
+OPTIM_FILE = "optim/dp_rank_00_tp_rank_00_pp_rank_00.pt"
+
+
+def _trained(seed: int = 1):
+    model, opt, sched = make_training(seed=seed)
+    train_steps(model, opt, sched, 2, seed=seed)
+    return model, opt, sched
+
+
+@pytest.mark.parametrize("use_xser", [False, True], ids=["plain", "xser"])
+def test_round_trip(s3_url, use_xser):
+    model, opt, sched = _trained()
+    nxd.save_checkpoint(
+        s3_url, "step_2", model=model, optimizer=opt, scheduler=sched, user_content={"step": 2}, use_xser=use_xser
+    )
+    files = S3Storage(s3_url).walk_files("step_2")
+    assert {f"step_2/{n}" for n in ("checkpoint", "done", MODEL_FILE, OPTIM_FILE, "scheduler.pt")} <= set(files)
+    tensor_files = [f for f in files if f.startswith(f"step_2/{MODEL_FILE}.tensors/tensor_")]
+    assert len(tensor_files) == (len(model.state_dict()) if use_xser else 0)
+
+    m2, o2, s2 = make_training(seed=7)
+    assert nxd.load_checkpoint(s3_url, model=m2, optimizer=o2, scheduler=s2) == {"step": 2}
+    assert_state_equal(model.state_dict(), m2.state_dict())
+    assert_state_equal(opt.state_dict(), o2.state_dict())
+    assert s2.state_dict() == sched.state_dict()
+    assert train_steps(model, opt, sched, 2, seed=3) == train_steps(m2, o2, s2, 2, seed=3)
+
+
+def test_latest_and_retention(s3_url):
+    model, _, _ = _trained()
+    storage = S3Storage(s3_url)
+    storage.write_bytes("step_0/checkpoint", b"1")  # an interrupted save, older than everything kept
+    for step in range(1, 5):
+        with torch.no_grad():
+            model.fc1.bias.fill_(step)
+        nxd.save_checkpoint(s3_url, f"step_{step}", model=model, user_content=step, num_kept_ckpts=2)
+    storage.write_bytes("step_5/checkpoint", b"1")  # an interrupted save newer than the latest complete one
+    assert nxd.list_checkpoint_tags(s3_url) == ["step_3", "step_4"]
+    assert nxd.latest_checkpoint_tag(s3_url) == "step_4" and nxd.has_checkpoint(s3_url)
+    assert storage.list_dir() == ["step_3", "step_4", "step_5"]
+    restored = make_training(seed=9)[0]
+    assert nxd.load_checkpoint(s3_url, model=restored) == 4
+    assert torch.all(restored.fc1.bias == 4)
+    with pytest.raises(nxd.CheckpointNotFoundError, match="step_5.*incomplete"):
+        nxd.load_checkpoint(s3_url, "step_5", model=restored)
+
+
+def test_async_save(s3_url):
+    model, opt, _ = _trained()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    report = nxd.save_checkpoint(s3_url, "step_2", model=model, optimizer=opt, async_save=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(100.0)  # training goes on while the upload runs
+    nxd.finalize_checkpoint()
+    assert report.completed and report.bytes_written > 0
+    restored = make_training(seed=9)[0]
+    nxd.load_checkpoint(s3_url, model=restored)
+    assert_state_equal(expected, restored.state_dict())
+
+
+def test_save_completes_through_slowdown_throttling(s3_url, s3_server, monkeypatch):
+    model, opt, sched = _trained()
+    with ThrottlingProxy(s3_server.port, throttle_first=5) as proxy:
+        monkeypatch.setenv(ENDPOINT_ENV, proxy.endpoint_url)  # takes precedence over AWS_ENDPOINT_URL_S3
+        nxd.save_checkpoint(s3_url, "step_2", model=model, optimizer=opt, scheduler=sched, num_kept_ckpts=1)
+        assert proxy.throttled == 5 and proxy.requests > 5
+        m2, o2, _ = make_training(seed=7)
+        nxd.load_checkpoint(s3_url, model=m2, optimizer=o2)
+        assert nxd.list_checkpoint_tags(s3_url) == ["step_2"]
+    assert_state_equal(model.state_dict(), m2.state_dict())
+    assert_state_equal(opt.state_dict(), o2.state_dict())
+
+
+@run_with_ranks(2)
+def test_two_rank_zero1_save_load_with_retention_and_async(s3_url):
+    rank = dist.get_rank()
+    nxd.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)  # DP = 2
+    model, opt, sched = make_training(seed=0)
+    train_steps(model, opt, sched, 1, seed=0)
+    expected = {}
+    for step in (1, 2):
+        with torch.no_grad():  # model replicas stay identical; each rank's optimizer state differs (shards)
+            model.fc1.bias.fill_(step)
+            for state in opt.state.values():
+                state["exp_avg"].add_(rank + step)
+        expected[step] = ({k: v.clone() for k, v in model.state_dict().items()}, _clone(opt.state_dict()))
+        nxd.save_checkpoint(
+            s3_url,
+            f"step_{step}",
+            model=model,
+            optimizer=opt,
+            zero1_optimizer=True,
+            num_kept_ckpts=1,
+            async_save=step == 2,
+        )
+    nxd.finalize_checkpoint()
+    dist.barrier()
+    storage = S3Storage(s3_url)
+    assert storage.list_dir() == ["step_2"]  # retention (rank 0 only) removed step_1
+    optim_files = storage.list_dir("step_2/optim")
+    assert optim_files == ["dp_rank_00_tp_rank_00_pp_rank_00.pt", "dp_rank_01_tp_rank_00_pp_rank_00.pt"]
+    m2, o2, _ = make_training(seed=5)
+    nxd.load_checkpoint(s3_url, model=m2, optimizer=o2)  # latest, resolved on rank 0 and broadcast
+    assert_state_equal(expected[2][0], m2.state_dict())
+    assert_state_equal(expected[2][1], o2.state_dict())
+
+
+def _clone(state):
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {k: _clone(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_clone(v) for v in state]
+    return state
