@@ -1,0 +1,477 @@
+"""``nxd-ckpt``: look into, check, prune and export checkpoints from the shell.
+
+Exit status: 0 on success, 1 when the operation failed (or ``verify`` found a problem), 2 for usage errors.
+Results go to stdout, diagnostics to stderr; progress bars appear only when stderr is a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import __version__, completeness, tags, verification
+from .errors import CheckpointError
+from .export import export_safetensors
+from .inspect import Checkpoint, open_checkpoint
+from .storage import Storage, storage_for
+
+PROG = "nxd-ckpt"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+_ZERO1_TOOL = "nxd_ckpt.tools.convert_zero1"
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _print_table(rows: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _print_json(obj: Any) -> None:
+    json.dump(obj, sys.stdout, indent=1, default=str)
+    sys.stdout.write("\n")
+
+
+def _err(message: str) -> None:
+    print(f"{PROG}: {message}", file=sys.stderr)
+
+
+class _NoProgress:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: int, desc: str, enabled: bool) -> Any:
+    """A tqdm bar on stderr when it is a terminal (and not disabled), else an object that ignores updates."""
+    if not enabled or not sys.stderr.isatty():
+        return _NoProgress()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoProgress()
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False, file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _storage(directory: str) -> Storage:
+    storage = storage_for(directory)
+    if "://" not in directory and not os.path.isdir(directory):
+        raise CheckpointError(f"{directory}: no such directory")
+    return storage
+
+
+def _tag_size(storage: Storage, tag: str) -> int:
+    return sum(storage.size(p) for p in storage.walk_files(tag))
+
+
+def _created(info: tags.TagInfo) -> str:
+    return datetime.datetime.fromtimestamp(info.order_time, tz=datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _open(args: argparse.Namespace) -> Checkpoint:
+    storage = _storage(args.dir)
+    return open_checkpoint(
+        storage, args.tag, allow_incomplete=args.tag is not None, allow_pickle=getattr(args, "allow_pickle", False)
+    )
+
+
+# ---------------------------------------------------------------------------------------------- commands
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    storage = _storage(args.dir)
+    infos = tags.list_tags(storage, include_incomplete=True)
+    latest = tags.latest_tag(storage)
+    entries = []
+    for info in infos:
+        lay = Checkpoint(storage, info.name).layout()
+        entries.append(
+            {
+                "tag": info.name,
+                "complete": info.complete,
+                "latest": info.name == latest,
+                "size": _tag_size(storage, info.name),
+                "created": _created(info),
+                "layout": lay.to_json(),
+                "layout_text": lay.describe(),
+            }
+        )
+    if args.json:
+        _print_json({"checkpoint_dir": storage.url, "latest": latest, "tags": entries})
+        return EXIT_OK
+    if not entries:
+        _err(f"no checkpoints in {storage.url}")
+        return EXIT_OK
+    rows = [["TAG", "STATUS", "SIZE", "LAYOUT", "CREATED (UTC)"]]
+    for e in entries:
+        status = ("complete" if e["complete"] else "incomplete") + (", latest" if e["latest"] else "")
+        rows.append([e["tag"], status, human_bytes(e["size"]), e["layout_text"], e["created"]])
+    _print_table(rows)
+    return EXIT_OK
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    ckpt = _open(args)
+    if args.object:
+        return _show_object(ckpt, args.object, args.json)
+    lay = ckpt.layout()
+    files = ckpt.files()
+    state = []
+    for sf in ckpt.state_files():
+        objects = ckpt.objects(sf)
+        tensors = [o for o in objects if o.kind == "tensor"]
+        state.append(
+            {
+                "path": sf.path,
+                "prefix": sf.prefix,
+                "encoding": sf.encoding,
+                "tensors": len(tensors),
+                "tensor_bytes": sum(o.nbytes for o in tensors),
+                "objects": [o.to_json() for o in objects],
+            }
+        )
+    totals = {
+        "files": len(files),
+        "file_bytes": sum(size for _, size in files),
+        "state_files": len(state),
+        "tensors": sum(s["tensors"] for s in state),
+        "tensor_bytes": sum(s["tensor_bytes"] for s in state),
+    }
+    if args.json:
+        _print_json(
+            {
+                "checkpoint_dir": ckpt.storage.url,
+                "tag": ckpt.tag,
+                "complete": ckpt.complete,
+                "layout": lay.to_json(),
+                "metadata": ckpt.metadata,
+                "files": [{"path": p, "size": s} for p, s in files],
+                "state_files": state,
+                "totals": totals,
+            }
+        )
+        return EXIT_OK
+    print(f"checkpoint {ckpt.url} ({'complete' if ckpt.complete else 'INCOMPLETE: no done marker'})")
+    print(f"layout: {lay.describe()}")
+    if args.files:
+        print("files:")
+        _print_table([[f"  {p}", human_bytes(s)] for p, s in files])
+    for s in state:
+        rel = s["path"][len(ckpt.tag) + 1 :]
+        print(f"\n{rel}  [{s['prefix']}]  {s['encoding']}, {s['tensors']} tensors, {human_bytes(s['tensor_bytes'])}")
+        rows = []
+        for o in s["objects"]:
+            name = o["path"][len(s["prefix"]) + 1 :]
+            if o["kind"] == "tensor":
+                rows.append([f"  {name}", o["dtype"], str(o["shape"]), human_bytes(o["nbytes"])])
+            else:
+                rows.append([f"  {name}", o["dtype"], "=", _short(o["value"])])
+        if rows:
+            _print_table(rows)
+    print(
+        f"\ntotal: {totals['state_files']} state files, {totals['tensors']} tensors, "
+        f"{human_bytes(totals['tensor_bytes'])} of tensor data; {totals['files']} files, "
+        f"{human_bytes(totals['file_bytes'])} on disk"
+    )
+    return EXIT_OK
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _to_json(obj: Any) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return {"dtype": str(obj.dtype).removeprefix("torch."), "shape": list(obj.shape), "values": obj.tolist()}
+    if isinstance(obj, dict):
+        return {str(k): _to_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_to_json(v) for v in obj]
+    return obj if obj is None or isinstance(obj, (bool, int, float, str)) else repr(obj)
+
+
+def _show_object(ckpt: Checkpoint, path: str, as_json: bool) -> int:
+    import torch
+
+    obj = ckpt.read(path)
+    if as_json:
+        _print_json({"tag": ckpt.tag, "path": path, "object": _to_json(obj)})
+    elif isinstance(obj, torch.Tensor):
+        print(f"{path}: {str(obj.dtype).removeprefix('torch.')} {list(obj.shape)}")
+        print(obj)
+    else:
+        print(f"{path}:")
+        print(obj)
+    return EXIT_OK
+
+
+def _verify_one(ckpt: Checkpoint, quick: bool) -> dict[str, Any]:
+    """Checksums/CRCs and listed files (``verification.verify``, unless ``quick``) plus structure checks."""
+    url = ckpt.storage.url
+    problems: list[str] = []
+    result: dict[str, Any] = {"tag": ckpt.tag, "files_checked": 0, "bytes_checked": 0, "manifests": 0, "notes": []}
+    if not quick:
+        report = verification.verify(ckpt.storage, ckpt.tag)
+        problems += report.problems
+        result.update(
+            files_checked=report.files_checked,
+            bytes_checked=report.bytes_checked,
+            manifests=report.manifests,
+            notes=list(report.notes),
+        )
+    for p in completeness.check_structure(ckpt):
+        where = f"{url}/{p.path}"
+        if not any(where in known for known in problems):  # verification named this file already
+            problems.append(f"{where}: {p.message}")
+    result.update(ok=not problems, problems=problems)
+    return result
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    storage = _storage(args.dir)
+    if args.all:
+        names = [t.name for t in tags.list_tags(storage)]
+        if not names:
+            raise CheckpointError(f"no complete checkpoint in {storage.url}")
+        checkpoints = [Checkpoint(storage, n) for n in names]
+    else:
+        checkpoints = [_open(args)]
+    results = []
+    for ckpt in checkpoints:
+        result = _verify_one(ckpt, args.quick)
+        results.append(result)
+        for problem in result["problems"]:
+            _err(f"problem: {problem}")
+        if args.verbose:
+            for note in result["notes"]:
+                _err(f"note: {note}")
+        if not args.json:
+            n = len(result["problems"])
+            status = "OK" if result["ok"] else f"FAILED ({n} problem{'s' if n > 1 else ''})"
+            if args.quick:
+                detail = "structure only (no data read)"
+            else:
+                how = f"checksums from {result['manifests']} manifests" if result["manifests"] else "zip CRCs"
+                detail = f"{result['files_checked']} files, {human_bytes(result['bytes_checked'])} checked by {how}"
+            print(f"{ckpt.tag}: {status}: {detail}")
+    ok = all(r["ok"] for r in results)
+    if args.json:
+        _print_json({"checkpoint_dir": storage.url, "ok": ok, "tags": results})
+    return EXIT_OK if ok else EXIT_FAILED
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    storage = _storage(args.dir)
+    if args.dry_run:
+        doomed = tags.tags_to_delete(tags.list_tags(storage, include_incomplete=True), args.keep)
+        for name in doomed:
+            print(f"would delete {name}")
+        if not doomed:
+            print(f"nothing to delete: at most {args.keep} complete checkpoints in {storage.url}")
+        return EXIT_OK
+    expected = tags.tags_to_delete(tags.list_tags(storage, include_incomplete=True), args.keep)
+    deleted = tags.apply_retention(storage, args.keep)
+    for name in deleted:
+        print(f"deleted {name}")
+    if not expected:
+        print(f"nothing to delete: at most {args.keep} complete checkpoints in {storage.url}")
+    failed = [n for n in expected if n not in deleted]
+    for name in failed:
+        _err(f"could not delete {storage.url}/{name} (see the warning above)")
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    if os.path.exists(args.out) and not args.force:
+        raise CheckpointError(f"{args.out} already exists; pass --force to overwrite it")
+    ckpt = _open(args)
+    total = sum(o.nbytes for o in ckpt.objects() if o.kind == "tensor" and o.path.startswith("model/"))
+    bar = progress_bar(total, f"export {ckpt.tag}", args.progress)
+    try:
+        report = export_safetensors(ckpt, args.out, shard=args.shard, progress=bar.update)
+    finally:
+        bar.close()
+    if report.skipped:
+        _err(
+            f"skipped {len(report.skipped)} non-tensor values (safetensors holds tensors only): "
+            + ", ".join(report.skipped[:5])
+            + (" ..." if len(report.skipped) > 5 else "")
+        )
+    print(f"wrote {report.out}: {report.tensors} tensors, {human_bytes(report.nbytes)} from {ckpt.url}")
+    return EXIT_OK
+
+
+def _run_zero1_tool(argv: list[str]) -> int:
+    """nxd_ckpt.tools.convert_zero1 with NxD's flags; its failures become exit status 1 with the message."""
+    try:
+        return int(importlib.import_module(_ZERO1_TOOL).main(argv) or 0)
+    except (CheckpointError, OSError, ValueError) as e:
+        _err(f"convert-zero1: error: {e}")
+        return EXIT_FAILED
+
+
+def cmd_convert_zero1(args: argparse.Namespace) -> int:
+    """Reached when global options precede the subcommand; the tool parses its own flags."""
+    return _run_zero1_tool(list(args.tool_args))
+
+
+# ---------------------------------------------------------------------------------------------- parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _have_zero1_tool() -> bool:
+    return importlib.util.find_spec(_ZERO1_TOOL) is not None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Look into, check, prune and export nxd_ckpt / NeuronX Distributed checkpoints. "
+        "DIR is a checkpoint directory (the one holding the tag directories) or s3://bucket/prefix.",
+        epilog="Exit status: 0 success, 1 failure (or problems found), 2 usage error.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what nxd_ckpt does (to stderr)")
+    parser.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="no progress bars (they only show on a terminal)"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help_text: str, **kw: Any) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text, **kw)
+        p.set_defaults(func=fn)
+        return p
+
+    def tag_arg(p: argparse.ArgumentParser, what: str) -> None:
+        p.add_argument("--tag", help=f"tag to {what} (default: the latest complete one)")
+
+    p = add(
+        "list", cmd_list, "list the tags of a checkpoint directory, oldest first: complete or not, latest, size, layout"
+    )
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = add(
+        "inspect",
+        cmd_inspect,
+        "show a checkpoint's state files and, per file, every tensor's shape, dtype and "
+        "bytes, without loading tensor data",
+    )
+    p.add_argument("dir", metavar="DIR")
+    tag_arg(p, "inspect")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--files", action="store_true", help="also list every file with its size")
+    p.add_argument("--object", metavar="PATH", help="print one object, e.g. model/tp00_pp00/fc1.weight")
+    p.add_argument("--allow-pickle", action="store_true", help="unpickle arbitrary classes (trusted checkpoints only)")
+
+    p = add(
+        "verify",
+        cmd_verify,
+        "check a checkpoint: done marker, every state file the layout needs, readable "
+        "files, CRC-32s and recorded checksums; exit status 1 if anything is wrong",
+    )
+    p.add_argument("dir", metavar="DIR")
+    tag_arg(p, "verify")
+    p.add_argument("--all", action="store_true", help="verify every complete tag")
+    p.add_argument("--quick", action="store_true", help="check structure only, without reading tensor data")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    if _have_zero1_tool():
+        p = add(
+            "convert-zero1",
+            cmd_convert_zero1,
+            "convert ZeRO-1 optimizer state between sharded and full, or to "
+            "a new DP size (arguments as NxD's tool; see: nxd-ckpt convert-zero1 --help)",
+            add_help=False,
+        )
+        p.add_argument("tool_args", nargs=argparse.REMAINDER)
+
+    p = add(
+        "prune",
+        cmd_prune,
+        "delete all but the newest N complete checkpoints (and incomplete ones older than "
+        "those), 'done' first so a crash never leaves a tag that looks complete",
+    )
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("--keep", type=_positive_int, required=True, metavar="N", help="complete checkpoints to keep")
+    p.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
+
+    p = add(
+        "export",
+        cmd_export,
+        "write a checkpoint's model state as one safetensors file (TP=1; pipeline stages are merged)",
+    )
+    p.add_argument("dir", metavar="DIR")
+    tag_arg(p, "export")
+    p.add_argument("--out", required=True, metavar="FILE", help="the .safetensors file to write")
+    p.add_argument("--shard", metavar="PREFIX", help="export one state file instead, e.g. model/tp01_pp00")
+    p.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+    p.add_argument("--allow-pickle", action="store_true", help="unpickle arbitrary classes (trusted checkpoints only)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        if args_list[:1] == ["convert-zero1"] and _have_zero1_tool():  # the tool parses its own (NxD's) flags
+            return _run_zero1_tool(args_list[1:])
+        args = parser.parse_args(args_list)
+    except SystemExit as e:  # argparse: --help/--version (0) or a usage error (2)
+        return int(e.code) if isinstance(e.code, int) else EXIT_USAGE
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format=f"{PROG}: %(message)s")
+    try:
+        return int(args.func(args))
+    except KeyError as e:  # an object path that is not in the checkpoint
+        _err(f"error: {e.args[0] if e.args else e}")
+        return EXIT_FAILED
+    except (CheckpointError, OSError, ValueError) as e:
+        _err(f"error: {e}")
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
+    except BrokenPipeError:  # e.g. piped into head: not an error of ours
+        sys.stderr.close()
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,546 @@
+"""Looking inside a checkpoint without loading it: its files, every object's shape, dtype and bytes, and one
+tensor or sub-tree read by path while touching only the files that hold it.
+
+Object paths name a state file, then the keys down to the object, joined by ``/``::
+
+    model/tp00_pp00/layers.3.attn.weight          model file of TP rank 0, PP rank 0 (DP rank 0)
+    optim/dp01_tp00_pp00/base_state/7/exp_avg     ZeRO-1 optimizer shard of DP rank 1
+    optim/full_tp00_pp00/...                      merged ZeRO-1 state written by the offline converter
+    scheduler/last_epoch, user_content/step       the master's files
+
+The manifest comes from the pickled structure alone: plain ``torch.save`` files are unpickled onto the ``meta``
+device (only the zip directory and ``data.pkl`` are read), xser files from their reference and info files.
+Reading one object of an xser file opens only its reference file and that object's tensor files; a plain file
+on local disk is memory-mapped, so only the pages of the wanted tensors are read. Works on NxD-written
+checkpoints too (their layout is the same; only ``nxd_ckpt.json`` is missing).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import layout, statefile, tags
+from .errors import CheckpointNotFoundError, FormatError, UnsafeCheckpointError
+from .serialization import plain, xser
+from .storage import LocalStorage, Storage, storage_for
+
+__all__ = ["Checkpoint", "Layout", "ObjectInfo", "StateFile", "open_checkpoint"]
+
+_SMALL_LIST = 64
+_RANK_PART_RE = re.compile(r"([a-z]+)_rank_(\d+)")
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One leaf of a state file: a tensor (shape, dtype, bytes) or a plain value (step counts, learning rates)."""
+
+    path: str
+    """Object path, e.g. ``model/tp00_pp00/fc1.weight``."""
+    kind: str
+    """``"tensor"`` or ``"value"``."""
+    dtype: str | None
+    """Tensor dtype without the ``torch.`` prefix (``"bfloat16"``), or the Python type name of a value."""
+    shape: tuple[int, ...] | None
+    nbytes: int
+    """Bytes of tensor data (0 for values)."""
+    file: str
+    """Path, relative to the checkpoint directory, of the file holding the data (an xser tensor file for xser)."""
+    value: Any = None
+    """The value itself for small plain values (numbers, strings, short lists), else None."""
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"path": self.path, "kind": self.kind, "dtype": self.dtype, "nbytes": self.nbytes}
+        out["shape"] = list(self.shape) if self.shape is not None else None
+        out["file"] = self.file
+        if self.kind == "value":
+            out["value"] = self.value
+        return out
+
+
+@dataclass(frozen=True)
+class StateFile:
+    """One state file of a tag (``model/…pt``, ``optim/…pt``, ``scheduler.pt``…) and how it is encoded."""
+
+    path: str
+    """Relative to the checkpoint directory, e.g. ``step_3/model/dp_rank_00_tp_rank_00_pp_rank_00.pt``."""
+    prefix: str
+    """Object path prefix of its contents, e.g. ``model/tp00_pp00``."""
+    encoding: str
+    """``"plain"`` (one ``torch.save`` file) or ``"xser"`` (reference file + one file per tensor)."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a checkpoint was saved: parallel sizes, ZeRO-1, xser; ``None`` where the files do not tell."""
+
+    tp: int | None
+    pp: int | None
+    dp: int | None
+    zero1: bool
+    xser: bool
+    world_size: int | None = None
+    items: tuple[str, ...] | None = None
+
+    def describe(self) -> str:
+        def size(v: int | None) -> str:
+            return "?" if v is None else str(v)
+
+        text = f"DP={size(self.dp)} TP={size(self.tp)} PP={size(self.pp)}"
+        return text + (", ZeRO-1" if self.zero1 else "") + (", xser" if self.xser else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "dp": self.dp,
+            "tp": self.tp,
+            "pp": self.pp,
+            "zero1": self.zero1,
+            "xser": self.xser,
+            "world_size": self.world_size,
+            "items": list(self.items) if self.items is not None else None,
+        }
+
+
+def object_prefix(rel_path: str) -> str:
+    """Object path prefix of a state file path relative to its tag: ``model/dp_rank_00_tp_rank_01_pp_rank_00.pt``
+    -> ``model/tp01_pp00``, ``optim/dp_rank_01_…`` -> ``optim/dp01_tp00_pp00``, ``scheduler.pt`` -> ``scheduler``."""
+    directory, _, name = rel_path.rpartition("/")
+    stem = name[: -len(".pt")] if name.endswith(".pt") else name
+    stem = _RANK_PART_RE.sub(r"\1\2", stem)
+    if directory == layout.MODEL_DIR and stem.startswith("dp00_"):
+        stem = stem[len("dp00_") :]  # model files are always DP rank 0: the DP part says nothing
+    return f"{directory}/{stem}" if directory else stem
+
+
+def open_checkpoint(
+    checkpoint_dir: str | os.PathLike[str] | Storage,
+    tag: str | None = None,
+    *,
+    allow_incomplete: bool = False,
+    allow_pickle: bool = False,
+) -> Checkpoint:
+    """Open one tag of a checkpoint directory for inspection (default: the latest complete tag).
+
+    Args:
+        checkpoint_dir: a local directory, ``s3://bucket/prefix`` or a Storage.
+        tag: the tag to open; None for the latest complete one.
+        allow_incomplete: also open a tag without ``done`` (an interrupted save), e.g. to see what it holds.
+        allow_pickle: unpickle arbitrary classes (runs code from the checkpoint: only for trusted ones).
+    """
+    storage = storage_for(checkpoint_dir)
+    if tag is not None and allow_incomplete:
+        layout.validate_tag(tag)
+        if not storage.exists(layout.tag_path(tag, layout.CHECKPOINT_MARKER)) and not storage.exists(
+            layout.tag_path(tag, layout.DONE_MARKER)
+        ):
+            raise CheckpointNotFoundError(f"{storage.url}/{tag} is not a checkpoint (no 'checkpoint' or 'done' file)")
+        return Checkpoint(storage, tag, allow_pickle=allow_pickle)
+    return Checkpoint(storage, tags.resolve_tag(storage, tag), allow_pickle=allow_pickle)
+
+
+class Checkpoint:
+    """One tag of a checkpoint directory, opened for reading; nothing is loaded until asked for."""
+
+    def __init__(self, storage: Storage, tag: str, *, allow_pickle: bool = False) -> None:
+        self.storage = storage
+        self.tag = layout.validate_tag(tag)
+        self.allow_pickle = allow_pickle
+        self._state_files: list[StateFile] | None = None
+        self._xser_refs: dict[str, Any] = {}
+        self._xser_infos: dict[str, dict[int, dict[str, Any]] | None] = {}
+
+    @property
+    def url(self) -> str:
+        return f"{self.storage.url}/{self.tag}"
+
+    @property
+    def complete(self) -> bool:
+        return self.storage.exists(layout.tag_path(self.tag, layout.DONE_MARKER))
+
+    @property
+    def metadata(self) -> dict | None:
+        """nxd_ckpt's ``nxd_ckpt.json`` of this tag (None for NxD-written tags)."""
+        return tags.read_metadata(self.storage, self.tag)
+
+    def files(self) -> list[tuple[str, int]]:
+        """Every file of the tag as (path relative to the tag directory, size in bytes), sorted."""
+        start = len(self.tag) + 1
+        return [(p[start:], self.storage.size(p)) for p in self.storage.walk_files(self.tag)]
+
+    def state_files(self) -> list[StateFile]:
+        """The state files (model, optimizer, scheduler, user content, per-rank extras), model first."""
+        if self._state_files is None:
+            found = []
+            for rel, _ in self.files():
+                if not rel.endswith(".pt") or rel.endswith(layout.XSER_INFO_SUFFIX):
+                    continue
+                if f"{layout.XSER_TENSORS_SUFFIX}/" in rel:
+                    continue
+                path = layout.tag_path(self.tag, *rel.split("/"))
+                encoding = "xser" if statefile.is_xser_file(self.storage, path) else "plain"
+                found.append(StateFile(path=path, prefix=object_prefix(rel), encoding=encoding))
+            order = {layout.MODEL_DIR: 0, layout.OPTIM_DIR: 1}
+            found.sort(key=lambda s: (order.get(s.prefix.split("/")[0], 2 if "/" not in s.prefix else 3), s.path))
+            self._state_files = found
+        return list(self._state_files)
+
+    def layout(self) -> Layout:
+        """The saved layout: from ``nxd_ckpt.json``, else inferred from NxD's file names."""
+        meta = self.metadata or {}
+        saved = meta.get("layout") or {}
+        names = {
+            layout.MODEL_DIR: self.storage.list_dir(layout.tag_path(self.tag, layout.MODEL_DIR)),
+            layout.OPTIM_DIR: self.storage.list_dir(layout.tag_path(self.tag, layout.OPTIM_DIR)),
+        }
+        coords = [c for d in names.values() for n in d if (c := layout.parse_state_file_name(n))]
+        optim_dps = [c[0] for n in names[layout.OPTIM_DIR] if (c := layout.parse_state_file_name(n))]
+        zero1 = bool(meta["zero1"]) if "zero1" in meta else any(dp > 0 for dp in optim_dps)
+        tp = saved.get("tp") or (max(c[1] for c in coords) + 1 if coords else None)
+        pp = saved.get("pp") or (max(c[2] for c in coords) + 1 if coords else None)
+        dp = saved.get("dp") or (max(optim_dps) + 1 if zero1 and optim_dps else None)
+        xser_files = any(s.encoding == "xser" for s in self.state_files())
+        items = tuple(meta["items"]) if isinstance(meta.get("items"), list) else None
+        return Layout(
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            zero1=zero1,
+            xser=bool(meta.get("xser")) or xser_files,
+            world_size=saved.get("world_size"),
+            items=items,
+        )
+
+    # ------------------------------------------------------------------------------------------ manifest
+    def objects(self, state_file: StateFile | str | None = None) -> list[ObjectInfo]:
+        """The manifest: every leaf of one state file (or of all of them) without reading tensor data."""
+        files = self.state_files() if state_file is None else [self._state_file(state_file)]
+        out: list[ObjectInfo] = []
+        for sf in files:
+            out.extend(self._objects_of(sf))
+        return out
+
+    def _objects_of(self, sf: StateFile) -> list[ObjectInfo]:
+        if sf.encoding == "xser":
+            ref = self._xser_ref(sf)
+            info = self._xser_info(sf)
+            out = []
+            for inner, leaf in _walk(ref):
+                path = _join(sf.prefix, inner)
+                if _is_reference(leaf):
+                    tensor_file = layout.xser_tensor_file(sf.path, int(leaf.tid))
+                    dtype, shape = self._xser_tensor_meta(sf, int(leaf.tid), info)
+                    nbytes = _numel(shape) * _element_size(dtype)
+                    out.append(ObjectInfo(path, "tensor", _dtype_name(dtype), shape, nbytes, tensor_file))
+                else:
+                    out.append(_value_info(path, leaf, sf.path))
+            return out
+        tree = self._plain_tree(sf, meta=True)
+        out = []
+        for inner, leaf in _walk(tree):
+            path = _join(sf.prefix, inner)
+            if isinstance(leaf, torch.Tensor):
+                nbytes = leaf.numel() * leaf.element_size()
+                out.append(ObjectInfo(path, "tensor", _dtype_name(leaf.dtype), tuple(leaf.shape), nbytes, sf.path))
+            else:
+                out.append(_value_info(path, leaf, sf.path))
+        return out
+
+    # ------------------------------------------------------------------------------------------ reading
+    def read(self, path: str) -> Any:
+        """One tensor, value or sub-tree by object path (a state file's prefix alone reads the whole file).
+
+        Only the files holding it are read: for xser, the reference file and the tensor files under ``path``;
+        for a plain file on local disk, the pages of the wanted tensors (memory-mapped). Tensors come back as
+        CPU tensors owning their memory.
+        """
+        sf, inner = self._split(path)
+        if sf.encoding == "xser":
+            sub = _navigate(self._xser_ref(sf), inner, path, self.url)
+            info = self._xser_info(sf)
+            tensors = {tid: self._read_xser_tensor(sf, tid, info) for tid in xser.referenced_tids(sub)}
+            return xser.decode(sub, tensors, what=f"{self.storage.url}/{sf.path}")
+        sub = _navigate(self._plain_tree(sf, meta=False), inner, path, self.url)
+        return _map_tensors(sub, lambda t: t.clone())
+
+    def iter_tensors(self, state_file: StateFile | str) -> Iterator[tuple[str, torch.Tensor]]:
+        """(object path, tensor) for each tensor of one state file, read one at a time (bounded memory)."""
+        sf = self._state_file(state_file)
+        for obj in self._objects_of(sf):
+            if obj.kind == "tensor":
+                yield obj.path, self.read(obj.path)
+
+    # ------------------------------------------------------------------------------------------ internals
+    def _state_file(self, state_file: StateFile | str) -> StateFile:
+        if isinstance(state_file, StateFile):
+            return state_file
+        for sf in self.state_files():
+            if state_file in (sf.path, sf.prefix, sf.path[len(self.tag) + 1 :]):
+                return sf
+        raise FormatError(f"{self.url} has no state file {state_file!r}; it has: {self._prefixes()}")
+
+    def _prefixes(self) -> str:
+        return ", ".join(sf.prefix for sf in self.state_files()) or "none"
+
+    def _split(self, path: str) -> tuple[StateFile, str]:
+        """The state file an object path points into, and the path inside it."""
+        path = path.strip("/")
+        best: StateFile | None = None
+        for sf in self.state_files():
+            if (path == sf.prefix or path.startswith(sf.prefix + "/")) and (
+                best is None or len(sf.prefix) > len(best.prefix)
+            ):
+                best = sf
+        if best is None:
+            raise KeyError(
+                f"object path {path!r} names no state file of {self.url}; paths start with one of: {self._prefixes()}"
+            )
+        return best, path[len(best.prefix) + 1 :]
+
+    def _what(self, path: str) -> str:
+        return f"{self.storage.url}/{path}"
+
+    def _plain_tree(self, sf: StateFile, *, meta: bool) -> Any:
+        """The unpickled structure of a plain file: on the meta device (no data read), or memory-mapped."""
+        what = self._what(sf.path)
+        if meta:
+            with open_for_partial_reads(self.storage, sf.path) as f:
+                return _torch_load(f, what, self.allow_pickle, map_location="meta")
+        if isinstance(self.storage, LocalStorage):
+            full = os.path.join(self.storage.root, *sf.path.split("/"))
+            return _torch_load(full, what, self.allow_pickle, map_location="cpu", mmap=True)
+        with self.storage.open_read(sf.path) as f:
+            return _torch_load(f, what, self.allow_pickle, map_location="cpu")
+
+    def _xser_ref(self, sf: StateFile) -> Any:
+        if sf.path not in self._xser_refs:
+            with self.storage.open_read(sf.path) as f:
+                self._xser_refs[sf.path] = xser.load_ref(f, what=self._what(sf.path), trusted=self.allow_pickle)
+        return self._xser_refs[sf.path]
+
+    def _xser_info(self, sf: StateFile) -> dict[int, dict[str, Any]] | None:
+        if sf.path not in self._xser_infos:
+            info_path = layout.xser_info_file(sf.path)
+            info = None
+            if self.storage.exists(info_path):
+                with self.storage.open_read(info_path) as f:
+                    info = xser.load_info(f, what=self._what(info_path))
+            self._xser_infos[sf.path] = info
+        return self._xser_infos[sf.path]
+
+    def _xser_tensor_meta(
+        self, sf: StateFile, tid: int, info: dict[int, dict[str, Any]] | None
+    ) -> tuple[torch.dtype, tuple[int, ...]]:
+        """dtype and shape of one xser tensor: from the info file, else from the tensor file's pickle alone."""
+        entry = info.get(tid) if info is not None else None
+        if isinstance(entry, dict) and isinstance(entry.get("dtype"), torch.dtype) and entry.get("shape") is not None:
+            return entry["dtype"], tuple(int(d) for d in entry["shape"])
+        tensor_path = layout.xser_tensor_file(sf.path, tid)
+        if not self.storage.exists(tensor_path):
+            raise FormatError(
+                f"tensor file {self._what(tensor_path)} is missing, but {self._what(sf.path)} refers to tensor "
+                f"{tid}; the checkpoint is incomplete or damaged"
+            )
+        with open_for_partial_reads(self.storage, tensor_path) as f:
+            t = _torch_load(f, self._what(tensor_path), False, map_location="meta")
+        if not isinstance(t, torch.Tensor):
+            raise FormatError(f"{self._what(tensor_path)} does not hold a tensor (found {type(t).__name__})")
+        return t.dtype, tuple(t.shape)
+
+    def _read_xser_tensor(self, sf: StateFile, tid: int, info: dict[int, dict[str, Any]] | None) -> torch.Tensor:
+        tensor_path = layout.xser_tensor_file(sf.path, tid)
+        what = self._what(tensor_path)
+        if not self.storage.exists(tensor_path):
+            raise FormatError(
+                f"tensor file {what} is missing, but {self._what(sf.path)} refers to tensor {tid}; the checkpoint "
+                "is incomplete or damaged"
+            )
+        with self.storage.open_read(tensor_path) as f:
+            tensor = xser.load_tensor(f, what=what)
+        xser.check_against_info(tid, tensor, info, what=what)
+        return tensor
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _is_reference(obj: Any) -> bool:
+    return type(obj).__name__ == "TensorReference" and hasattr(obj, "tid")
+
+
+def _is_plain_value(obj: Any) -> bool:
+    return obj is None or isinstance(obj, (bool, int, float, str))
+
+
+def _walk(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(inner path, leaf) depth-first; a list/tuple of plain values is one leaf (e.g. ``params: [0, 1, 2]``)."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _walk(v, f"{prefix}/{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)) and not (obj and all(_is_plain_value(v) for v in obj)):
+        if not obj:
+            yield prefix, obj
+        for i, v in enumerate(obj):
+            yield from _walk(v, f"{prefix}/{i}" if prefix else str(i))
+    else:
+        yield prefix, obj
+
+
+def _join(prefix: str, inner: str) -> str:
+    return f"{prefix}/{inner}" if inner else prefix
+
+
+def _value_info(path: str, leaf: Any, file: str) -> ObjectInfo:
+    small = _is_plain_value(leaf) or (
+        isinstance(leaf, (list, tuple)) and len(leaf) <= _SMALL_LIST and all(_is_plain_value(v) for v in leaf)
+    )
+    value = (list(leaf) if isinstance(leaf, (list, tuple)) else leaf) if small else None
+    return ObjectInfo(path, "value", type(leaf).__name__, None, 0, file, value)
+
+
+def _navigate(tree: Any, inner: str, path: str, where: str) -> Any:
+    """The sub-tree at ``inner`` (keys joined by '/'; a key that itself holds '/' is matched too)."""
+    parts = inner.split("/") if inner else []
+    node, i = tree, 0
+    while i < len(parts):
+        found = False
+        for j in range(i + 1, len(parts) + 1):
+            key = "/".join(parts[i:j])
+            if isinstance(node, dict):
+                match = [k for k in node if str(k) == key]
+                if match:
+                    node, i, found = node[match[0]], j, True
+                    break
+            elif isinstance(node, (list, tuple)) and key.isdigit() and int(key) < len(node):
+                node, i, found = node[int(key)], j, True
+                break
+        if not found:
+            done = "/".join(parts[:i])
+            here = f" under {done!r}" if done else ""
+            keys = list(node)[:20] if isinstance(node, dict) else None
+            hint = f"; keys there: {', '.join(map(str, keys))}" if keys else ""
+            raise KeyError(f"{where} has no object {path!r}: no key {parts[i]!r}{here}{hint}")
+    return node
+
+
+def _map_tensors(obj: Any, fn: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        out = obj.__class__() if type(obj) is not dict else {}
+        for k, v in obj.items():
+            out[k] = _map_tensors(v, fn)
+        return out
+    if isinstance(obj, list):
+        return [_map_tensors(v, fn) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_map_tensors(v, fn) for v in obj)
+    return obj
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _torch_load(f: Any, what: str, trusted: bool, *, map_location: str, mmap: bool = False) -> Any:
+    """torch.load with the project's safe-loading rules (allow-listed classes only unless ``trusted``)."""
+    try:
+        if trusted:
+            return torch.load(f, map_location=map_location, weights_only=False, mmap=mmap)
+        with torch.serialization.safe_globals(_allow_list()):
+            return torch.load(f, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        if trusted or ("weights_only" not in str(e) and "Unsupported global" not in str(e)):
+            raise FormatError(f"{what} is not a readable torch.save file: {_first_line(e)}") from e
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        name = found.group(1) if found else "an object that is not a tensor or plain Python value"
+        raise UnsafeCheckpointError(
+            f"{what} holds a pickled {name}; reading it would run code from the checkpoint. If you trust this "
+            "checkpoint, pass allow_pickle=True (nxd-ckpt: --allow-pickle)."
+        ) from e
+    except (RuntimeError, EOFError, ValueError, OSError) as e:
+        raise FormatError(f"{what} is truncated or not a torch.save file: {_first_line(e)}") from e
+
+
+def _allow_list() -> list[Any]:
+    """The classes plain.load allows (format classes such as xser's TensorReference register there)."""
+    return list(getattr(plain, "_extra_safe_globals", []))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+class _RangeReader(io.RawIOBase):
+    """A seekable read-only stream over ``Storage.read_bytes`` ranges (S3 range GETs), so unpickling a file's
+    structure reads its zip directory and ``data.pkl`` only, never the whole object."""
+
+    def __init__(self, storage: Storage, path: str) -> None:
+        self._storage, self._path = storage, path
+        self._size = storage.size(path)
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), self._size - self._pos)
+        if n <= 0:
+            return 0
+        data = self._storage.read_bytes(self._path, self._pos, n)
+        buffer[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+@dataclass
+class _PartialReadStream:
+    """Context manager giving the cheapest seekable stream of a file for partial reads."""
+
+    storage: Storage
+    path: str
+    _cm: Any = field(default=None, repr=False)
+
+    def __enter__(self) -> Any:
+        if isinstance(self.storage, LocalStorage):
+            self._cm = self.storage.open_read(self.path)
+            return self._cm.__enter__()
+        return io.BufferedReader(_RangeReader(self.storage, self.path), buffer_size=256 << 10)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._cm is not None:
+            self._cm.__exit__(*exc)
+
+
+def open_for_partial_reads(storage: Storage, path: str) -> _PartialReadStream:
+    """A seekable stream of one file for reading parts of it: the file itself on local disk, else ranged reads."""
+    return _PartialReadStream(storage, path)
