@@ -27,6 +27,7 @@ from .errors import (
 from .manager import CheckpointManager, SaveReport
 from .parallel_state import destroy_model_parallel, initialize_model_parallel
 from .topology import Topology
+from .verification import VerifyReport, verify
 
 __version__ = "0.1.0"
 
@@ -46,6 +47,7 @@ __all__ = [
     "StorageError",
     "Topology",
     "UnsafeCheckpointError",
+    "VerifyReport",
     "destroy_model_parallel",
     "finalize_checkpoint",
     "get_manager",
@@ -56,4 +58,5 @@ __all__ = [
     "load_checkpoint",
     "reset_manager",
     "save_checkpoint",
+    "verify",
 ]

@@ -109,6 +109,8 @@ def load_checkpoint(
     allow_pickle: bool = False,
     rank_state: Any = None,
     skip_rank_state: bool = False,
+    verify: bool = True,
+    fallback_to_verified: bool = False,
 ) -> Any:
     """Load ``tag`` (default: the latest complete checkpoint) into the given objects; every rank must call it.
 
@@ -117,6 +119,9 @@ def load_checkpoint(
     ``rank_state`` receives this rank's saved per-rank state; saved RNG streams are restored whenever present.
     A checkpoint saved with another world size or layout raises LayoutMismatchError unless
     ``skip_rank_state=True``, which ignores per-rank state (data loaders and RNG start fresh).
+    ``verify`` (default on) checks every file read against the checksums recorded when it was written and raises
+    IntegrityError naming a damaged file. With ``fallback_to_verified`` and no ``tag``, a latest checkpoint that
+    is damaged is skipped (logged as a WARNING) for the newest complete one that verifies.
 
     Returns:
         The saved user content, or None if none was saved.
@@ -132,6 +137,8 @@ def load_checkpoint(
         allow_pickle=allow_pickle,
         rank_state=rank_state,
         skip_rank_state=skip_rank_state,
+        verify=verify,
+        fallback_to_verified=fallback_to_verified,
     )
 
 

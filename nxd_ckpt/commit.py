@@ -69,11 +69,23 @@ class CommitBarrier:
             self._cleanup(self.seq - 2)
 
     def wait_outcome(self) -> None:
-        """Ranks other than 0 in a synchronous save: wait for the outcome; raise if the save failed."""
+        """Ranks other than 0: wait for the outcome (polling, so it is safe on a writer thread); raise if the
+        save failed."""
         if self.store is None:
             return
         key = f"{self.prefix}/outcome"
-        self.store.wait([key], store_timeout())
+        # Polled with check() rather than store.wait(): a blocking wait holds the store client's lock, which
+        # would stall the training thread's own store use while this runs on the writer thread.
+        deadline = time.monotonic() + store_timeout().total_seconds()
+        delay = 0.002
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise CheckpointError(
+                    f"rank 0 did not publish the outcome of save #{self.seq} within {store_timeout()}; "
+                    "raise NXD_CKPT_COMMIT_TIMEOUT_S if storage is that slow"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
         value = self.store.get(key)
         if value != b"ok":
             raise RemoteRankError(value.decode(errors="replace").removeprefix("fail:"))

@@ -7,6 +7,17 @@
   4. write      the files are written and made durable (inline, or on the writer thread);
   5. commit     ranks ``arrive`` on the store; rank 0 writes metadata and ``done`` last, then retention.
 Steps 4-5 use no collectives, so they can run on a background thread.
+
+Async saves (``async_save=True``): the caller pays for steps 1-3 only. Staging copies into host buffers reused
+from the previous save (``staging.StagingPool``); steps 4-5 run as one job on the ``writer.AsyncWriter``
+thread and hand the buffers back as soon as the files are durable; retention is a second job after the commit.
+The commit happens as soon as the last rank's files are durable, with no further call from the training loop:
+every rank ``arrive``s on the c10d store and rank 0's writer thread polls it and writes ``done``. The store,
+not a collective, because a collective from the writer thread would interleave with the training thread's
+collectives on the same group (gloo and the XLA runtime require every rank to issue them in the same order)
+and would need all ranks to enter it, while the store is a thread-safe key-value client that rank 0 can poll
+without the others doing anything. A new save first waits for the previous one (logged), and an error in the
+background is raised, once and chained, by the next ``save``/``load``/``finalize``. See docs/async.md.
 """
 
 from __future__ import annotations
@@ -16,7 +27,7 @@ import logging
 import os
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +38,6 @@ from . import rank_state as rank_states
 from .commit import CommitBarrier
 from .dist import Coordinator, format_exception
 from .errors import (
-    AsyncSaveError,
     CheckpointError,
     FormatError,
     LayoutMismatchError,
@@ -35,6 +45,7 @@ from .errors import (
 from .parallel_state import current_topology
 from .storage import Storage, storage_for
 from .topology import Topology
+from .writer import AsyncWriter
 
 logger = logging.getLogger("nxd_ckpt")
 
@@ -49,16 +60,37 @@ class SaveReport:
     checkpoint_dir: str
     async_save: bool
     bytes_written: int = 0
+    """Tensor bytes this rank wrote."""
     blocked_s: float = 0.0
+    """Time the caller was blocked in ``save``, including ``waited_s``."""
+    waited_s: float = 0.0
+    """Part of ``blocked_s`` spent waiting for the previous save to finish writing."""
     staging_s: float = 0.0
+    """Time to plan and copy the state to host memory."""
+    staging_allocated_bytes: int = 0
+    """Host staging memory newly allocated by this save (0 when the previous save's buffers were reused)."""
     write_s: float = 0.0
+    """Time to write this rank's files and make them durable."""
+    total_s: float = 0.0
+    """From the call to the commit outcome (``done`` written, or known on other ranks)."""
     files_written: int = 0
     completed: bool = False
     _future: Future | None = field(default=None, repr=False)
+    _started: float = field(default=0.0, repr=False)
 
     @property
     def throughput_gbps(self) -> float:
         return self.bytes_written / self.write_s / 1e9 if self.write_s > 0 else 0.0
+
+    def summary(self) -> str:
+        """One log line: what the save cost."""
+        mode = "async" if self.async_save else "sync"
+        waited = f" (of which {self.waited_s:.2f} s waiting for the previous save)" if self.waited_s >= 0.001 else ""
+        return (
+            f"saved {self.tag} ({mode}): {self.bytes_written / 1e6:.1f} MB on this rank, training blocked "
+            f"{self.blocked_s:.3f} s{waited}, staging {self.staging_s:.3f} s, write {self.write_s:.2f} s "
+            f"({self.throughput_gbps:.2f} GB/s), durable after {self.total_s:.2f} s"
+        )
 
     def wait(self) -> SaveReport:
         """Block until this save is durable on this rank (re-raises its error)."""
@@ -88,10 +120,8 @@ class CheckpointManager:
         self._coordinator_key: tuple | None = None
         self._session: str | None = None
         self._seq = 0
-        self._executor: ThreadPoolExecutor | None = None
-        self._pending: Future | None = None
-        self._pending_tag: str | None = None
-        self._error: BaseException | None = None
+        self._async_writer: AsyncWriter | None = None
+        self._staging_pool = staging.StagingPool(max_sets=2)
 
     # ----------------------------------------------------------------- plumbing
     def coordinator(self) -> Coordinator:
@@ -107,36 +137,28 @@ class CheckpointManager:
             self._seq = 0
         return self._coordinator
 
-    def _writer(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nxd_ckpt_writer")
-        return self._executor
+    def _writer(self) -> AsyncWriter:
+        if self._async_writer is None:
+            self._async_writer = AsyncWriter()
+        return self._async_writer
 
     def check_for_errors(self) -> None:
-        """Raise (once) the error of a background save that failed since the last call."""
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise AsyncSaveError(f"a background checkpoint save failed: {format_exception(error)}") from error
+        """Raise (once) the error of a background save that failed since the last call (AsyncSaveError)."""
+        if self._async_writer is not None:
+            self._async_writer.check_for_errors()
 
     def wait_pending(self) -> float:
-        """Wait for the save in flight, if any; return the seconds waited."""
-        if self._pending is None:
-            return 0.0
-        start = time.perf_counter()
-        try:
-            self._pending.result()
-        except BaseException as e:  # noqa: BLE001 - kept and raised by check_for_errors
-            self._error = self._error or e
-        self._pending, self._pending_tag = None, None
-        return time.perf_counter() - start
+        """Wait for every background job (writes, commit, retention); return the seconds waited."""
+        return self._async_writer.wait_until_finished() if self._async_writer is not None else 0.0
 
     def finalize(self) -> None:
-        """Wait for everything pending, release the writer, and raise a background error if there was one."""
-        self.wait_pending()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
-        self.check_for_errors()
+        """Wait for everything pending, stop the writer, free the staging buffers; raise a background error."""
+        writer, self._async_writer = self._async_writer, None
+        if writer is not None:
+            writer.close()
+        self._staging_pool.clear()
+        if writer is not None:
+            writer.check_for_errors()
 
     # ----------------------------------------------------------------- save
     def save(
@@ -164,11 +186,11 @@ class CheckpointManager:
             raise ValueError(f"num_workers must be an integer >= 1, got {num_workers!r}")
         self.check_for_errors()
         waited = self.wait_pending()
-        if waited > 0.001:
-            logger.info("save of %s waited %.2f s for the previous save to finish writing", tag, waited)
         self.check_for_errors()
 
         coord = self.coordinator()
+        if waited >= 0.001 and coord.rank == 0:
+            logger.info("save of %s waited %.2f s for the previous save to finish writing", tag, waited)
         topo = current_topology()
         storage = storage_for(checkpoint_dir)
         zero1 = bool(zero1_optimizer) or adapters.is_zero1_optimizer(optimizer)
@@ -188,7 +210,8 @@ class CheckpointManager:
         )
         ctx = self._begin(coord, storage, tag, topo, zero1, use_xser, num_kept_ckpts, items)
 
-        report = SaveReport(tag=tag, checkpoint_dir=storage.url, async_save=async_save)
+        report = SaveReport(tag=tag, checkpoint_dir=storage.url, async_save=async_save, waited_s=waited)
+        report._started = call_start
         stage_start = time.perf_counter()
         writes = plan.plan_save(
             topo,
@@ -199,17 +222,33 @@ class CheckpointManager:
             user_content=user_content,
             zero1=zero1,
         )
-        staged = [(w.path, staging.to_host(w.state, copy=async_save)) for w in writes]
+        lease: staging.StagedState | None = None
+        if async_save:  # a training-safe copy in reused host buffers, handed back once the files are durable
+            try:
+                lease = self._staging_pool.stage([w.state for w in writes])
+            except BaseException as e:
+                # Tell rank 0's commit that this rank will never write, instead of letting it wait until timeout.
+                barrier = CommitBarrier(coord.store, str(self._session), ctx.seq, coord.rank, coord.world_size)
+                barrier.arrive(f"rank {coord.rank} could not stage its state: {format_exception(e)}")
+                raise
+            staged = [(w.path, state) for w, state in zip(writes, lease.trees, strict=True)]
+            report.staging_allocated_bytes = lease.allocated_bytes
+        else:
+            staged = [(w.path, staging.to_host(w.state, copy=False)) for w in writes]
         staged += rank_files
         report.staging_s = time.perf_counter() - stage_start
 
         def write_and_commit() -> None:
-            self._write_and_commit(ctx, coord, staged, report, num_workers if not async_save else None)
+            self._write_and_commit(ctx, coord, staged, report, num_workers if not async_save else None, lease)
+            if async_save:
+                self._log_save(report, coord)
 
         if async_save:
-            self._pending = self._writer().submit(write_and_commit)
-            self._pending_tag = tag
-            report._future = self._pending
+            writer = self._writer()
+            report.blocked_s = time.perf_counter() - call_start  # set first: the job logs it
+            report._future = writer.submit(write_and_commit, name=f"save {tag}")
+            if coord.rank == 0 and num_kept_ckpts is not None:
+                writer.submit(lambda: self._retention_after(ctx, report), name=f"retention after {tag}")
             report.blocked_s = time.perf_counter() - call_start
         else:
             write_and_commit()
@@ -259,9 +298,11 @@ class CheckpointManager:
         staged: list[tuple[str, Any]],
         report: SaveReport,
         waves: int | None,
+        lease: staging.StagedState | None = None,
     ) -> None:
         """Write this rank's files, then run the commit protocol. ``waves`` bounds concurrent writers per
-        host for synchronous saves (it uses barriers); background writes pass None (no collectives)."""
+        host for synchronous saves (it uses barriers); background writes pass None (no collectives).
+        ``lease`` (async saves) returns the staging buffers to the pool as soon as the files are written."""
         barrier = CommitBarrier(coord.store, str(self._session), ctx.seq, coord.rank, coord.world_size)
         write_start = time.perf_counter()
         error: BaseException | None = None
@@ -287,6 +328,8 @@ class CheckpointManager:
             except BaseException as e:  # noqa: BLE001
                 error = e
         report.write_s = time.perf_counter() - write_start
+        if lease is not None:
+            lease.release()
         barrier.arrive(None if error is None else f"rank {coord.rank}: {format_exception(error)}")
 
         if coord.rank == 0:
@@ -300,13 +343,12 @@ class CheckpointManager:
             summary = "; ".join(errors[r] for r in sorted(errors)) if errors else None
             if commit_error is not None:
                 summary = f"rank 0 could not commit: {format_exception(commit_error)}"
-            if summary is None and ctx.num_kept_ckpts is not None:
+            if summary is None and ctx.num_kept_ckpts is not None and not report.async_save:
                 # After 'done' (the commit), before the outcome, so a synchronous save returns on every rank
-                # with retention applied; apply_retention never raises.
-                deleted = tags.apply_retention(ctx.storage, ctx.num_kept_ckpts, protect={ctx.tag})
-                if deleted:
-                    logger.info("retention deleted %s", ", ".join(deleted))
+                # with retention applied; async saves run it as the next writer job (_retention_after).
+                self._apply_retention(ctx)
             barrier.publish_outcome(summary)
+            report.total_s = time.perf_counter() - report._started
             if error is not None:
                 raise error
             if commit_error is not None:
@@ -317,9 +359,24 @@ class CheckpointManager:
         else:
             if error is not None:
                 raise error
-            if waves is not None or not report.async_save:
-                barrier.wait_outcome()
-                report.completed = True
+            # Async saves wait here too (on the writer thread, polling the store), so a failure on any rank
+            # is raised on every rank by its next save/finalize.
+            barrier.wait_outcome()
+            report.total_s = time.perf_counter() - report._started
+            report.completed = True
+
+    def _apply_retention(self, ctx: _SaveContext) -> None:
+        """Rank 0, after ``done``: delete what ``num_kept_ckpts`` no longer keeps (never raises)."""
+        if ctx.num_kept_ckpts is None:
+            return
+        deleted = tags.apply_retention(ctx.storage, ctx.num_kept_ckpts, protect={ctx.tag})
+        if deleted:
+            logger.info("retention deleted %s", ", ".join(deleted))
+
+    def _retention_after(self, ctx: _SaveContext, report: SaveReport) -> None:
+        """Writer job queued behind an async save: retention, only if that save was committed."""
+        if report.completed:
+            self._apply_retention(ctx)
 
     def _write_done(self, ctx: _SaveContext, world_size: int) -> None:
         topo = ctx.topology
@@ -342,15 +399,9 @@ class CheckpointManager:
         ctx.storage.sync_dirs([ctx.tag])
 
     def _log_save(self, report: SaveReport, coord: Coordinator) -> None:
+        """One INFO line per save, on the master rank (async saves: when the commit outcome is known)."""
         if coord.rank == 0:
-            logger.info(
-                "saved %s: %.1f MB on rank 0 in %.2f s (%.2f GB/s), training blocked %.2f s",
-                report.tag,
-                report.bytes_written / 1e6,
-                report.write_s,
-                report.throughput_gbps,
-                report.blocked_s,
-            )
+            logger.info("%s", report.summary())
 
     # ----------------------------------------------------------------- load
     def load(

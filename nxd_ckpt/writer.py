@@ -95,9 +95,7 @@ class AsyncWriter:
             while self._unfinished:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise TimeoutError(
-                        f"{self._unfinished} checkpoint job(s) still running after {timeout} s"
-                    )
+                    raise TimeoutError(f"{self._unfinished} checkpoint job(s) still running after {timeout} s")
                 self._idle.wait(remaining)
         return time.perf_counter() - start
 
@@ -109,9 +107,7 @@ class AsyncWriter:
             return
         name, first = errors[0]
         more = f" (and {len(errors) - 1} later job(s) failed too; see the log)" if len(errors) > 1 else ""
-        raise AsyncSaveError(
-            f"background checkpoint job {name!r} failed: {format_exception(first)}{more}"
-        ) from first
+        raise AsyncSaveError(f"background checkpoint job {name!r} failed: {format_exception(first)}{more}") from first
 
     def close(self) -> None:
         """Wait for pending jobs, then stop the thread. Errors stay available to ``check_for_errors``."""

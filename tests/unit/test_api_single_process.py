@@ -41,7 +41,7 @@ def test_no_user_content_returns_none(tmp_path):
     model = TinyMLP()
     nxd.save_checkpoint(tmp_path, "t", model=model)
     assert nxd.load_checkpoint(tmp_path, model=TinyMLP()) is None
-    assert sorted(os.listdir(tmp_path / "t")) == ["checkpoint", "done", "model", "nxd_ckpt.json"]
+    assert sorted(os.listdir(tmp_path / "t")) == ["checkpoint", "done", "model", "nxd_ckpt", "nxd_ckpt.json"]
 
 
 def test_retention_and_order(tmp_path):

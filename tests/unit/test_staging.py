@@ -1,0 +1,140 @@
+"""StagingPool: training-safe host snapshots in buffers reused from one save to the next, bounded, released."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from nxd_ckpt import staging
+from nxd_ckpt.testing.fakes import assert_state_equal
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(64, 32, generator=g)
+    return {
+        "model": {"w": weight, "b": torch.randn(32, generator=g), "tied": weight},
+        "optim": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(64, 32, generator=g)}}},
+        "meta": {"lr": 0.1, "names": ["a", "b"]},
+    }
+
+
+def _clone(tree):
+    from nxd_ckpt.tree import map_tensors
+
+    return map_tensors(tree, lambda t: t.clone())
+
+
+def _ptrs(tree) -> list[int]:
+    from nxd_ckpt.tree import iter_tensors
+
+    return [t.data_ptr() for _, t in iter_tensors(tree)]
+
+
+def test_snapshot_is_independent_of_later_in_place_updates():
+    state = _state()
+    expected = _clone(state)
+    pool = staging.StagingPool()
+    staged = pool.stage([state["model"], state["optim"], state["meta"]])
+    for t in (state["model"]["w"], state["model"]["b"], state["optim"]["state"][0]["exp_avg"]):
+        t.add_(1000.0)
+    state["optim"]["state"][0]["step"] += 1
+    model, optim, meta = staged.trees
+    assert_state_equal(model, expected["model"])
+    assert_state_equal(optim, expected["optim"])
+    assert meta == {"lr": 0.1, "names": ["a", "b"]}
+    assert staged.nbytes == sum(t.numel() * t.element_size() for t in (model["w"], model["b"])) + 4 + 64 * 32 * 4
+
+
+def test_tied_tensors_stay_shared_in_the_snapshot():
+    state = _state()
+    staged = staging.StagingPool().stage([state["model"]])
+    model = staged.trees[0]
+    assert model["w"] is model["tied"]
+    assert model["w"].data_ptr() != state["model"]["w"].data_ptr()
+
+
+def test_buffers_are_reused_by_the_next_save_with_the_same_layout():
+    pool = staging.StagingPool()
+    first = pool.stage([_state(0)])
+    assert first.allocated_bytes == first.nbytes > 0
+    ptrs = _ptrs(first.trees)
+    first.release()
+    assert pool.held_bytes == first.nbytes
+    state = _state(1)
+    second = pool.stage([state])
+    assert second.allocated_bytes == 0
+    assert _ptrs(second.trees) == ptrs  # the very same memory, refilled
+    assert_state_equal(second.trees[0], state)
+
+
+def test_a_changed_shape_or_dtype_reallocates_only_that_buffer():
+    pool = staging.StagingPool()
+    pool.stage([{"a": torch.zeros(10), "b": torch.zeros(20), "c": torch.zeros(5)}]).release()
+    changed = {"a": torch.ones(10), "b": torch.ones(21), "c": torch.ones(5, dtype=torch.float64)}
+    staged = pool.stage([changed])
+    assert staged.allocated_bytes == 21 * 4 + 5 * 8
+    assert_state_equal(staged.trees[0], changed)
+    staged.release()
+    assert pool.held_bytes == staged.nbytes
+
+
+def test_the_save_being_written_keeps_its_buffers_while_the_next_one_stages():
+    pool = staging.StagingPool(max_sets=2)
+    in_flight = pool.stage([_state(0)])
+    staging_now = pool.stage([_state(1)])
+    assert set(_ptrs(in_flight.trees)).isdisjoint(_ptrs(staging_now.trees))
+    assert_state_equal(in_flight.trees[0], _state(0))
+
+
+def test_staging_is_bounded_and_waits_for_a_release():
+    pool = staging.StagingPool(max_sets=1)
+    held = pool.stage([_state(0)])
+    with pytest.raises(TimeoutError, match="still being written"):
+        pool.stage([_state(1)], timeout=0.05)
+    held.release()
+    held.release()  # a second release is a no-op, not a double return
+    assert pool.stage([_state(1)], timeout=0.05).allocated_bytes == 0
+
+
+def test_clear_frees_idle_buffers_and_drops_sets_still_in_use_when_they_return():
+    pool = staging.StagingPool()
+    pool.stage([_state(0)]).release()
+    lent = pool.stage([_state(1)])
+    pool.clear()
+    assert pool.held_bytes == 0
+    lent.release()
+    assert pool.held_bytes == 0
+    assert pool.stage([_state(2)]).allocated_bytes > 0
+
+
+def test_structure_and_non_tensor_leaves_are_preserved():
+    point = collections.namedtuple("point", "x y")
+    tree = collections.OrderedDict(p=point(torch.arange(3), 7), items=[torch.ones(2), "s", None])
+    out = staging.StagingPool().stage([tree]).trees[0]
+    assert type(out) is collections.OrderedDict and type(out["p"]) is point
+    assert out["p"].y == 7 and out["items"][1:] == ["s", None]
+    assert torch.equal(out["p"].x, torch.arange(3)) and torch.equal(out["items"][0], torch.ones(2))
+
+
+def test_to_host_copies_cpu_tensors_only_when_asked():
+    t = torch.ones(4)
+    assert staging.to_host({"t": t}, copy=False)["t"].data_ptr() == t.data_ptr()
+    assert staging.to_host({"t": t}, copy=True)["t"].data_ptr() != t.data_ptr()
+
+
+@pytest.mark.xla
+def test_xla_tensors_are_staged_to_private_host_tensors():
+    xm = pytest.importorskip("torch_xla.core.xla_model")
+    device = xm.xla_device()
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4).to(device)
+    cpu = torch.ones(2)
+    staged = staging.StagingPool().stage([{"w": w, "cpu": cpu}])
+    w.add_(100.0)
+    cpu.add_(100.0)
+    out = staged.trees[0]
+    assert out["w"].device.type == "cpu" and out["cpu"].device.type == "cpu"
+    assert torch.equal(out["w"], torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    assert torch.equal(out["cpu"], torch.ones(2))
