@@ -33,14 +33,16 @@ from typing import Any
 
 import torch
 
-from . import adapters, layout, plan, staging, statefile, tags
+from . import adapters, integrity, layout, plan, staging, statefile, tags
 from . import rank_state as rank_states
 from .commit import CommitBarrier
 from .dist import Coordinator, format_exception
 from .errors import (
     CheckpointError,
     FormatError,
+    IntegrityError,
     LayoutMismatchError,
+    RemoteRankError,
 )
 from .parallel_state import current_topology
 from .storage import Storage, storage_for
@@ -274,13 +276,15 @@ class CheckpointManager:
                 return 0.0
             storage.delete(layout.tag_path(tag, layout.DONE_MARKER))
             storage.delete(layout.tag_path(tag, layout.METADATA_FILE))
+            integrity.remove_manifests(storage, tag)  # stale ones (e.g. another world size) would fail verify
             storage.write_bytes(layout.tag_path(tag, layout.CHECKPOINT_MARKER), b"1")
+            storage.sync_dirs([tag, ""])  # the removal of an old 'done' is durable before files are rewritten
             return time.time()
 
         created_at = coord.broadcast_object(coord.run_all(prepare, f"starting checkpoint {tag!r}"))
         self._seq += 1
         return _SaveContext(
-            storage=storage,
+            storage=integrity.ChecksummingStorage(storage, tag, coord.rank),  # records checksums for the manifest
             tag=tag,
             seq=self._seq,
             created_at=created_at,
@@ -313,6 +317,7 @@ class CheckpointManager:
                 written += statefile.write_plain(ctx.storage, path, state)
                 report.bytes_written += sum(t.numel() * t.element_size() for t in _tensors(state))
             ctx.storage.sync_dirs({p.rsplit("/", 1)[0] for p in written})
+            ctx.storage.write_manifest()  # before arriving: 'done' implies every rank's manifest exists
             report.files_written = len(written)
 
         if waves is not None and coord.distributed and waves < ctx.topology.local_world_size:
@@ -395,8 +400,10 @@ class CheckpointManager:
         ctx.storage.write_bytes(
             layout.tag_path(ctx.tag, layout.METADATA_FILE), json.dumps(metadata, indent=1).encode()
         )
+        ctx.storage.write_manifest()  # rank 0's manifest again, now listing the metadata file too
+        ctx.storage.sync_dirs([ctx.tag, ""])  # the tag's entries are durable before 'done' can be
         ctx.storage.write_bytes(layout.tag_path(ctx.tag, layout.DONE_MARKER), b"1")
-        ctx.storage.sync_dirs([ctx.tag])
+        ctx.storage.sync_dirs([ctx.tag])  # 'done' is durable before retention deletes older tags
 
     def _log_save(self, report: SaveReport, coord: Coordinator) -> None:
         """One INFO line per save, on the master rank (async saves: when the commit outcome is known)."""
@@ -416,7 +423,12 @@ class CheckpointManager:
         allow_pickle: bool = False,
         rank_state: Any = None,
         skip_rank_state: bool = False,
+        verify: bool = True,
+        fallback_to_verified: bool = False,
     ) -> Any:
+        if fallback_to_verified and tag is None:
+            options = {k: v for k, v in locals().items() if k not in ("self", "checkpoint_dir", "tag")}
+            return self._load_newest_verified(checkpoint_dir, options)
         self.check_for_errors()
         self.wait_pending()
         self.check_for_errors()
@@ -429,6 +441,11 @@ class CheckpointManager:
             return resolved, describe_checkpoint(storage, resolved)
 
         resolved, info = coord.broadcast_object(coord.run_all(resolve if coord.rank == 0 else lambda: None, "resolving"))
+        if verify:  # every file read below is checked against the manifests written with it (integrity.py)
+            index = coord.broadcast_object(
+                coord.run_all(lambda: integrity.read_index(storage, resolved) if coord.rank == 0 else None, "verifying")
+            )
+            storage = integrity.VerifyingStorage(storage, resolved, index)
         _check_layout(info, topo, storage.url, resolved)
 
         def read_and_apply() -> Any:
@@ -457,6 +474,56 @@ class CheckpointManager:
         if coord.rank == 0:
             logger.info("loaded %s from %s in %.2f s", resolved, storage.url, time.perf_counter() - start)
         return result
+
+    def _load_newest_verified(self, checkpoint_dir: str | os.PathLike[str], options: dict[str, Any]) -> Any:
+        """Auto-latest load that skips, newest first, complete tags failing verification (logged as WARNING).
+
+        A tag is skipped when any rank found one of its files damaged or missing (FormatError, which includes
+        IntegrityError); every other error is raised. All ranks agree on each attempt's outcome.
+        """
+        options = {**options, "fallback_to_verified": False, "verify": True}
+        coord = self.coordinator()
+        storage = storage_for(checkpoint_dir)
+
+        def newest_first() -> list[str]:
+            return [t.name for t in reversed(tags.list_tags(storage))]
+
+        candidates = coord.broadcast_object(coord.run_all(newest_first if coord.rank == 0 else list, "listing"))
+        if not candidates:
+            tags.resolve_tag(storage, None)  # raises CheckpointNotFoundError, naming incomplete tags
+        failures: list[str] = []
+        for candidate in candidates:
+            result, error = None, None
+            try:
+                result = self.load(checkpoint_dir, candidate, **options)
+            except Exception as e:
+                error = e
+            damaged = isinstance(error, FormatError)
+            verdict = None if error is None else ("damaged" if damaged else type(error).__name__)
+            verdicts = coord.all_gather_object((verdict, str(error) if damaged else None))
+            if all(v is None for v, _ in verdicts):
+                if failures and coord.rank == 0:
+                    logger.warning("loaded %s from %s after skipping damaged checkpoints", candidate, storage.url)
+                return result
+            if not any(v == "damaged" for v, _ in verdicts) or any(
+                v not in (None, "damaged", "RemoteRankError") for v, _ in verdicts
+            ):
+                if error is not None:
+                    raise error
+                raise RemoteRankError(f"loading {candidate} failed on another rank: {verdicts}")
+            reason = next(msg for v, msg in verdicts if v == "damaged")
+            failures.append(f"{candidate}: {reason}")
+            if coord.rank == 0:
+                logger.warning(
+                    "CHECKPOINT %s IN %s FAILED VERIFICATION AND IS SKIPPED: %s; falling back to the previous "
+                    "complete checkpoint",
+                    candidate,
+                    storage.url,
+                    reason,
+                )
+        raise IntegrityError(
+            f"no complete checkpoint in {storage.url} passes verification: " + " | ".join(failures)
+        )
 
 
 def _tensors(state: Any) -> list[torch.Tensor]:
