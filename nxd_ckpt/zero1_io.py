@@ -110,8 +110,9 @@ class ShardFile:
                     self.info = xser.load_info(f, what=f"{storage.url}/{info_path}")
         else:
             state = None
-            if isinstance(storage, LocalStorage):
-                state = map_torch_file(os.path.join(storage.root, path), trusted=trusted, what=self.what)
+            root = _mappable_root(storage, path)
+            if root is not None:
+                state = map_torch_file(os.path.join(root, path), trusted=trusted, what=self.what)
                 self.mapped = state is not None
             self.structure = state if state is not None else statefile.read_plain(storage, path, trusted=trusted)
         if not zero1.is_zero1_state(self.structure):
@@ -209,6 +210,18 @@ class ShardFile:
             return obj
 
         return walk(self.structure, ())
+
+
+def _mappable_root(storage: Storage, path: str) -> str | None:
+    """The local directory behind ``storage`` if ``path`` can be memory-mapped: local disk, and not a file the
+    storage verifies against a checksum (a checked read has to read the whole file anyway)."""
+    record_for = getattr(storage, "record_for", None)
+    if callable(record_for) and record_for(path) is not None:
+        return None
+    inner = storage
+    while not isinstance(inner, LocalStorage) and getattr(inner, "inner", None) is not None:
+        inner = inner.inner
+    return inner.root if isinstance(inner, LocalStorage) else None
 
 
 def _fmt(path: EntryPath) -> str:
@@ -408,3 +421,14 @@ def _copy_containers(obj: Any) -> Any:
     if isinstance(obj, list):
         return [_copy_containers(v) for v in obj]
     return obj
+
+
+def reshard_source(info: dict, topo: Topology) -> tuple[bool, int | None]:
+    """(whether this rank must re-shard, the checkpoint's ZeRO-1 DP size or None for full files), from the
+    facts ``manager.describe_checkpoint`` gathered: re-shard when the saved DP size differs from the current."""
+    if not info.get("zero1"):
+        return False, None
+    if info.get("zero1_full"):
+        return True, None
+    saved = info.get("zero1_dp_size")
+    return (saved is not None and int(saved) != topo.dp_size), saved
