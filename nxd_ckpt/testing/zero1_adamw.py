@@ -45,6 +45,9 @@ class Zero1AdamW(torch.optim.Optimizer):
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for g in self.param_groups for p in g["params"]]
 
+    def _shards(self) -> list[torch.nn.Parameter]:
+        return [s for g in self.base_optimizer.param_groups for s in g["params"]]
+
     def _init_shards(self) -> None:
         groups = []
         for g in self.param_groups:
@@ -73,7 +76,7 @@ class Zero1AdamW(torch.optim.Optimizer):
         return loss
 
     def _gather_params(self) -> None:
-        for p, shard in zip(self._params(), [s for g in self.base_optimizer.param_groups for s in g["params"]]):
+        for p, shard in zip(self._params(), self._shards(), strict=True):
             if self.dp_size > 1:
                 parts = [torch.empty_like(shard.data) for _ in range(self.dp_size)]
                 dist.all_gather(parts, shard.data.contiguous(), group=self.group)
@@ -87,8 +90,7 @@ class Zero1AdamW(torch.optim.Optimizer):
         sd["base_state"] = self.base_optimizer.state_dict()["state"]
         sd["shape_info"] = {i: p.shape for i, p in enumerate(self._params())}
         if self.save_master_weights:
-            shards = [s for g in self.base_optimizer.param_groups for s in g["params"]]
-            sd["sharded_master_weights"] = {i: s.data for i, s in enumerate(shards)}
+            sd["sharded_master_weights"] = {i: s.data for i, s in enumerate(self._shards())}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
@@ -109,8 +111,7 @@ class Zero1AdamW(torch.optim.Optimizer):
         ]
         self.base_optimizer.load_state_dict(inner)
         if master is not None:
-            shards = [s for g in self.base_optimizer.param_groups for s in g["params"]]
             with torch.no_grad():
-                for i, s in enumerate(shards):
+                for i, s in enumerate(self._shards()):
                     s.data.copy_(master[i])
                 self._gather_params()
