@@ -56,18 +56,21 @@ class Coordinator:
         if self.distributed:
             dist.barrier(group=self._group)
 
-    def broadcast_object(self, obj: T, src: int = 0) -> T:
+    def broadcast_object(self, obj: T, src: int = 0, group: Any | None = None) -> T:
+        """``obj`` of global rank ``src``, on every rank of ``group`` (default: the whole world)."""
         if not self.distributed:
             return obj
         box = [obj if self.rank == src else None]
-        dist.broadcast_object_list(box, src=src, group=self._group)
+        dist.broadcast_object_list(box, src=src, group=group if group is not None else self._group)
         return box[0]  # type: ignore[return-value]
 
-    def all_gather_object(self, obj: T) -> list[T]:
+    def all_gather_object(self, obj: T, group: Any | None = None) -> list[T]:
+        """Every rank's ``obj`` in rank order within ``group`` (default: the whole world)."""
         if not self.distributed:
             return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self._group)
+        size = self.world_size if group is None else dist.get_world_size(group)
+        out: list[Any] = [None] * size
+        dist.all_gather_object(out, obj, group=group if group is not None else self._group)
         return out
 
     def gather_object(self, obj: T, dst: int = 0) -> list[T] | None:

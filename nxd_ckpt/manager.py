@@ -112,6 +112,8 @@ class _SaveContext:
     use_xser: bool
     num_kept_ckpts: int | None
     items: tuple[str, ...]
+    state_files: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Model/optimizer files this rank writes -> the ranks holding that state (xser spreads the work over them)."""
 
 
 class CheckpointManager:
@@ -223,7 +225,9 @@ class CheckpointManager:
             scheduler=adapters.scheduler_state(scheduler) if scheduler is not None else None,
             user_content=user_content,
             zero1=zero1,
+            spread_replicated=use_xser,
         )
+        ctx.state_files.update({w.path: w.replicas for w in writes if w.kind in ("model", "optimizer")})
         lease: staging.StagedState | None = None
         if async_save:  # a training-safe copy in reused host buffers, handed back once the files are durable
             try:
@@ -314,6 +318,18 @@ class CheckpointManager:
         def write_files() -> None:
             written: list[str] = []
             for path, state in staged:
+                if path in ctx.state_files:
+                    done = statefile.write_state_file(
+                        ctx.storage,
+                        path,
+                        state,
+                        xser_encoding=ctx.use_xser,
+                        replicas=ctx.state_files[path],
+                        rank=coord.rank,
+                    )
+                    written += done.paths
+                    report.bytes_written += done.nbytes
+                    continue
                 written += statefile.write_plain(ctx.storage, path, state)
                 report.bytes_written += sum(t.numel() * t.element_size() for t in _tensors(state))
             ctx.storage.sync_dirs({p.rsplit("/", 1)[0] for p in written})
@@ -448,15 +464,20 @@ class CheckpointManager:
             storage = integrity.VerifyingStorage(storage, resolved, index)
         _check_layout(info, topo, storage.url, resolved)
 
+        # DP replicas reading the same xser file share the reads; only when all replicas load in one wave.
+        replicas = None
+        if (model is not None or optimizer is not None) and num_workers >= topo.local_world_size:
+            replicas = statefile.replica_groups(coord, topo)
+
         def read_and_apply() -> Any:
             if model is not None:
                 path = layout.model_file(resolved, topo.tp_rank, topo.pp_rank)
-                state = _read(storage, path, info, allow_pickle)
+                state = _read(storage, path, info, allow_pickle, replicas)
                 adapters.load_model_state(model, state, strict=strict, source=f"{storage.url}/{path}")
             if optimizer is not None:
                 dp = topo.dp_rank if info["zero1"] else 0
                 path = layout.optim_file(resolved, dp, topo.tp_rank, topo.pp_rank)
-                state = _read(storage, path, info, allow_pickle)
+                state = _read(storage, path, info, allow_pickle, None if info["zero1"] else replicas)
                 adapters.load_optimizer_state(optimizer, state, source=f"{storage.url}/{path}")
             if scheduler is not None:
                 path = layout.tag_path(resolved, layout.SCHEDULER_FILE)
@@ -532,13 +553,15 @@ def _tensors(state: Any) -> list[torch.Tensor]:
     return [t for _, t in iter_tensors(state)]
 
 
-def _read(storage: Storage, path: str, info: dict, allow_pickle: bool) -> Any:
+def _read(
+    storage: Storage, path: str, info: dict, allow_pickle: bool, replicas: statefile.ReplicaGroup | None = None
+) -> Any:
     if not storage.exists(path):
         raise FormatError(
             f"checkpoint file {storage.url}/{path} is missing; the checkpoint is damaged or was saved "
             "without this state (load without it, or pick another tag)"
         )
-    return statefile.read_plain(storage, path, trusted=allow_pickle)
+    return statefile.read_state_file(storage, path, trusted=allow_pickle, group=replicas)
 
 
 def describe_checkpoint(storage: Storage, tag: str) -> dict:
