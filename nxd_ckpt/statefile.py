@@ -10,6 +10,7 @@ Replicas that load the same file read each tensor from storage once between them
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -298,18 +299,18 @@ def _read_tensors(
 
 def _shared(group: ReplicaGroup, fn: Callable[[], Any], what: str) -> Any:
     """Run ``fn`` on the first replica and give its result (or its error) to every replica."""
-    result, error = None, None
+    payload, error = b"", None
     if group.index == 0:
         try:
-            result = fn()
+            payload = pickle.dumps(fn())  # pickled here, so a failure cannot leave the replicas waiting
         except BaseException as e:  # sent to the replicas, then raised
             error = e
-    message, result = group.broadcast_object((None if error is None else format_exception(error), result), 0)
+    message, payload = group.broadcast_object((None if error is None else format_exception(error), payload), 0)
     if error is not None:
         raise error
     if message is not None:
         raise FormatError(f"replica rank {group.ranks[0]} could not read {what}: {message}")
-    return result
+    return pickle.loads(payload)
 
 
 def _exchange(

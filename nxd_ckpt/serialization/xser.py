@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copyreg
 import ctypes
 import io
 import pickle
@@ -42,6 +43,15 @@ class TensorReference:
 
     def __repr__(self) -> str:
         return f"TensorReference(tid={self.tid})"
+
+    def __reduce__(self) -> tuple[Any, tuple[int]]:
+        # Ordinary pickling (e.g. sending a reference between ranks) must not need torch_xla; reference files
+        # are written by _RefPickler, which emits torch_xla's class instead.
+        return _reference, (self.tid,)
+
+
+def _reference(tid: int) -> TensorReference:
+    return TensorReference(tid)
 
 
 # Pickled and allow-listed under torch_xla's name, so files match torch_xla's byte for byte in that respect.
@@ -124,6 +134,11 @@ def make_info(tensors: list[torch.Tensor]) -> dict[int, dict[str, Any]]:
 
 class _RefPickler(pickle._Pickler):  # type: ignore[name-defined,misc]
     """Pure-Python pickler that writes the stand-in class under torch_xla's global name."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is TensorReference:  # exactly what torch_xla's own class pickles to
+            return copyreg.__newobj__, (TensorReference,), {"tid": obj.tid}
+        return NotImplemented
 
     def save_global(self, obj: Any, name: str | None = None) -> None:
         if obj is TensorReference:

@@ -1,0 +1,129 @@
+"""xser across DP replicas on real gloo ranks: every replica writes a share of a replicated file, and replicas
+loading the same file read each tensor file from storage once between them (counted)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import torch
+import torch.distributed as dist
+
+import nxd_ckpt as nxd
+from nxd_ckpt import statefile
+from nxd_ckpt.dist import Coordinator
+from nxd_ckpt.errors import FormatError
+from nxd_ckpt.storage import LocalStorage
+from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_steps
+from nxd_ckpt.testing.multiprocess import run_with_ranks
+from nxd_ckpt.topology import Topology
+
+
+class _CountingFile:
+    """A read stream that counts the bytes it returns."""
+
+    def __init__(self, f) -> None:
+        self._f = f
+        self.count = 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n)
+        self.count += len(data)
+        return data
+
+    def readinto(self, buffer) -> int:
+        n = self._f.readinto(buffer) or 0
+        self.count += n
+        return n
+
+    def __getattr__(self, name: str):
+        return getattr(self._f, name)
+
+
+class CountingStorage(LocalStorage):
+    """Local storage that counts the bytes read per file (instrumentation, not a fake: it reads the disk)."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.bytes_read: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def open_read(self, path):
+        with super().open_read(path) as f:
+            counting = _CountingFile(f)
+            yield counting
+            with self._lock:
+                self.bytes_read[path] = self.bytes_read.get(path, 0) + counting.count
+
+
+@run_with_ranks(2)
+def test_dp2_save_splits_writes_and_load_reads_each_tensor_once(tmp_path):
+    model, opt, sched = make_training(seed=3)
+    train_steps(model, opt, sched, steps=2, seed=3)
+    ckpt = str(tmp_path / "ckpt")
+    report = nxd.save_checkpoint(ckpt, "step_2", model=model, optimizer=opt, scheduler=sched, use_xser=True)
+    # Both replicas wrote part of the replicated model and optimizer files.
+    shares = Coordinator().all_gather_object(report.bytes_written)
+    assert all(s > 0 for s in shares), shares
+    model_file = os.path.join(ckpt, "step_2", "model", "dp_rank_00_tp_rank_00_pp_rank_00.pt")
+    n_tensors = len(os.listdir(model_file + ".tensors"))
+    assert n_tensors == len(model.state_dict())
+    assert os.path.exists(model_file + ".info.pt")
+    assert not os.path.exists(os.path.join(ckpt, "step_2", "model", "dp_rank_01_tp_rank_00_pp_rank_00.pt"))
+
+    storage = CountingStorage(ckpt)
+    model2, opt2, sched2 = make_training(seed=11)
+    nxd.load_checkpoint(storage, model=model2, optimizer=opt2, scheduler=sched2)
+    assert_state_equal(model.state_dict(), model2.state_dict())
+    assert_state_equal(opt.state_dict(), opt2.state_dict())
+    assert train_steps(model, opt, sched, 2, seed=4) == train_steps(model2, opt2, sched2, 2, seed=4)
+
+    # One read per tensor file across the DP group; reference and info files read by one replica only.
+    reads = Coordinator().all_gather_object(storage.bytes_read)
+    tensor_reads = [p for r in reads for p in r if ".tensors/tensor_" in p]
+    assert len(tensor_reads) == len(set(tensor_reads)), tensor_reads
+    all_tensor_files = {
+        os.path.relpath(os.path.join(root, f), ckpt).replace(os.sep, "/")
+        for root, _, files in os.walk(os.path.join(ckpt, "step_2"))
+        for f in files
+        if ".tensors" in root
+    }
+    assert set(tensor_reads) == all_tensor_files
+    assert all(len(_tensor_files_read_from(r)) > 0 for r in reads)  # both replicas did part of the reading
+    ref_reads = [p for r in reads for p in r if p.endswith("pp_rank_00.pt") and "/model/" in p]
+    assert len(ref_reads) == 1, ref_reads
+    total = sum(v for r in reads for p, v in r.items() if ".tensors/" in p)
+    on_disk = sum(os.path.getsize(os.path.join(ckpt, p)) for p in all_tensor_files)
+    # The DP group read the tensor files' bytes once (plus zip directory re-reads), not twice.
+    assert on_disk <= total <= on_disk + 4096 * len(all_tensor_files), (total, on_disk)
+
+
+def _tensor_files_read_from(bytes_read: dict[str, int]) -> set[str]:
+    return {p for p in bytes_read if ".tensors/tensor_" in p}
+
+
+@run_with_ranks(2)
+def test_dp2_shared_read_reports_a_missing_tensor_file_on_every_replica(tmp_path):
+    rank = dist.get_rank()
+    coord = Coordinator()
+    topo = Topology(dp_size=2, rank=rank, local_rank=rank, local_world_size=2)
+    storage = LocalStorage(str(tmp_path))
+    path = "t/model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
+    state = {f"p{i}": torch.full((100 * (i + 1),), float(i)) for i in range(4)}
+    statefile.write_state_file(storage, path, state, xser_encoding=True, replicas=(0, 1), rank=rank)
+    coord.barrier()
+    group = statefile.replica_groups(coord, topo)
+    assert group is not None and group.ranks == (0, 1)
+    assert_state_equal(state, statefile.read_state_file(storage, path, group=group))
+    coord.barrier()
+    if rank == 0:
+        os.unlink(os.path.join(str(tmp_path), path + ".tensors", "tensor_3.pt"))  # read by one replica only
+    coord.barrier()
+    try:
+        statefile.read_state_file(storage, path, group=group)
+    except FormatError as e:
+        assert "tensor_3.pt" in str(e), str(e)
+    else:
+        raise AssertionError("a missing tensor file must fail the load on every replica")
