@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from . import adapters, integrity, layout, plan, staging, statefile, tags
+from . import adapters, integrity, layout, plan, staging, statefile, tags, zero1_io
 from . import rank_state as rank_states
 from .commit import CommitBarrier
 from .dist import Coordinator, format_exception
@@ -477,7 +477,11 @@ class CheckpointManager:
             if optimizer is not None:
                 dp = topo.dp_rank if info["zero1"] else 0
                 path = layout.optim_file(resolved, dp, topo.tp_rank, topo.pp_rank)
-                state = _read(storage, path, info, allow_pickle, None if info["zero1"] else replicas)
+                reshard, saved_dp = zero1_io.reshard_source(info, topo)
+                if reshard:  # ZeRO-1 saved with another DP size (or full): read only the rows this shard covers
+                    state = zero1_io.load_resharded_state(storage, resolved, saved_dp, topo, trusted=allow_pickle)
+                else:
+                    state = _read(storage, path, info, allow_pickle, None if info["zero1"] else replicas)
                 adapters.load_optimizer_state(optimizer, state, source=f"{storage.url}/{path}")
             if scheduler is not None:
                 path = layout.tag_path(resolved, layout.SCHEDULER_FILE)
@@ -580,9 +584,20 @@ def describe_checkpoint(storage: Storage, tag: str) -> dict:
         tp, pp = max(c[1] for c in coords) + 1, max(c[2] for c in coords) + 1
     else:
         tp = pp = None
-    zero1 = meta.get("zero1", any(c[0] > 0 for c in optim_coords))
+    full_coords = [  # ZeRO-1 optimizer states merged by the offline converter (optim/full_*.pt)
+        c for n in storage.list_dir(layout.tag_path(tag, layout.OPTIM_DIR)) if (c := layout.parse_full_optim_file_name(n))
+    ]
+    zero1_full = bool(meta.get("zero1_full", bool(full_coords) and not optim_coords))
+    zero1 = meta.get("zero1", any(c[0] > 0 for c in optim_coords)) or zero1_full
     dp_saved = meta.get("zero1_dp_size") or (max(c[0] for c in optim_coords) + 1 if zero1 and optim_coords else None)
-    return {"tp": tp, "pp": pp, "zero1": bool(zero1), "zero1_dp_size": dp_saved, "metadata": meta or None}
+    return {
+        "tp": tp,
+        "pp": pp,
+        "zero1": bool(zero1),
+        "zero1_dp_size": dp_saved,
+        "zero1_full": zero1_full,
+        "metadata": meta or None,
+    }
 
 
 def _check_layout(info: dict, topo: Topology, url: str, tag: str) -> None:
