@@ -6,6 +6,8 @@ import atexit
 import os
 from typing import Any
 
+import torch
+
 from . import tags
 from .manager import CheckpointManager, SaveReport
 from .storage import storage_for
@@ -109,6 +111,7 @@ def load_checkpoint(
     allow_pickle: bool = False,
     rank_state: Any = None,
     skip_rank_state: bool = False,
+    device: str | torch.device | None = None,
     verify: bool = True,
     fallback_to_verified: bool = False,
 ) -> Any:
@@ -119,6 +122,9 @@ def load_checkpoint(
     ``rank_state`` receives this rank's saved per-rank state; saved RNG streams are restored whenever present.
     A checkpoint saved with another world size or layout raises LayoutMismatchError unless
     ``skip_rank_state=True``, which ignores per-rank state (data loaders and RNG start fresh).
+    Tensors land where the target lives: a model or optimizer on ``xla:0`` gets XLA tensors, dict targets get
+    CPU tensors unless ``device`` (e.g. ``"xla"``) is given; asking for XLA without torch_xla raises
+    DeviceUnavailableError.
     ``verify`` (default on) checks every file read against the checksums recorded when it was written and raises
     IntegrityError naming a damaged file. With ``fallback_to_verified`` and no ``tag``, a latest checkpoint that
     is damaged is skipped (logged as a WARNING) for the newest complete one that verifies.
@@ -137,6 +143,7 @@ def load_checkpoint(
         allow_pickle=allow_pickle,
         rank_state=rank_state,
         skip_rank_state=skip_rank_state,
+        device=device,
         verify=verify,
         fallback_to_verified=fallback_to_verified,
     )

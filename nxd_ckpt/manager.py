@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from . import adapters, integrity, layout, plan, staging, statefile, tags, zero1_io
+from . import adapters, integrity, layout, plan, staging, statefile, tags, xla, zero1_io
 from . import rank_state as rank_states
 from .commit import CommitBarrier
 from .dist import Coordinator, format_exception
@@ -439,12 +439,14 @@ class CheckpointManager:
         allow_pickle: bool = False,
         rank_state: Any = None,
         skip_rank_state: bool = False,
+        device: str | torch.device | None = None,
         verify: bool = True,
         fallback_to_verified: bool = False,
     ) -> Any:
         if fallback_to_verified and tag is None:
             options = {k: v for k, v in locals().items() if k not in ("self", "checkpoint_dir", "tag")}
             return self._load_newest_verified(checkpoint_dir, options)
+        target_device = xla.resolve_device(device)  # before any collective: a missing torch_xla fails fast
         self.check_for_errors()
         self.wait_pending()
         self.check_for_errors()
@@ -473,7 +475,9 @@ class CheckpointManager:
             if model is not None:
                 path = layout.model_file(resolved, topo.tp_rank, topo.pp_rank)
                 state = _read(storage, path, info, allow_pickle, replicas)
-                adapters.load_model_state(model, state, strict=strict, source=f"{storage.url}/{path}")
+                adapters.load_model_state(
+                    model, state, strict=strict, source=f"{storage.url}/{path}", device=target_device
+                )
             if optimizer is not None:
                 dp = topo.dp_rank if info["zero1"] else 0
                 path = layout.optim_file(resolved, dp, topo.tp_rank, topo.pp_rank)
@@ -482,11 +486,11 @@ class CheckpointManager:
                     state = zero1_io.load_resharded_state(storage, resolved, saved_dp, topo, trusted=allow_pickle)
                 else:
                     state = _read(storage, path, info, allow_pickle, None if info["zero1"] else replicas)
-                adapters.load_optimizer_state(optimizer, state, source=f"{storage.url}/{path}")
+                adapters.load_optimizer_state(optimizer, state, source=f"{storage.url}/{path}", device=target_device)
             if scheduler is not None:
                 path = layout.tag_path(resolved, layout.SCHEDULER_FILE)
                 state = _read(storage, path, info, allow_pickle)
-                adapters.load_scheduler_state(scheduler, state, source=f"{storage.url}/{path}")
+                adapters.load_scheduler_state(scheduler, state, source=f"{storage.url}/{path}", device=target_device)
             path = layout.tag_path(resolved, layout.USER_CONTENT_FILE)
             if storage.exists(path):
                 return statefile.read_plain(storage, path, trusted=allow_pickle)
