@@ -72,6 +72,8 @@ class Trainer:
             sampler=self.sampler,
             num_workers=2,
             generator=torch.Generator().manual_seed(4000 + rank),
+            # Ranks are spawned, which makes "spawn" the default here too: fork, as a torchrun job would.
+            multiprocessing_context="fork",
         )
         self.position = EpochCounter()
         self._it = None
