@@ -1,0 +1,121 @@
+"""Fault injection: ranks that save a deterministic state every step until they are SIGKILLed.
+
+``CrashLoop.run_once(delay)`` starts ``world_size`` gloo ranks (forked from a forkserver that has already
+imported torch and nxd_ckpt, so a start costs tens of milliseconds, not seconds), lets them save
+``step_NNNNN`` tags in a loop, and SIGKILLs every rank after ``delay`` seconds. The state of step ``s`` is a
+pure function of ``s`` (``model_state``/``optimizer_state``), so whatever tag a later load reports, the test
+knows exactly what it must hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import nxd_ckpt as nxd
+
+TENSORS = 4
+ROWS = 256
+
+
+def tag_for(step: int) -> str:
+    return f"step_{step:05d}"
+
+
+def step_of(tag: str) -> int:
+    return int(tag.rsplit("_", 1)[1])
+
+
+def _tensor(step: int, salt: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step * 1009 + salt)
+    return torch.randn(ROWS, ROWS, generator=g)
+
+
+def model_state(step: int) -> dict[str, torch.Tensor]:
+    """The model state saved at ``step`` (the same on every DP replica)."""
+    return {f"layer{i}.weight": _tensor(step, i) for i in range(TENSORS)}
+
+
+def optimizer_state(step: int) -> dict[str, Any]:
+    """The optimizer state saved at ``step``, shaped like ``torch.optim.Optimizer.state_dict()``."""
+    state = {i: {"step": torch.tensor(float(step)), "exp_avg": _tensor(step, 100 + i)} for i in range(TENSORS)}
+    return {"state": state, "param_groups": [{"lr": 0.01, "params": list(range(TENSORS))}]}
+
+
+def _rank_main(ckpt_dir: str, port: int, rank: int, world_size: int, start_step: int, options: dict[str, Any]) -> None:
+    """One rank of the saving loop; runs until killed."""
+    import torch.distributed as dist
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    step = start_step
+    while True:
+        nxd.save_checkpoint(
+            ckpt_dir,
+            tag_for(step),
+            model=model_state(step),
+            optimizer=optimizer_state(step),
+            user_content={"step": step},
+            **options,
+        )
+        step += 1
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class CrashLoop:
+    """Runs the saving loop in ``ckpt_dir`` and kills it; ``options`` go to ``save_checkpoint``."""
+
+    ckpt_dir: str
+    world_size: int = 2
+    options: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self._ctx = mp.get_context("forkserver")
+        self._ctx.set_forkserver_preload([__name__])
+
+    def run_once(self, delay: float) -> None:
+        """Start the ranks at the step after the newest complete tag and SIGKILL all of them after ``delay`` s."""
+        latest = nxd.latest_checkpoint_tag(self.ckpt_dir) if os.path.isdir(self.ckpt_dir) else None
+        start = step_of(latest) + 1 if latest else 1
+        port = _free_port()
+        procs = [
+            self._ctx.Process(
+                target=_rank_main,
+                args=(self.ckpt_dir, port, r, self.world_size, start, dict(self.options or {})),
+                daemon=True,
+            )
+            for r in range(self.world_size)
+        ]
+        for p in procs:
+            p.start()
+        time.sleep(delay)
+        for p in procs:  # all ranks, back to back: a node losing power
+            if p.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.join(timeout=30)
+        crashed = [p.exitcode for p in procs if p.exitcode not in (-signal.SIGKILL,)]
+        if crashed:
+            raise AssertionError(f"a saving rank exited on its own before the kill (exit codes {crashed})")
