@@ -61,7 +61,7 @@ def test_sigkill_all_ranks_at_random_moments(tmp_path, use_xser, async_save):
     completed = nxd.list_checkpoint_tags(ckpt)
     print(
         f"\n[kill points] xser={use_xser} async={async_save}: {KILL_POINTS_PER_MODE} kill points, {in_flight} "
-        f"interrupted a save (a newer tag without 'done' was left); newest complete tag {completed[-1] if completed else None}"
+        f"interrupted a save (a newer tag without 'done' was left); newest complete {completed[-1:]}"
     )
     assert completed, "no save completed in any run: the delays are too short for this machine"
     assert in_flight > 0, "no kill landed during a save: the test did not exercise an interrupted save"
