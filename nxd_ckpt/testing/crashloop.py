@@ -119,3 +119,39 @@ class CrashLoop:
         crashed = [p.exitcode for p in procs if p.exitcode not in (-signal.SIGKILL,)]
         if crashed:
             raise AssertionError(f"a saving rank exited on its own before the kill (exit codes {crashed})")
+
+
+def _retention_child(ckpt_dir: str, keep: int, kill_after: int) -> None:
+    """Apply retention, SIGKILLing this process at its ``kill_after``-th unlink/rmdir (never, if negative)."""
+    from nxd_ckpt import tags
+    from nxd_ckpt.storage import LocalStorage
+
+    calls = [0]
+
+    def counted(real: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if calls[0] == kill_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+            calls[0] += 1
+            return real(*args, **kwargs)
+
+        return wrapper
+
+    os.unlink, os.remove, os.rmdir = counted(os.unlink), counted(os.remove), counted(os.rmdir)
+    tags.apply_retention(LocalStorage(ckpt_dir), keep)
+    os._exit(100 + min(calls[0], 100))  # reports how many deletions a full run made
+
+
+def run_retention(ckpt_dir: str, keep: int, kill_after: int = -1) -> int:
+    """Run retention in a forked process killed at its ``kill_after``-th deletion; return the deletions made
+    by a run that finished (-1 when it was killed)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    p = ctx.Process(target=_retention_child, args=(ckpt_dir, keep, kill_after), daemon=True)
+    p.start()
+    p.join(timeout=60)
+    if p.exitcode == -signal.SIGKILL:
+        return -1
+    if p.exitcode is None or p.exitcode < 100:
+        raise AssertionError(f"retention process failed (exit code {p.exitcode})")
+    return p.exitcode - 100
