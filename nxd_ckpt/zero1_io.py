@@ -17,6 +17,7 @@ import mmap
 import os
 import pickle
 import sys
+import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -34,6 +35,9 @@ from .zero1 import EntryPath
 _PAGE = mmap.PAGESIZE
 _MADV_DONTNEED = 4
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+_UNPICKLE_LOCK = threading.Lock()
+"""Held around safe (weights-only) unpickling: ``torch.serialization.safe_globals`` sets a process-wide list and
+restores it on exit, so two threads inside it at once can leave one of them without the allow-list."""
 
 
 def release_pages(tensor: torch.Tensor) -> None:
@@ -79,7 +83,7 @@ def map_torch_file(local_path: str, *, shared: bool = False, trusted: bool = Fal
                 unpickler: Any = pickle.Unpickler(io.BytesIO(pickled), encoding="utf-8")
                 unpickler.persistent_load = persistent_load
                 return unpickler.load()
-            with torch.serialization.safe_globals(list(plain._extra_safe_globals)):
+            with _UNPICKLE_LOCK, torch.serialization.safe_globals(list(plain._extra_safe_globals)):
                 unpickler = _weights_only.Unpickler(io.BytesIO(pickled), encoding="utf-8")
                 unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
                 return unpickler.load()
@@ -102,11 +106,11 @@ class ShardFile:
         self.mapped = False
         self.info: dict[int, dict[str, Any]] | None = None
         if self.is_xser:
-            with storage.open_read(path) as f:
+            with storage.open_read(path) as f, _UNPICKLE_LOCK:
                 self.structure = xser.load_ref(f, what=self.what, trusted=trusted)
             info_path = layout.xser_info_file(path)
             if storage.exists(info_path):
-                with storage.open_read(info_path) as f:
+                with storage.open_read(info_path) as f, _UNPICKLE_LOCK:
                     self.info = xser.load_info(f, what=f"{storage.url}/{info_path}")
         else:
             state = None
@@ -114,7 +118,10 @@ class ShardFile:
             if root is not None:
                 state = map_torch_file(os.path.join(root, path), trusted=trusted, what=self.what)
                 self.mapped = state is not None
-            self.structure = state if state is not None else statefile.read_plain(storage, path, trusted=trusted)
+            if state is None:
+                with _UNPICKLE_LOCK:
+                    state = statefile.read_plain(storage, path, trusted=trusted)
+            self.structure = state
         if not zero1.is_zero1_state(self.structure):
             keys = sorted(map(str, self.structure)) if isinstance(self.structure, dict) else None
             raise FormatError(
