@@ -377,14 +377,24 @@ class S3Storage(Storage):
     # ----------------------------------------------------------------- reading
     @contextlib.contextmanager
     def open_read(self, path: str) -> Iterator[BinaryIO]:
-        """The whole object in a seekable buffer. Small objects cost one GET; for large ones that GET is cut
-        off after its headers and the transfer manager downloads parts in parallel into a spooled file."""
+        """The whole object in a seekable buffer. Objects up to ``part_size`` cost one GET (of the first
+        ``part_size`` bytes); larger ones are downloaded by the transfer manager in parallel ranged GETs into a
+        spooled file (the first part is fetched twice, which bounds the waste at one part)."""
         key = self._key(path)
 
         def get_small() -> bytes | None:
-            response = self._client.get_object(Bucket=self.bucket, Key=key)
+            try:
+                response = self._client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{self.part_size - 1}")
+            except Exception as e:
+                if _error_code(e) == "InvalidRange":  # only an empty object has no byte 0
+                    return b""
+                raise
             with contextlib.closing(response["Body"]) as body:
-                return body.read() if response["ContentLength"] < self.part_size else None
+                content_range = response.get("ContentRange") or ""  # "bytes 0-1023/5000"
+                total = int(content_range.rpartition("/")[2]) if "/" in content_range else None
+                if total is not None and total > self.part_size:
+                    return None
+                return body.read()
 
         data = self._call("read", path, get_small)
         if data is not None:

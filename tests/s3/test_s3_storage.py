@@ -68,6 +68,10 @@ def test_byte_ranges(s3_url):
     assert s.read_bytes("f.bin", 7, 0) == b""
     with pytest.raises(ValueError, match="invalid byte range"):
         s.read_bytes("f.bin", -1)
+    s.write_bytes("empty", b"")
+    with s.open_read("empty") as f:
+        assert f.read() == b""
+    assert s.read_bytes("empty") == b"" and s.read_bytes("empty", 3, 4) == b"" and s.size("empty") == 0
 
 
 def test_multipart_upload_and_parallel_download(s3_url):

@@ -1,0 +1,114 @@
+"""Benchmark section "S3 (loopback moto server)": checkpoint save/load throughput to s3:// on 127.0.0.1.
+
+What this measures is the loopback path through moto's standalone server (a single Python process that keeps
+objects in memory), not AWS S3: the numbers bound the client-side cost of the S3 backend and show the ratio to
+a plain boto3 transfer of the same bytes to the same server, which is the "physical limit" here. Each
+operation runs ``--repeats`` times, interleaved (boto3 raw, nxd_ckpt save, nxd_ckpt load); medians are printed.
+
+    python scripts/bench_s3.py --size-mb 256 --repeats 3
+
+``s3_loopback_section(size_mb, repeats)`` returns the rows, for scripts/benchmark.py to include.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import statistics
+import sys
+import time
+import uuid
+
+import torch
+
+import nxd_ckpt as nxd
+from nxd_ckpt.storage.s3 import S3Storage
+from nxd_ckpt.testing.s3server import MotoServer, loopback_aws_environ
+
+TITLE = "S3 (loopback moto server)"
+BUCKET = "nxd-ckpt-bench"
+
+
+def _synthetic_model(size_mb: int) -> dict[str, torch.Tensor]:
+    """fp32 tensors of 4-64 MiB (transformer-like layer sizes) adding up to ``size_mb`` MiB."""
+    torch.manual_seed(0)
+    state, left, i = {}, size_mb << 20, 0
+    while left > 0:
+        nbytes = min(left, (4 << 20) * (1 + i % 16))
+        state[f"layer_{i}.weight"] = torch.randn(nbytes // 4)
+        left -= nbytes
+        i += 1
+    return state
+
+
+def _apply_env(endpoint_url: str) -> None:
+    for key, value in loopback_aws_environ(endpoint_url).items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def s3_loopback_section(size_mb: int = 256, repeats: int = 3) -> list[tuple[str, float, float]]:
+    """Rows ``(label, median seconds, GB/s)`` for raw boto3 and nxd_ckpt save/load to a loopback moto server."""
+    import boto3
+
+    model = _synthetic_model(size_mb)
+    nbytes = sum(t.numel() * t.element_size() for t in model.values())
+    raw = io.BytesIO()
+    torch.save(model, raw)
+    payload = raw.getvalue()
+    times: dict[str, list[float]] = {"boto3 upload_fileobj": [], "boto3 download_fileobj": [], "save": [], "load": []}
+    with MotoServer() as server:
+        _apply_env(server.endpoint_url)
+        boto3.session.Session().client("s3").create_bucket(Bucket=BUCKET)
+        storage = S3Storage(f"s3://{BUCKET}/raw")
+        client, config = storage._client, storage._transfer_config()
+        for r in range(repeats):
+            key = f"raw/{r}.pt"
+            start = time.perf_counter()
+            client.upload_fileobj(io.BytesIO(payload), BUCKET, key, Config=config)
+            times["boto3 upload_fileobj"].append(time.perf_counter() - start)
+            sink = io.BytesIO()
+            start = time.perf_counter()
+            client.download_fileobj(BUCKET, key, sink, Config=config)
+            times["boto3 download_fileobj"].append(time.perf_counter() - start)
+            client.delete_object(Bucket=BUCKET, Key=key)
+
+            url = f"s3://{BUCKET}/ckpt-{uuid.uuid4().hex[:6]}"
+            start = time.perf_counter()
+            nxd.save_checkpoint(url, "step_1", model=model)
+            times["save"].append(time.perf_counter() - start)
+            target = {k: torch.empty_like(v) for k, v in model.items()}
+            start = time.perf_counter()
+            nxd.load_checkpoint(url, model=target)
+            times["load"].append(time.perf_counter() - start)
+            assert all(torch.equal(target[k], v) for k, v in model.items())
+            S3Storage(url).delete_tree("step_1")
+    rows = []
+    for label, values in times.items():
+        median = statistics.median(values)
+        size = len(payload) if label.startswith("boto3") else nbytes
+        name = label if label.startswith("boto3") else f"nxd_ckpt {label} (plain, 1 process)"
+        rows.append((name, median, size / median / 1e9))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=int, default=256, help="tensor data per checkpoint (MiB)")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    rows = s3_loopback_section(args.size_mb, args.repeats)
+    print(f"## {TITLE}: {args.size_mb} MiB of fp32 tensors, median of {args.repeats}")
+    print("(loopback to moto, one Python process holding objects in memory: not AWS S3 throughput)")
+    print("| operation | median s | GB/s |")
+    print("|---|---:|---:|")
+    for label, seconds, gbps in rows:
+        print(f"| {label} | {seconds:.2f} | {gbps:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
