@@ -140,7 +140,9 @@ def open_checkpoint(
         if not storage.exists(layout.tag_path(tag, layout.CHECKPOINT_MARKER)) and not storage.exists(
             layout.tag_path(tag, layout.DONE_MARKER)
         ):
-            raise CheckpointNotFoundError(f"{storage.url}/{tag} is not a checkpoint (no 'checkpoint' or 'done' file)")
+            known = ", ".join(t.name for t in tags.list_tags(storage, include_incomplete=True)) or "none"
+            state = "is not a checkpoint (no 'checkpoint' or 'done' file)" if storage.exists(tag) else "does not exist"
+            raise CheckpointNotFoundError(f"checkpoint tag {tag!r} in {storage.url} {state}; tags: {known}")
         return Checkpoint(storage, tag, allow_pickle=allow_pickle)
     return Checkpoint(storage, tags.resolve_tag(storage, tag), allow_pickle=allow_pickle)
 
@@ -534,7 +536,7 @@ class _PartialReadStream:
         if isinstance(self.storage, LocalStorage):
             self._cm = self.storage.open_read(self.path)
             return self._cm.__enter__()
-        return io.BufferedReader(_RangeReader(self.storage, self.path), buffer_size=256 << 10)
+        return _RangeReader(self.storage, self.path)  # unbuffered: torch reads ~20 small ranges, not the data
 
     def __exit__(self, *exc: Any) -> None:
         if self._cm is not None:
