@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 import xxhash
 
 from . import layout
-from .errors import IntegrityError
+from .errors import IntegrityError, StorageError
 from .storage import Storage
 
 ALGORITHM = "xxh3_64"
@@ -238,10 +238,15 @@ class _HashingWriter:
         self._target = target
         self._hasher = new_hasher()
         self.size = 0
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        n = self._target.write(view)
+        try:
+            n = self._target.write(view)
+        except OSError as e:  # kept: torch.save turns it into an opaque RuntimeError
+            self.error = e
+            raise
         written = len(view) if n is None else n
         self._hasher.update(view[:written])
         self.size += written
@@ -284,7 +289,14 @@ class ChecksummingStorage(_DelegatingStorage):
     def open_write(self, path: str) -> Iterator[BinaryIO]:
         with self.inner.open_write(path) as f:
             writer = _HashingWriter(f)
-            yield writer  # type: ignore[misc]
+            try:
+                yield writer  # type: ignore[misc]
+            except Exception as e:
+                cause = writer.error
+                if cause is None or isinstance(e, OSError):
+                    raise
+                # e.g. "[enforce fail at inline_container.cc] unexpected pos": name the file and the real cause
+                raise StorageError(f"writing {self.url}/{path} failed: {cause.strerror or cause}") from cause
         self._record(path, FileRecord(writer.size, writer.digest(), self.rank))
 
     def _record(self, path: str, rec: FileRecord) -> None:
