@@ -24,6 +24,8 @@ from .errors import (
     StorageError,
     UnsafeCheckpointError,
 )
+from .inspect import Checkpoint, open_checkpoint
+from .log import enable_logging
 from .manager import CheckpointManager, SaveReport
 from .parallel_state import destroy_model_parallel, initialize_model_parallel
 from .topology import Topology
@@ -33,6 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncSaveError",
+    "Checkpoint",
     "CheckpointError",
     "CheckpointManager",
     "CheckpointNotFoundError",
@@ -49,6 +52,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "VerifyReport",
     "destroy_model_parallel",
+    "enable_logging",
     "finalize_checkpoint",
     "get_manager",
     "has_checkpoint",
@@ -56,6 +60,7 @@ __all__ = [
     "latest_checkpoint_tag",
     "list_checkpoint_tags",
     "load_checkpoint",
+    "open_checkpoint",
     "reset_manager",
     "save_checkpoint",
     "verify",

@@ -446,6 +446,7 @@ class CheckpointManager:
         if fallback_to_verified and tag is None:
             options = {k: v for k, v in locals().items() if k not in ("self", "checkpoint_dir", "tag")}
             return self._load_newest_verified(checkpoint_dir, options)
+        call_start = time.perf_counter()
         target_device = xla.resolve_device(device)  # before any collective: a missing torch_xla fails fast
         self.check_for_errors()
         self.wait_pending()
@@ -500,8 +501,17 @@ class CheckpointManager:
         result = coord.in_waves(num_workers, topo.local_rank, topo.local_world_size, read_and_apply, "loading")
         if not skip_rank_state:  # data loaders and RNG last: nothing after them may draw random numbers
             rank_states.restore(coord, storage, resolved, topo, rank_state, trusted=allow_pickle)
-        if coord.rank == 0:
-            logger.info("loaded %s from %s in %.2f s", resolved, storage.url, time.perf_counter() - start)
+        if coord.rank == 0:  # one line per load, on the master: bytes, time, throughput, time training waited
+            elapsed, nbytes = time.perf_counter() - start, _loaded_bytes(model, optimizer)
+            logger.info(
+                "loaded %s from %s: %.1f MB on this rank in %.2f s (%.2f GB/s), training blocked %.2f s",
+                resolved,
+                storage.url,
+                nbytes / 1e6,
+                elapsed,
+                nbytes / elapsed / 1e9 if elapsed > 0 else 0.0,
+                time.perf_counter() - call_start,
+            )
         return result
 
     def _load_newest_verified(self, checkpoint_dir: str | os.PathLike[str], options: dict[str, Any]) -> Any:
@@ -559,6 +569,12 @@ def _tensors(state: Any) -> list[torch.Tensor]:
     from .tree import iter_tensors
 
     return [t for _, t in iter_tensors(state)]
+
+
+def _loaded_bytes(*targets: Any) -> int:
+    """Tensor bytes now held by the load targets (modules/optimizers via state_dict, dicts as they are)."""
+    states = [t.state_dict() if hasattr(t, "state_dict") else t for t in targets if t is not None]
+    return sum(t.numel() * t.element_size() for state in states for t in _tensors(state))
 
 
 def _read(
