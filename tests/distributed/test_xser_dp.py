@@ -58,46 +58,57 @@ class CountingStorage(LocalStorage):
                 self.bytes_read[path] = self.bytes_read.get(path, 0) + counting.count
 
 
+def _big_model() -> dict:
+    """A model-like dict with tensors large enough that zip bookkeeping is noise next to the data."""
+    gen = torch.Generator().manual_seed(5)
+    return {f"layer{i}.weight": torch.randn(64 + 16 * i, 256, generator=gen) for i in range(6)} | {
+        "norm.weight": torch.ones(256),
+        "emb": torch.randn(300, 128, generator=gen).to(torch.bfloat16),
+    }
+
+
 @run_with_ranks(2)
 def test_dp2_save_splits_writes_and_load_reads_each_tensor_once(tmp_path):
-    model, opt, sched = make_training(seed=3)
-    train_steps(model, opt, sched, steps=2, seed=3)
+    coord = Coordinator()
+    model = _big_model()
+    net, opt, sched = make_training(seed=3)
+    train_steps(net, opt, sched, steps=2, seed=3)
     ckpt = str(tmp_path / "ckpt")
     report = nxd.save_checkpoint(ckpt, "step_2", model=model, optimizer=opt, scheduler=sched, use_xser=True)
-    # Both replicas wrote part of the replicated model and optimizer files.
-    shares = Coordinator().all_gather_object(report.bytes_written)
-    assert all(s > 0 for s in shares), shares
+    # Both replicas wrote about half of the replicated model and optimizer files.
+    shares = coord.all_gather_object(report.bytes_written)
+    assert min(shares) > 0.3 * sum(shares), shares
     model_file = os.path.join(ckpt, "step_2", "model", "dp_rank_00_tp_rank_00_pp_rank_00.pt")
-    n_tensors = len(os.listdir(model_file + ".tensors"))
-    assert n_tensors == len(model.state_dict())
+    assert len(os.listdir(model_file + ".tensors")) == len(model)
     assert os.path.exists(model_file + ".info.pt")
     assert not os.path.exists(os.path.join(ckpt, "step_2", "model", "dp_rank_01_tp_rank_00_pp_rank_00.pt"))
 
-    storage = CountingStorage(ckpt)
-    model2, opt2, sched2 = make_training(seed=11)
-    nxd.load_checkpoint(storage, model=model2, optimizer=opt2, scheduler=sched2)
-    assert_state_equal(model.state_dict(), model2.state_dict())
+    # Verified (default) load: every state comes back exactly.
+    model2: dict = {}
+    _, opt2, sched2 = make_training(seed=11)
+    nxd.load_checkpoint(ckpt, model=model2, optimizer=opt2, scheduler=sched2)
+    assert_state_equal(model, model2)
     assert_state_equal(opt.state_dict(), opt2.state_dict())
-    assert train_steps(model, opt, sched, 2, seed=4) == train_steps(model2, opt2, sched2, 2, seed=4)
 
-    # One read per tensor file across the DP group; reference and info files read by one replica only.
-    reads = Coordinator().all_gather_object(storage.bytes_read)
+    # Bytes read from storage, counted under the load (verify=False: checksum passes re-read files on purpose).
+    storage = CountingStorage(ckpt)
+    model3: dict = {}
+    nxd.load_checkpoint(storage, model=model3, verify=False)
+    assert_state_equal(model, model3)
+    reads = coord.all_gather_object(storage.bytes_read)
     tensor_reads = [p for r in reads for p in r if ".tensors/tensor_" in p]
-    assert len(tensor_reads) == len(set(tensor_reads)), tensor_reads
-    all_tensor_files = {
-        os.path.relpath(os.path.join(root, f), ckpt).replace(os.sep, "/")
-        for root, _, files in os.walk(os.path.join(ckpt, "step_2"))
-        for f in files
-        if ".tensors" in root
-    }
-    assert set(tensor_reads) == all_tensor_files
+    assert len(tensor_reads) == len(set(tensor_reads)) == len(model), tensor_reads  # one reader per tensor
     assert all(len(_tensor_files_read_from(r)) > 0 for r in reads)  # both replicas did part of the reading
-    ref_reads = [p for r in reads for p in r if p.endswith("pp_rank_00.pt") and "/model/" in p]
-    assert len(ref_reads) == 1, ref_reads
-    total = sum(v for r in reads for p, v in r.items() if ".tensors/" in p)
-    on_disk = sum(os.path.getsize(os.path.join(ckpt, p)) for p in all_tensor_files)
-    # The DP group read the tensor files' bytes once (plus zip directory re-reads), not twice.
-    assert on_disk <= total <= on_disk + 4096 * len(all_tensor_files), (total, on_disk)
+    model_reads = [p for r in reads for p in r if "/model/" in p and ".tensors/" not in p]
+    assert sorted(model_reads) == sorted({p for p in model_reads}), model_reads  # reference and info read once
+    total = sum(v for r in reads for p, v in r.items() if "/model/" in p)
+    on_disk = sum(
+        os.path.getsize(os.path.join(root, f))
+        for root, _, files in os.walk(os.path.join(ckpt, "step_2", "model"))
+        for f in files
+    )
+    # The DP group read the model once (plus zip directory re-reads), not DP=2 times.
+    assert on_disk <= total <= 1.1 * on_disk, (total, on_disk)
 
 
 def _tensor_files_read_from(bytes_read: dict[str, int]) -> set[str]:
