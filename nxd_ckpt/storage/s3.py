@@ -480,9 +480,8 @@ class S3Storage(Storage):
             raise StorageError(f"file not found: {self._where(path)}")
         return float(head["LastModified"].timestamp())
 
-    def _list(self, path: str, delimiter: bool) -> tuple[list[str], list[str]]:
-        """(object keys, common prefixes) under ``path``/, paginated (1000 keys per request)."""
-        prefix = self._dir_prefix(path)
+    def _list_prefix(self, path: str, prefix: str, delimiter: bool) -> tuple[list[str], list[str]]:
+        """(object keys, common prefixes) starting with ``prefix``, paginated (1000 keys per request)."""
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
         if delimiter:
             kwargs["Delimiter"] = "/"
@@ -496,6 +495,10 @@ class S3Storage(Storage):
             return keys, prefixes
 
         return self._call("list", path, list_all)
+
+    def _list(self, path: str, delimiter: bool) -> tuple[list[str], list[str]]:
+        """(object keys, common prefixes) under the "directory" ``path``."""
+        return self._list_prefix(path, self._dir_prefix(path), delimiter)
 
     def list_dir(self, path: str = "") -> list[str]:
         """ListObjectsV2 with Delimiter="/": objects and sub-prefixes directly under ``path``."""
@@ -519,9 +522,13 @@ class S3Storage(Storage):
         """Delete ``path`` and everything under it with batched DeleteObjects (1000 keys per request)."""
         if not path:
             raise StorageError(f"refusing to delete the whole checkpoint directory {self.url}")
-        keys, _ = self._list(path, delimiter=False)
-        if self._head(path) is not None:
-            keys.append(self._key(path))
+        key = self._key(path)
+        # One delimited LIST tells whether ``path`` is an object, a "directory", both or nothing (siblings
+        # such as ``x.pt.tensors/`` come back collapsed into one prefix each).
+        found, prefixes = self._list_prefix(path, key, delimiter=True)
+        keys = [key] if key in found else []
+        if f"{key}/" in prefixes:
+            keys += self._list(path, delimiter=False)[0]
         for start in range(0, len(keys), 1000):
             batch = keys[start : start + 1000]
 

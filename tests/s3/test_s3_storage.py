@@ -106,9 +106,12 @@ def test_delete_tree_batches_beyond_one_request(s3_url):
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda n: s.write_bytes(n, b"x"), names))
+    s.write_bytes("tag0/done", b"1")  # a sibling sharing the name prefix survives
+    s.write_bytes("tag.pt", b"1")
     assert len(s.walk_files("tag")) == 1005  # more than one LIST page
     s.delete_tree("tag")
-    assert s.walk_files() == []
+    assert s.walk_files() == ["tag.pt", "tag0/done"]
+    s.delete_tree("missing")  # nothing there: not an error
 
 
 def test_missing_file_and_missing_bucket_name_the_object(s3_url):
