@@ -9,17 +9,15 @@ structure and the class names it would import without executing anything. Nothin
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import pickletools
 import time
-import zipfile
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from . import integrity, layout, tags
 from .errors import CheckpointNotFoundError, FormatError, IntegrityError
+from .serialization.pickle_scan import allowed_globals, scan_torch_file
 from .storage import Storage, storage_for
 
 _MARKERS = {layout.CHECKPOINT_MARKER, layout.DONE_MARKER}
@@ -214,70 +212,3 @@ class _Verifier:
             self.report.notes.append(
                 f"{where} holds pickled {', '.join(unsafe)}: loading it needs allow_pickle=True (trusted files only)"
             )
-
-
-def allowed_globals() -> set[str]:
-    """Names of the classes and functions safe loading accepts (torch's weights_only set plus registered ones)."""
-    from .serialization import plain
-
-    names: set[str] = set()
-    try:
-        from torch import _weights_only_unpickler
-
-        names |= set(_weights_only_unpickler._get_allowed_globals())
-    except (ImportError, AttributeError):  # private torch API; the note is informational only
-        pass
-    import torch
-
-    for obj in [*torch.serialization.get_safe_globals(), *plain._extra_safe_globals]:
-        obj = obj[0] if isinstance(obj, tuple) else obj
-        names.add(f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', getattr(obj, '__name__', obj))}")
-    return names
-
-
-def scan_torch_file(f: BinaryIO, check_crc: bool = True) -> set[str]:
-    """The global names a ``torch.save`` file's pickle would import, found without executing it.
-
-    Zip archives (every torch.save since 1.6) also have their members' CRCs checked when ``check_crc`` (unless
-    the writer disabled CRCs). Raises FormatError if the archive or its pickle is damaged.
-    """
-    head = f.read(4)
-    f.seek(0)
-    if head != b"PK\x03\x04":
-        try:
-            return _pickle_globals(f)
-        except Exception as e:
-            raise FormatError(f"not a readable torch.save file ({e})") from e
-    try:
-        with zipfile.ZipFile(f) as zf:
-            infos = zf.infolist()
-            pickles = [i for i in infos if i.filename.endswith("data.pkl")]
-            if not pickles:
-                raise FormatError("the archive has no data.pkl record")
-            crc_enabled = any(i.CRC for i in infos if i.file_size)
-            if check_crc and crc_enabled:
-                bad = zf.testzip()
-                if bad is not None:
-                    raise FormatError(f"record {bad} fails its CRC check")
-            with zf.open(pickles[0]) as p:
-                if not crc_enabled:
-                    p._expected_crc = None  # type: ignore[attr-defined] - the writer stored no CRCs
-                return _pickle_globals(io.BytesIO(p.read()))
-    except FormatError:
-        raise
-    except Exception as e:  # zipfile/pickletools raise many types on damaged input
-        raise FormatError(f"{type(e).__name__}: {e}") from e
-
-
-def _pickle_globals(f: BinaryIO) -> set[str]:
-    names: set[str] = set()
-    strings: list[str] = []
-    for op, arg, _ in pickletools.genops(f):
-        if op.name == "GLOBAL":
-            module, name = str(arg).split(" ", 1)
-            names.add(f"{module}.{name}")
-        elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
-            names.add(f"{strings[-2]}.{strings[-1]}")
-        elif isinstance(arg, str) and "UNICODE" in op.name:
-            strings.append(arg)
-    return names

@@ -46,14 +46,29 @@ def load(f: IO[bytes], *, what: str, trusted: bool = False) -> Any:
     except pickle.UnpicklingError as e:
         if trusted or ("weights_only" not in str(e) and "Unsupported global" not in str(e)):
             raise FormatError(f"{what} is not a readable torch.save file: {_first_line(e)}") from e
-        found = re.search(r"GLOBAL ([\w.]+)", str(e))
-        name = found.group(1) if found else "an object that is not a tensor or plain Python value"
+        name = _unsafe_names(f, str(e))
         raise UnsafeCheckpointError(
-            f"{what} holds a pickled {name}; loading it would run code from the checkpoint. If you trust "
-            "this checkpoint, pass allow_pickle=True to load_checkpoint (or trusted=True to the reader)."
+            f"{what} holds a pickled {name}, which is not on the safe-loading allow-list; loading it would run code "
+            "from the checkpoint. If you trust this checkpoint, pass allow_pickle=True to load_checkpoint (or "
+            "trusted=True to the reader)."
         ) from e
     except (RuntimeError, EOFError, ValueError, OSError) as e:
         raise FormatError(f"{what} is truncated or not a torch.save file: {_first_line(e)}") from e
+
+
+def _unsafe_names(f: IO[bytes], message: str) -> str:
+    """The names of the globals the file's pickle imports that safe loading refuses, read without running it."""
+    from .pickle_scan import allowed_globals, scan_torch_file
+
+    try:
+        f.seek(0)
+        names = sorted(scan_torch_file(f, check_crc=False) - allowed_globals())
+    except Exception:  # a damaged file: fall back to what torch's message says
+        names = []
+    if names:
+        return ", ".join(names)
+    found = re.search(r"GLOBAL ([\w.]+)", message)
+    return found.group(1) if found else "object that is not a tensor or plain Python value"
 
 
 def _first_line(e: BaseException) -> str:
