@@ -17,8 +17,9 @@ from nxd_ckpt import xla
 from nxd_ckpt.testing.fakes import TinyMLP
 
 pytestmark = pytest.mark.xla
+XLA_LANE_ONLY = "needs torch_xla: runs in the XLA lane (NXD_CKPT_LANES=xla bash scripts/run_tests.sh)"
 
-torch_xla = pytest.importorskip("torch_xla")
+torch_xla = pytest.importorskip("torch_xla", reason=XLA_LANE_ONLY)
 
 
 class _Wide(torch.nn.Module):

@@ -14,8 +14,9 @@ from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_step
 from nxd_ckpt.tree import iter_tensors
 
 pytestmark = pytest.mark.xla
+XLA_LANE_ONLY = "needs torch_xla: runs in the XLA lane (NXD_CKPT_LANES=xla bash scripts/run_tests.sh)"
 
-torch_xla = pytest.importorskip("torch_xla")
+torch_xla = pytest.importorskip("torch_xla", reason=XLA_LANE_ONLY)
 
 
 def _devices(tree) -> set[str]:

@@ -17,8 +17,9 @@ from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_step
 from nxd_ckpt.testing.multiprocess import _free_port, run_with_ranks
 
 pytestmark = pytest.mark.xla
+XLA_LANE_ONLY = "needs torch_xla: runs in the XLA lane (NXD_CKPT_LANES=xla bash scripts/run_tests.sh)"
 
-pytest.importorskip("torch_xla")
+pytest.importorskip("torch_xla", reason=XLA_LANE_ONLY)
 
 
 def _reinit_with_xla_backend() -> None:

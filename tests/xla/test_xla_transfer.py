@@ -10,9 +10,10 @@ from nxd_ckpt.testing.fakes import make_training, train_steps
 from nxd_ckpt.tree import iter_tensors
 
 pytestmark = pytest.mark.xla
+XLA_LANE_ONLY = "needs torch_xla: runs in the XLA lane (NXD_CKPT_LANES=xla bash scripts/run_tests.sh)"
 
-torch_xla = pytest.importorskip("torch_xla")
-metrics = pytest.importorskip("torch_xla.debug.metrics")
+torch_xla = pytest.importorskip("torch_xla", reason=XLA_LANE_ONLY)
+metrics = pytest.importorskip("torch_xla.debug.metrics", reason=XLA_LANE_ONLY)
 
 
 def _executions() -> int:

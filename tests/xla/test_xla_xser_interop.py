@@ -1,5 +1,6 @@
-"""xser interop with the real torch_xla: nxd_ckpt's xser files load with ``xser.load`` and files written by
-``xser.save`` (as NxD writes them) load with ``load_checkpoint``, with state on the XLA device both ways."""
+"""xser interop with the real torch_xla through the public API: checkpoints saved with ``use_xser=True`` load
+with ``xser.load``, and tags written with ``xser.save`` (as NxD writes them) load with ``load_checkpoint`` into a
+model on the XLA device. (File-level interop is tests/xla/test_xser_interop.py.)"""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import nxd_ckpt as nxd
 from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_steps
 
 pytestmark = pytest.mark.xla
+XLA_LANE_ONLY = "needs torch_xla: runs in the XLA lane (NXD_CKPT_LANES=xla bash scripts/run_tests.sh)"
 
-torch_xla = pytest.importorskip("torch_xla")
-xser = pytest.importorskip("torch_xla.utils.serialization")
+torch_xla = pytest.importorskip("torch_xla", reason=XLA_LANE_ONLY)
+xser = pytest.importorskip("torch_xla.utils.serialization", reason=XLA_LANE_ONLY)
 
 STATE_FILE = "dp_rank_00_tp_rank_00_pp_rank_00.pt"
 

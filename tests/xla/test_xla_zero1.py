@@ -16,9 +16,10 @@ from nxd_ckpt.testing.fakes import TinyMLP, assert_state_equal
 from nxd_ckpt.tree import iter_tensors
 
 pytestmark = pytest.mark.xla
+XLA_LANE_ONLY = "needs torch_xla: runs in the XLA lane (NXD_CKPT_LANES=xla bash scripts/run_tests.sh)"
 
-torch_xla = pytest.importorskip("torch_xla")
-zero_module = pytest.importorskip("torch_xla.distributed.zero_redundancy_optimizer")
+torch_xla = pytest.importorskip("torch_xla", reason=XLA_LANE_ONLY)
+zero_module = pytest.importorskip("torch_xla.distributed.zero_redundancy_optimizer", reason=XLA_LANE_ONLY)
 
 
 def _make(seed: int, save_master_weights: bool):
