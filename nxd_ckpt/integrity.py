@@ -72,7 +72,8 @@ def _read_into(f: BinaryIO, buf: bytearray) -> int:
 
 
 def hash_bytes(data: bytes | bytearray | memoryview) -> tuple[int, str]:
-    return len(data), xxhash.xxh3_64_hexdigest(data)
+    view = memoryview(data)
+    return view.nbytes, xxhash.xxh3_64_hexdigest(view)
 
 
 # --------------------------------------------------------------------------------------------------- manifests
@@ -298,6 +299,11 @@ class ChecksummingStorage(_DelegatingStorage):
                 # e.g. "[enforce fail at inline_container.cc] unexpected pos": name the file and the real cause
                 raise StorageError(f"writing {self.url}/{path} failed: {cause.strerror or cause}") from cause
         self._record(path, FileRecord(writer.size, writer.digest(), self.rank))
+
+    def write_bytes(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        """Small files keep the backend's own one-shot path (one PUT on S3)."""
+        self.inner.write_bytes(path, data)
+        self._record(path, FileRecord(*hash_bytes(data), self.rank))
 
     def _record(self, path: str, rec: FileRecord) -> None:
         if path.startswith(self.tag + "/"):
