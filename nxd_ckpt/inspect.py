@@ -8,8 +8,9 @@ Object paths name a state file, then the keys down to the object, joined by ``/`
     optim/full_tp00_pp00/...                      merged ZeRO-1 state written by the offline converter
     scheduler/last_epoch, user_content/step       the master's files
 
-The manifest comes from the pickled structure alone: plain ``torch.save`` files are unpickled onto the ``meta``
-device (only the zip directory and ``data.pkl`` are read), xser files from their reference and info files.
+The manifest comes from the pickled structure alone: a plain ``torch.save`` file's ``data.pkl`` is replayed with
+storages on the ``meta`` device (only the zip directory and the pickle are read), xser files from their reference
+and info files.
 Reading one object of an xser file opens only its reference file and that object's tensor files; a plain file
 on local disk is memory-mapped, so only the pages of the wanted tensors are read. Works on NxD-written
 checkpoints too (their layout is the same; only ``nxd_ckpt.json`` is missing).
@@ -26,13 +27,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch._weights_only_unpickler as _weights_only
 
 from . import layout, statefile, tags
 from .errors import CheckpointNotFoundError, FormatError, UnsafeCheckpointError
 from .serialization import plain, xser
 from .storage import LocalStorage, Storage, storage_for
 
-__all__ = ["Checkpoint", "Layout", "ObjectInfo", "StateFile", "open_checkpoint"]
+__all__ = ["Checkpoint", "Layout", "ObjectInfo", "StateFile", "load_structure", "open_checkpoint"]
 
 _SMALL_LIST = 64
 _RANK_PART_RE = re.compile(r"([a-z]+)_rank_(\d+)")
@@ -313,7 +315,7 @@ class Checkpoint:
         what = self._what(sf.path)
         if meta:
             with open_for_partial_reads(self.storage, sf.path) as f:
-                return _torch_load(f, what, self.allow_pickle, map_location="meta")
+                return load_structure(f, what, self.allow_pickle)
         if isinstance(self.storage, LocalStorage):
             full = os.path.join(self.storage.root, *sf.path.split("/"))
             return _torch_load(full, what, self.allow_pickle, map_location="cpu", mmap=True)
@@ -350,7 +352,7 @@ class Checkpoint:
                 f"{tid}; the checkpoint is incomplete or damaged"
             )
         with open_for_partial_reads(self.storage, tensor_path) as f:
-            t = _torch_load(f, self._what(tensor_path), False, map_location="meta")
+            t = load_structure(f, self._what(tensor_path), False)
         if not isinstance(t, torch.Tensor):
             raise FormatError(f"{self._what(tensor_path)} does not hold a tensor (found {type(t).__name__})")
         return t.dtype, tuple(t.shape)
@@ -461,13 +463,52 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def load_structure(f: Any, what: str, trusted: bool = False) -> Any:
+    """A torch.save file's structure with every tensor on the ``meta`` device (shape, dtype, no data).
+
+    Only the zip directory and ``data.pkl`` are read: the pickle is replayed with storages that allocate
+    nothing (torch.load(map_location="meta") reads every record in torch < 2.10). Same safety rules as
+    loading: allow-listed classes only unless ``trusted``. Legacy (non-zip) files fall back to torch.load.
+    """
+    try:
+        pickled = torch._C.PyTorchFileReader(f).get_record("data.pkl")
+    except RuntimeError:
+        f.seek(0)
+        return _torch_load(f, what, trusted, map_location="meta")
+
+    def persistent_load(saved_id: Any) -> Any:
+        _, storage_type, _key, _location, numel = saved_id
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        storage = torch.UntypedStorage(int(numel) * _element_size(dtype), device="meta")
+        return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+
+    def replay() -> Any:
+        if trusted:
+            unpickler: Any = pickle.Unpickler(io.BytesIO(pickled), encoding="utf-8")
+        else:
+            unpickler = _weights_only.Unpickler(io.BytesIO(pickled), encoding="utf-8")
+        unpickler.persistent_load = persistent_load
+        return unpickler.load()
+
+    return _with_load_errors(replay, what, trusted)
+
+
 def _torch_load(f: Any, what: str, trusted: bool, *, map_location: str, mmap: bool = False) -> Any:
     """torch.load with the project's safe-loading rules (allow-listed classes only unless ``trusted``)."""
+
+    def load() -> Any:
+        return torch.load(f, map_location=map_location, weights_only=not trusted, mmap=mmap)
+
+    return _with_load_errors(load, what, trusted)
+
+
+def _with_load_errors(fn: Any, what: str, trusted: bool) -> Any:
+    """Run an unpickling ``fn`` under the allow-list; its errors become FormatError/UnsafeCheckpointError."""
     try:
         if trusted:
-            return torch.load(f, map_location=map_location, weights_only=False, mmap=mmap)
+            return fn()
         with torch.serialization.safe_globals(_allow_list()):
-            return torch.load(f, map_location=map_location, weights_only=True, mmap=mmap)
+            return fn()
     except pickle.UnpicklingError as e:
         if trusted or ("weights_only" not in str(e) and "Unsupported global" not in str(e)):
             raise FormatError(f"{what} is not a readable torch.save file: {_first_line(e)}") from e

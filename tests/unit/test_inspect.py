@@ -187,3 +187,42 @@ def test_incomplete_tag_opens_only_when_asked(tmp_path):
 )
 def test_object_prefixes(rel, prefix):
     assert object_prefix(rel) == prefix
+
+
+def _nxd_style_zero1_tag(root) -> dict:
+    """A tag as NxD writes it with ZeRO-1 over DP=2: plain torch.save files, markers, no nxd_ckpt files."""
+    tag = root / "step_7"
+    (tag / "model").mkdir(parents=True)
+    (tag / "optim").mkdir()
+    (tag / "checkpoint").write_text("1")
+    model = {"w": torch.arange(8.0).reshape(4, 2)}
+    torch.save(model, tag / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt")
+    shards = {}
+    for dp in range(2):
+        shards[dp] = {
+            "base_state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.full((2, 2), float(dp))}},
+            "shape_info": {0: torch.Size([4, 2])},
+            "param_groups": [{"lr": 0.1, "params": [0]}],
+        }
+        torch.save(shards[dp], tag / "optim" / f"dp_rank_{dp:02d}_tp_rank_00_pp_rank_00.pt")
+    (tag / "done").write_text("1")
+    return {"model": model, "shards": shards}
+
+
+def test_nxd_written_checkpoint(tmp_path):
+    from nxd_ckpt.completeness import check_structure
+
+    saved = _nxd_style_zero1_tag(tmp_path)
+    ckpt = open_checkpoint(tmp_path)
+    assert ckpt.tag == "step_7" and ckpt.metadata is None
+    assert ckpt.layout().describe() == "DP=2 TP=1 PP=1, ZeRO-1"
+    paths = {o.path: o for o in ckpt.objects()}
+    assert paths["optim/dp01_tp00_pp00/base_state/0/exp_avg"].shape == (2, 2)
+    assert paths["optim/dp01_tp00_pp00/param_groups/0/params"].value == [0]
+    assert torch.equal(ckpt.read("optim/dp01_tp00_pp00/base_state/0/exp_avg"), torch.ones(2, 2))
+    assert torch.equal(ckpt.read("model/tp00_pp00/w"), saved["model"]["w"])
+    assert check_structure(ckpt) == []
+
+    (tmp_path / "step_7" / "optim" / "dp_rank_00_tp_rank_00_pp_rank_00.pt").unlink()
+    problems = check_structure(open_checkpoint(tmp_path))
+    assert [p.path for p in problems] == ["step_7/optim/dp_rank_00_tp_rank_00_pp_rank_00.pt"]
