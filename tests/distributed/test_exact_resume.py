@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler
 
 import nxd_ckpt as nxd
-from nxd_ckpt.testing.fakes import make_training
+from nxd_ckpt.testing.fakes import lane_device, make_training
 from nxd_ckpt.testing.multiprocess import run_on_ranks
 
 StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
@@ -55,12 +55,18 @@ class EpochCounter:
 
 
 class Trainer:
-    """A DP training loop: dropout, Python/NumPy noise, gradients averaged over gloo, a shuffled loader."""
+    """A DP training loop: dropout, Python/NumPy noise, gradients averaged over gloo, a shuffled loader.
+
+    It trains on the lane's device: in the XLA lane dropout draws from torch_xla's RNG, saved with the rest.
+    """
 
     def __init__(self) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
-        self.model, self.opt, self.sched = make_training(seed=0, dropout=0.3)
+        self.device = lane_device()
+        self.model, self.opt, self.sched = make_training(seed=0, dropout=0.3, device=self.device)
         torch.manual_seed(1000 + rank)  # each rank its own dropout stream
+        if self.device.type == "xla":  # torch.manual_seed does not seed the XLA device's stream
+            __import__("torch_xla.core.xla_model").core.xla_model.set_rng_state(1000 + rank)
         random.seed(2000 + rank)
         np.random.seed(3000 + rank)
         self.sampler = DistributedSampler(Samples(), num_replicas=world, rank=rank, shuffle=True, seed=7)
@@ -99,15 +105,18 @@ class Trainer:
             batch = self._next_batch()
             scale = 1.0 + 0.01 * random.random()
             noise = torch.from_numpy(np.random.normal(0.0, 0.01, size=(4, 8)).astype(np.float32))
-            out = self.model(batch["x"] * scale + noise)
-            loss = torch.nn.functional.mse_loss(out, batch["y"])
+            out = self.model((batch["x"] * scale + noise).to(self.device))
+            loss = torch.nn.functional.mse_loss(out, batch["y"].to(self.device))
             self.opt.zero_grad()
             loss.backward()
-            for p in self.model.parameters():
-                dist.all_reduce(p.grad)
-                p.grad /= dist.get_world_size()
+            for p in self.model.parameters():  # gloo only ever sees CPU tensors
+                grad = p.grad.cpu()
+                dist.all_reduce(grad)
+                p.grad.copy_(grad / dist.get_world_size())
             self.opt.step()
             self.sched.step()
+            if self.device.type == "xla":
+                __import__("torch_xla").sync()
             records.append({"indices": batch["index"].tolist(), "loss": loss.item()})
         return records
 
