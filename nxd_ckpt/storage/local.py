@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import BinaryIO
 
 from ..errors import StorageError
+from . import direct
 from .base import Storage, check_relative_path
 
 WRITE_BUFFER_BYTES = 8 << 20
@@ -36,13 +37,19 @@ class LocalStorage(Storage):
         tmp = os.path.join(directory, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:12]}")
         try:
             os.makedirs(directory, exist_ok=True)
-            f = open(tmp, "wb", buffering=WRITE_BUFFER_BYTES)  # noqa: SIM115 - closed below on every path
+            if direct.enabled():  # large files bypass the page cache (see direct.py)
+                f: BinaryIO | direct.DirectWriter = direct.open_writer(tmp)
+            else:
+                f = open(tmp, "wb", buffering=WRITE_BUFFER_BYTES)  # noqa: SIM115 - closed below on every path
         except OSError as e:
             raise StorageError(f"cannot create {final}: {e.strerror or e}") from e
         try:
             yield f  # type: ignore[misc]
-            f.flush()
-            os.fsync(f.fileno())
+            if isinstance(f, direct.DirectWriter):
+                f.finish()
+            else:
+                f.flush()
+                os.fsync(f.fileno())
             f.close()
             os.replace(tmp, final)
         except BaseException as e:

@@ -1,0 +1,153 @@
+"""Write streams for local files that send large files to the disk with O_DIRECT, bypassing the page cache.
+
+Buffered writes followed by fsync ran 3-6x slower than ``dd oflag=direct`` on the VMs we benchmark on when the
+CPUs are busy: every byte is copied into the page cache, then written back by kernel threads competing with
+training for CPU, and dirty-page throttling stalls writers. ``DirectWriter`` copies into a reused, page-aligned
+buffer and writes each full chunk with O_DIRECT (switched on with fcntl at the first full chunk, so files
+smaller than a chunk are written exactly as before). The unaligned tail goes through the page cache, and the
+caller fsyncs as usual. Filesystems without O_DIRECT (tmpfs, some network filesystems) fall back to buffered
+writes silently. ``NXD_CKPT_DIRECT_IO=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import threading
+
+CHUNK_BYTES = 16 << 20
+_POOL_LIMIT = 16
+
+
+def enabled() -> bool:
+    return os.environ.get("NXD_CKPT_DIRECT_IO", "1") not in ("0", "false", "no", "")
+
+
+class _BufferPool:
+    """Page-aligned chunk buffers kept for reuse: first-touch of fresh memory is slow in VMs."""
+
+    def __init__(self) -> None:
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+
+    def get(self) -> mmap.mmap:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return mmap.mmap(-1, CHUNK_BYTES)
+
+    def put(self, buf: mmap.mmap) -> None:
+        with self._lock:
+            if len(self._free) < _POOL_LIMIT:
+                self._free.append(buf)
+                return
+        buf.close()
+
+
+_pool = _BufferPool()
+
+
+class DirectWriter:
+    """A write-only binary stream onto ``fd``; ``finish`` writes the tail and fsyncs, ``close`` releases."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._buf: mmap.mmap | None = _pool.get()
+        self._view = memoryview(self._buf)
+        self._pos = 0
+        self._size = 0
+        self._direct: bool | None = None  # unknown until the first full chunk
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        src = memoryview(data).cast("B")
+        n = len(src)
+        done = 0
+        while done < n:
+            take = min(CHUNK_BYTES - self._pos, n - done)
+            self._view[self._pos : self._pos + take] = src[done : done + take]
+            self._pos += take
+            done += take
+            if self._pos == CHUNK_BYTES:
+                self._flush_chunk()
+        self._size += n
+        return n
+
+    def _flush_chunk(self) -> None:
+        if self._direct is None:
+            self._direct = _set_direct(self._fd, True)
+        _write_all(self._fd, self._view[: self._pos])
+        self._pos = 0
+
+    def finish(self) -> None:
+        """Write what is buffered (through the page cache) and fsync the file."""
+        if self._pos:
+            if self._direct:
+                _set_direct(self._fd, False)
+                self._direct = False
+            _write_all(self._fd, self._view[: self._pos])
+            self._pos = 0
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._buf is not None:
+            self._view.release()
+            _pool.put(self._buf)
+            self._buf = None
+            os.close(self._fd)
+
+    def flush(self) -> None:
+        """Nothing to do: data is written in chunks, and by ``finish``."""
+
+    def tell(self) -> int:
+        return self._size
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def writable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return False
+
+    def seekable(self) -> bool:
+        return False
+
+    @property
+    def closed(self) -> bool:
+        return self._buf is None
+
+
+def open_writer(path: str) -> DirectWriter:
+    """A new file at ``path`` (created or truncated) behind a DirectWriter."""
+    return DirectWriter(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666))
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, (flags | flag) if on else (flags & ~flag))
+        return on
+    except OSError:  # the filesystem does not support O_DIRECT
+        return False
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        try:
+            done += os.write(fd, view[done:])
+        except OSError as e:
+            if e.errno == errno.EINVAL and _is_direct(fd):  # O_DIRECT refused this write: finish buffered
+                _set_direct(fd, False)
+                continue
+            raise
+
+
+def _is_direct(fd: int) -> bool:
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0))
