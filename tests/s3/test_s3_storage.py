@@ -198,3 +198,13 @@ def test_sustained_throttling_gives_up_with_a_clear_error(s3_url, s3_server):
         with pytest.raises(StorageError, match=r"kept failing upload .* with SlowDown \(after 2 extra retries\)"):
             s.write_bytes("a", b"payload")
         assert proxy.requests == 6  # bounded: (1 + retries) * max_attempts
+
+
+def test_no_credentials_is_named(s3_url, monkeypatch):
+    import boto3
+
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    s = S3Storage(s3_url, session=boto3.session.Session())  # instance metadata is disabled by the fixture
+    with pytest.raises(StorageError, match=r"no usable AWS credentials for upload s3://nxd-ckpt-test/.*/a"):
+        s.write_bytes("a", b"1")
