@@ -239,13 +239,16 @@ class S3Storage(Storage):
     def _transfer_config(self) -> Any:
         from boto3.s3.transfer import TransferConfig
 
-        return TransferConfig(
-            multipart_threshold=self.part_size,
-            multipart_chunksize=self.part_size,
-            max_concurrency=self.max_concurrency,
-            use_threads=True,
-            preferred_transfer_client="classic",  # our retry/timeout settings apply; CRT's would not
-        )
+        settings: dict[str, Any] = {
+            "multipart_threshold": self.part_size,
+            "multipart_chunksize": self.part_size,
+            "max_concurrency": self.max_concurrency,
+            "use_threads": True,
+        }
+        try:  # our retry/timeout settings apply to the classic client, not to the CRT one boto3 may pick
+            return TransferConfig(**settings, preferred_transfer_client="classic")
+        except TypeError:  # boto3 older than the CRT option: classic is the only client
+            return TransferConfig(**settings)
 
     def _key(self, path: str) -> str:
         check_relative_path(path)
