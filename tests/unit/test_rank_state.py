@@ -79,6 +79,34 @@ def test_dict_of_both_protocols_and_rng_round_trip(tmp_path, mode):
     assert random.random() == expected_next
 
 
+class Buffer:
+    """A state_dict() that returns live references, as many loaders do."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+        self.weights = torch.zeros(3)
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen, "weights": self.weights}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen, self.weights = list(state["seen"]), state["weights"].clone()
+
+
+@pytest.mark.parametrize("mode", ["per_rank", "gather"])
+def test_async_save_snapshots_live_state_before_returning(tmp_path, mode):
+    live = Buffer()
+    live.seen += [1, 2]
+    report = nxd.save_checkpoint(str(tmp_path), "t", rank_state=live, rank_state_mode=mode, async_save=True)
+    live.seen.append(3)  # training goes on while the file is written
+    live.weights += 1
+    report.wait()
+    nxd.finalize_checkpoint()
+    restored = Buffer()
+    nxd.load_checkpoint(str(tmp_path), "t", rank_state=restored)
+    assert restored.seen == [1, 2] and torch.equal(restored.weights, torch.zeros(3))
+
+
 def test_single_object_round_trip_and_rng_restored_without_asking(tmp_path):
     torch.manual_seed(0)
     nxd.save_checkpoint(str(tmp_path), "t", rank_state=Counter(3), save_rng=True)
