@@ -127,8 +127,8 @@ def test_to_host_copies_cpu_tensors_only_when_asked():
 
 @pytest.mark.xla
 def test_xla_tensors_are_staged_to_private_host_tensors():
-    xm = pytest.importorskip("torch_xla.core.xla_model")
-    device = xm.xla_device()
+    torch_xla = pytest.importorskip("torch_xla")
+    device = torch_xla.device()
     w = torch.arange(12, dtype=torch.float32).reshape(3, 4).to(device)
     cpu = torch.ones(2)
     staged = staging.StagingPool().stage([{"w": w, "cpu": cpu}])
