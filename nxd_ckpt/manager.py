@@ -240,7 +240,8 @@ class CheckpointManager:
             staged = [(w.path, state) for w, state in zip(writes, lease.trees, strict=True)]
             report.staging_allocated_bytes = lease.allocated_bytes
         else:
-            staged = [(w.path, staging.to_host(w.state, copy=False)) for w in writes]
+            host_states = staging.to_host([w.state for w in writes], copy=False)  # one XLA sync for all files
+            staged = [(w.path, state) for w, state in zip(writes, host_states, strict=True)]
         staged += rank_files
         report.staging_s = time.perf_counter() - stage_start
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import nxd_ckpt as nxd
 from nxd_ckpt import staging, xla
 from nxd_ckpt.testing.fakes import make_training, train_steps
 from nxd_ckpt.tree import iter_tensors
@@ -39,6 +40,22 @@ def test_pending_graphs_run_once_and_batches_follow_the_budget():
     for got, want in zip(host, expected, strict=True):
         assert got.device.type == "cpu" and got.dtype == want.dtype
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_materialises_model_and_optimizer_with_one_execution(tmp_path, async_save):
+    model, opt, sched = make_training(device=torch_xla.device())
+    train_steps(model, opt, sched, 2, seed=1)
+    with torch.no_grad():  # pending graphs on model and optimizer tensors, as right after opt.step()
+        for p in model.parameters():
+            p.mul_(0.5)
+        for per_param in opt.state.values():
+            per_param["exp_avg"].add_(1.0)
+    runs = _executions()
+    nxd.save_checkpoint(str(tmp_path), "t", model=model, optimizer=opt, async_save=async_save).wait()
+    assert _executions() - runs == 1, "model and optimizer files must share one sync"
+    saved = torch.load(tmp_path / "t" / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt", weights_only=True)
+    assert torch.equal(saved["fc1.weight"], model.fc1.weight.cpu())
 
 
 def test_staged_snapshot_is_host_memory_that_training_cannot_change():
