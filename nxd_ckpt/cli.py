@@ -7,6 +7,7 @@ Results go to stdout, diagnostics to stderr; progress bars appear only when stde
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib
 import importlib.util
@@ -14,8 +15,9 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, BinaryIO
 
 from . import __version__, completeness, tags, verification
 from .errors import CheckpointError
@@ -71,6 +73,68 @@ def progress_bar(total: int, desc: str, enabled: bool) -> Any:
     except ImportError:
         return _NoProgress()
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False, file=sys.stderr)
+
+
+class _CountingStream:
+    """A read stream that reports the bytes read through it."""
+
+    def __init__(self, f: Any, report: Callable[[int], Any]) -> None:
+        self._f, self._report = f, report
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n)
+        self._report(len(data))
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        n = self._f.readinto(buffer)
+        self._report(n or 0)
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+class ReadProgressStorage(Storage):
+    """Delegates to another storage and reports every byte read (drives the progress bar of ``verify``)."""
+
+    def __init__(self, inner: Storage, report: Callable[[int], Any]) -> None:
+        self.inner, self._report = inner, report
+        self.url = inner.url
+
+    @contextlib.contextmanager
+    def open_read(self, path: str) -> Iterator[BinaryIO]:
+        with self.inner.open_read(path) as f:
+            yield _CountingStream(f, self._report)  # type: ignore[misc]
+
+    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        data = self.inner.read_bytes(path, offset, length)
+        self._report(len(data))
+        return data
+
+    def open_write(self, path: str) -> AbstractContextManager[BinaryIO]:
+        return self.inner.open_write(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def list_dir(self, path: str = "") -> list[str]:
+        return self.inner.list_dir(path)
+
+    def walk_files(self, path: str = "") -> list[str]:
+        return self.inner.walk_files(path)
+
+    def size(self, path: str) -> int:
+        return self.inner.size(path)
+
+    def mtime(self, path: str) -> float:
+        return self.inner.mtime(path)
+
+    def delete(self, path: str) -> None:
+        self.inner.delete(path)
+
+    def delete_tree(self, path: str) -> None:
+        self.inner.delete_tree(path)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -231,13 +295,18 @@ def _show_object(ckpt: Checkpoint, path: str, as_json: bool) -> int:
     return EXIT_OK
 
 
-def _verify_one(ckpt: Checkpoint, quick: bool) -> dict[str, Any]:
+def _verify_one(ckpt: Checkpoint, quick: bool, progress: bool) -> dict[str, Any]:
     """Checksums/CRCs and listed files (``verification.verify``, unless ``quick``) plus structure checks."""
     url = ckpt.storage.url
     problems: list[str] = []
     result: dict[str, Any] = {"tag": ckpt.tag, "files_checked": 0, "bytes_checked": 0, "manifests": 0, "notes": []}
     if not quick:
-        report = verification.verify(ckpt.storage, ckpt.tag)
+        total = sum(size for _, size in ckpt.files())
+        bar = progress_bar(total, f"verify {ckpt.tag}", progress)
+        try:
+            report = verification.verify(ReadProgressStorage(ckpt.storage, bar.update), ckpt.tag)
+        finally:
+            bar.close()
         problems += report.problems
         result.update(
             files_checked=report.files_checked,
@@ -264,7 +333,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         checkpoints = [_open(args)]
     results = []
     for ckpt in checkpoints:
-        result = _verify_one(ckpt, args.quick)
+        result = _verify_one(ckpt, args.quick, args.progress)
         results.append(result)
         for problem in result["problems"]:
             _err(f"problem: {problem}")

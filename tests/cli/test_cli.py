@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
 import shutil
+import struct
 import subprocess
 import sys
+import termios
 import zipfile
 from pathlib import Path
 
@@ -63,7 +67,7 @@ def ckpt_dir(tmp_path_factory) -> Path:
 
 
 def _save_parallel(out: str) -> None:
-    """On 2 ranks: a TP=2 checkpoint, then a DP=2 ZeRO-1 checkpoint."""
+    """On 2 ranks: a TP=2 checkpoint, a PP=2 one, then a DP=2 ZeRO-1 one."""
     import torch.distributed as dist
 
     from nxd_ckpt.testing.zero1_adamw import Zero1AdamW
@@ -71,6 +75,10 @@ def _save_parallel(out: str) -> None:
     nxd.initialize_model_parallel(tensor_model_parallel_size=2)
     torch.manual_seed(dist.get_rank())
     nxd.save_checkpoint(os.path.join(out, "tp2"), "step_1", model=TinyMLP())
+    nxd.destroy_model_parallel()
+    nxd.initialize_model_parallel(pipeline_model_parallel_size=2)  # each stage holds its own layers
+    stage = {f"layers.{dist.get_rank()}.weight": torch.full((2, 3), float(dist.get_rank()))}
+    nxd.save_checkpoint(os.path.join(out, "pp2"), "step_1", model=stage)
     nxd.destroy_model_parallel()
     torch.manual_seed(0)
     model = TinyMLP()
@@ -153,7 +161,8 @@ def test_inspect(ckpt_dir, cli):
 
 
 def test_verify_good_and_broken(ckpt_dir, tmp_path, cli):
-    assert run("verify", str(ckpt_dir)).stdout.startswith("step_2: OK")
+    proc = run("verify", str(ckpt_dir))
+    assert proc.stdout.startswith("step_2: OK") and "%|" not in proc.stderr  # no progress bar off a terminal
     report = json.loads(cli("verify", str(ckpt_dir), "--all", "--json")[0])
     assert report["ok"] and [t["tag"] for t in report["tags"]] == ["step_1", "step_2"]
     assert "done" in cli("verify", str(ckpt_dir), "--tag", "step_3", check=1)[1]
@@ -208,6 +217,12 @@ def test_export(ckpt_dir, parallel_dirs, tmp_path, cli):
     err = cli("export", str(parallel_dirs / "tp2"), "--out", str(tmp_path / "tp.safetensors"), check=1)[1]
     assert "TP=2" in err and "do not record" in err
     assert not (tmp_path / "tp.safetensors").exists()
+    merged = tmp_path / "pp.safetensors"
+    cli("export", str(parallel_dirs / "pp2"), "--out", str(merged))  # PP stages hold disjoint layers: merged
+    assert {k: v.tolist() for k, v in load_file(str(merged)).items()} == {
+        "layers.0.weight": [[0.0] * 3] * 2,
+        "layers.1.weight": [[1.0] * 3] * 2,
+    }
     shard = tmp_path / "shard1.safetensors"
     cli("export", str(parallel_dirs / "tp2"), "--shard", "model/tp01_pp00", "--out", str(shard))
     assert load_file(str(shard)).keys() == TinyMLP().state_dict().keys()
@@ -223,3 +238,26 @@ def test_convert_zero1(parallel_dirs, tmp_path, cli):
     ]
     assert "optim/full_tp00_pp00" in prefixes
     assert cli("convert-zero1", "--input_dir", src, check=2)[1]  # --output_dir missing: usage error
+
+
+def test_progress_bar_only_on_a_terminal(ckpt_dir):
+    """With stderr on a pseudo-terminal, verify draws a tqdm bar there; stdout keeps only the result."""
+    main_fd, term_fd = pty.openpty()
+    fcntl.ioctl(term_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a 0-column pty draws nothing
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nxd_ckpt.cli", "verify", str(ckpt_dir)], stdout=subprocess.PIPE, stderr=term_fd
+    )
+    os.close(term_fd)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(main_fd, 4096)
+        except OSError:  # the terminal closed with the process
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(main_fd)
+    assert proc.wait(timeout=120) == 0
+    assert proc.stdout.read().decode().startswith("step_2: OK")
+    assert b"verify step_2:" in drawn and b"%|" in drawn
