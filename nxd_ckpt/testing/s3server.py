@@ -140,13 +140,16 @@ _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connectio
 
 class ThrottlingProxy:
     """HTTP proxy on 127.0.0.1 in front of ``upstream``: the first ``throttle_first`` requests get
-    ``503 SlowDown`` (as S3 answers when a prefix is hot); the rest are forwarded unchanged."""
+    ``503 SlowDown`` (as S3 answers when a prefix is hot); the rest are forwarded, except that the bodies of
+    the first ``cut_first_gets`` GET responses are cut in half by closing the connection (a reset mid-stream)."""
 
-    def __init__(self, upstream_port: int, throttle_first: int) -> None:
+    def __init__(self, upstream_port: int, throttle_first: int, cut_first_gets: int = 0) -> None:
         self.upstream_port = upstream_port
         self.throttle_first = throttle_first
+        self.cut_first_gets = cut_first_gets
         self.requests = 0
         self.throttled = 0
+        self.cut = 0
         self._lock = threading.Lock()
         proxy = self
 
@@ -201,7 +204,15 @@ class ThrottlingProxy:
                     else:
                         self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
-                    if self.command != "HEAD":
+                    with proxy._lock:
+                        cut = self.command == "GET" and len(data) > 1 and proxy.cut < proxy.cut_first_gets
+                        proxy.cut += cut
+                    if cut:
+                        self.wfile.write(data[: len(data) // 2])
+                        self.wfile.flush()
+                        self.close_connection = True
+                        self.connection.shutdown(socket.SHUT_RDWR)
+                    elif self.command != "HEAD":
                         self.wfile.write(data)
                 finally:
                     upstream.close()
