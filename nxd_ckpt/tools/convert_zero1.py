@@ -147,9 +147,11 @@ def convert_zero1(
     report.files_copied = _carry_over(in_dir, out_dir)
 
     coords = [(tp, pp) for pp in range(info.pp) for tp in range(info.tp)]
-    probe = ShardFile(in_storage, source_paths(in_tag, 0, 0, info.src_dp)[0], trusted=allow_pickle)
-    bar = _Progress(len(coords) * max(1, len(probe.shard_paths)), enabled=progress)
-    del probe
+    slots = sum(  # progress counts parameter slots; PP stages hold different parameters
+        len(ShardFile(in_storage, source_paths(in_tag, tp, pp, info.src_dp)[0], trusted=allow_pickle).shard_paths)
+        for tp, pp in coords
+    )
+    bar = _Progress(slots, enabled=progress)
 
     def job(coord: tuple[int, int]) -> tuple[list[str], int]:
         return _convert_coordinate(

@@ -84,17 +84,26 @@ def full_state(seed: int, dtype: torch.dtype = torch.float32) -> dict:
     }
 
 
-def write_checkpoint(root: str, dp: int, tp: int, use_xser: bool, metadata: bool = True) -> dict[int, dict]:
-    """An NxD-layout tag ``root/TAG`` with ZeRO-1 shards for ``dp``; returns the full state of each TP rank."""
+def write_checkpoint(root: str, dp: int, tp: int, use_xser: bool, metadata: bool = True, pp: int = 1) -> dict:
+    """An NxD-layout tag ``root/TAG`` with ZeRO-1 shards for ``dp``; returns the full state of each TP rank
+    (PP=1) or of each (TP, PP) coordinate."""
     storage = LocalStorage(root)
-    fulls = {t: full_state(seed=t, dtype=torch.bfloat16 if t == 1 else torch.float32) for t in range(tp)}
+    fulls = {
+        (t, p): full_state(seed=10 * p + t, dtype=torch.bfloat16 if t == 1 else torch.float32)
+        for t in range(tp)
+        for p in range(pp)
+    }
+    if pp == 2:  # the second stage holds other parameters
+        for t in range(tp):
+            for key in ("base_state", "shape_info", "sharded_master_weights"):
+                del fulls[(t, 1)][key][0]
     storage.write_bytes(layout.tag_path(TAG, layout.CHECKPOINT_MARKER), b"1")
-    for t in range(tp):
+    for t, p in fulls:
         model = {"w": torch.randn(4, 4), "b": torch.arange(4.0) + t}
-        statefile.write_state_file(storage, layout.model_file(TAG, t, 0), model, xser_encoding=use_xser)
+        statefile.write_state_file(storage, layout.model_file(TAG, t, p), model, xser_encoding=use_xser)
         for d in range(dp):
-            path = layout.optim_file(TAG, d, t, 0)
-            statefile.write_state_file(storage, path, shard_of(fulls[t], dp, d), xser_encoding=use_xser)
+            path = layout.optim_file(TAG, d, t, p)
+            statefile.write_state_file(storage, path, shard_of(fulls[(t, p)], dp, d), xser_encoding=use_xser)
     with storage.open_write(layout.tag_path(TAG, layout.SCHEDULER_FILE)) as f:
         torch.save({"last_epoch": 9}, f)
     with storage.open_write(layout.tag_path(TAG, layout.USER_CONTENT_FILE)) as f:
@@ -104,14 +113,14 @@ def write_checkpoint(root: str, dp: int, tp: int, use_xser: bool, metadata: bool
             "format": "nxd_ckpt",
             "format_version": 1,
             "tag": TAG,
-            "layout": {"tp": tp, "pp": 1, "dp": dp, "world_size": tp * dp},
+            "layout": {"tp": tp, "pp": pp, "dp": dp, "world_size": tp * pp * dp},
             "zero1": True,
             "zero1_dp_size": dp,
             "xser": use_xser,
         }
         storage.write_bytes(layout.tag_path(TAG, layout.METADATA_FILE), json.dumps(meta).encode())
     storage.write_bytes(layout.tag_path(TAG, layout.DONE_MARKER), b"1")
-    return fulls
+    return fulls if pp > 1 else {t: fulls[(t, 0)] for t in range(tp)}
 
 
 def read_optim(root: str, name: str) -> dict:
@@ -166,23 +175,25 @@ def test_sharded_to_sharded_tp2(tmp_path, use_xser, src_dp, dst_dp):
 
 @pytest.mark.parametrize("use_xser", [False, True], ids=["plain", "xser"])
 def test_sharded_to_full_to_sharded(tmp_path, use_xser):
+    """TP=2, PP=2 (the stages hold different parameters): DP=4 -> full -> DP=3."""
     src, full_dir, back = str(tmp_path / "in"), str(tmp_path / "full"), str(tmp_path / "back")
-    fulls = write_checkpoint(src, 4, tp=2, use_xser=use_xser)
-    convert_zero1(f"{src}/{TAG}", f"{full_dir}/{TAG}", convert_to_full=True, progress=False)
+    fulls = write_checkpoint(src, 4, tp=2, use_xser=use_xser, pp=2)
+    report = convert_zero1(f"{src}/{TAG}", f"{full_dir}/{TAG}", convert_to_full=True, num_workers=3, progress=False)
+    assert (report.tp, report.pp, report.dst_dp) == (2, 2, None)
     assert not any(n.startswith("dp_rank") for n in os.listdir(f"{full_dir}/{TAG}/optim"))
-    for t in range(2):
-        got = read_optim(full_dir, f"full_tp_rank_{t:02d}_pp_rank_00.pt")
-        inputs = [read_optim(src, layout.state_file_name(d, t, 0)) for d in range(4)]
+    for t, p in fulls:
+        got = read_optim(full_dir, f"full_tp_rank_{t:02d}_pp_rank_{p:02d}.pt")
+        inputs = [read_optim(src, layout.state_file_name(d, t, p)) for d in range(4)]
         assert_state_equal(got, merged_from_files(inputs))
-        assert_state_equal(got, fulls[t])
+        assert_state_equal(got, fulls[(t, p)])
     with open(f"{full_dir}/{TAG}/nxd_ckpt.json") as f:
         meta = json.load(f)
     assert (meta["zero1_dp_size"], meta["zero1_full"]) == (None, True)
 
     convert_zero1(f"{full_dir}/{TAG}", f"{back}/{TAG}", dp_size=3, convert_to_sharded=True, progress=False)
-    for t in range(2):
+    for t, p in fulls:
         for d in range(3):
-            assert_state_equal(read_optim(back, layout.state_file_name(d, t, 0)), shard_of(fulls[t], 3, d))
+            assert_state_equal(read_optim(back, layout.state_file_name(d, t, p)), shard_of(fulls[(t, p)], 3, d))
     with pytest.raises(FormatError, match="already holds full"):
         convert_zero1(f"{full_dir}/{TAG}", f"{tmp_path}/again/{TAG}", convert_to_full=True)
 
