@@ -7,7 +7,10 @@ operation runs ``--repeats`` times, interleaved (boto3 raw, nxd_ckpt save, nxd_c
 
     python scripts/bench_s3.py --size-mb 256 --repeats 3
 
-``s3_loopback_section(size_mb, repeats)`` returns the rows, for scripts/benchmark.py to include.
+``s3_loopback_section(size_mb, repeats)`` returns the rows. For scripts/benchmark.py (multi-rank, interleaved
+with the disk rows), ``register(section, Timing)`` adds the section ``s3_loopback``: rank 0 starts one moto
+server per run, every rank saves/loads its state to ``s3://`` through it. It is slow (moto runs at tens of
+MB/s), so it only runs when ``NXD_CKPT_BENCH_S3=1`` is set.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -93,6 +98,74 @@ def s3_loopback_section(size_mb: int = 256, repeats: int = 3) -> list[tuple[str,
         name = label if label.startswith("boto3") else f"nxd_ckpt {label} (plain, 1 process)"
         rows.append((name, median, size / median / 1e9))
     return rows
+
+
+_server: MotoServer | None = None
+
+
+def _s3_available() -> bool:
+    if os.environ.get("NXD_CKPT_BENCH_S3") != "1":
+        return False
+    try:
+        import boto3  # noqa: F401
+        import moto.server  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _ensure_server(rank: int) -> None:
+    """Rank 0 starts the loopback server once per run; every rank points the AWS environment at it."""
+    global _server
+    import atexit
+
+    import boto3
+    import torch.distributed as dist
+
+    endpoint = [None]
+    if rank == 0:
+        if _server is None:
+            _server = MotoServer().start()
+            atexit.register(_server.stop)
+            _apply_env(_server.endpoint_url)
+            boto3.session.Session().client("s3").create_bucket(Bucket=BUCKET)
+        endpoint = [_server.endpoint_url]
+    dist.broadcast_object_list(endpoint, src=0)
+    _apply_env(str(endpoint[0]))
+
+
+def register(section: Callable[..., Callable], timing: type, assert_same: Callable[[Any, Any, str], None]) -> None:
+    """Add the ``s3_loopback`` section to scripts/benchmark.py's registry (its ``section``, ``Timing`` and
+    ``assert_same``)."""
+
+    @section(
+        "s3_loopback",
+        f"{TITLE}: nxd_ckpt plain to s3://, load(verify=False) (loopback, not AWS S3)",
+        _s3_available,
+    )
+    def _s3_loopback(b: Any) -> Any:
+        import torch.distributed as dist
+
+        _ensure_server(b.rank)
+        url = f"s3://{BUCKET}/bench"
+        model_out: dict = {}
+        optim_out: dict = {}
+
+        def save() -> None:
+            nxd.save_checkpoint(url, "step_1", model=b.model, optimizer=b.optimizer, zero1_optimizer=True)
+
+        def load() -> None:
+            nxd.load_checkpoint(url, "step_1", model=model_out, optimizer=optim_out, verify=False)
+
+        result = timing(b.timed(save), b.timed(load))  # nothing to drop: moto holds objects in memory
+        if b.check:
+            assert_same(b.model, model_out, "s3_loopback model")
+            assert_same(b.optimizer, optim_out, "s3_loopback optimizer")
+        dist.barrier()
+        if b.rank == 0:
+            S3Storage(url).delete_tree("step_1")
+        dist.barrier()
+        return result
 
 
 def main(argv: list[str] | None = None) -> int:
