@@ -24,7 +24,7 @@ import xxhash
 
 from . import layout
 from .errors import IntegrityError, StorageError
-from .storage import Storage
+from .storage import Storage, check_relative_path
 
 ALGORITHM = "xxh3_64"
 MANIFEST_FORMAT = "nxd_ckpt.manifest"
@@ -110,8 +110,8 @@ def parse_manifest(data: bytes, where: str) -> tuple[int, dict[str, FileRecord]]
         if doc.get("algorithm") != ALGORITHM:
             raise ValueError(f"unknown checksum algorithm {doc.get('algorithm')!r}")
         rank = int(doc["rank"])
-        records = {str(p): FileRecord(int(s), str(d), rank) for p, (s, d) in doc["files"].items()}
-    except (ValueError, KeyError, TypeError) as e:
+        records = {check_relative_path(str(p)): FileRecord(int(s), str(d), rank) for p, (s, d) in doc["files"].items()}
+    except (ValueError, KeyError, TypeError) as e:  # InvalidTagError (a path leaving the tag) is a ValueError
         raise IntegrityError(f"manifest {where} is damaged ({e}); {_RESTORE_HINT}") from e
     return rank, records
 

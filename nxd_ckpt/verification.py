@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from . import integrity, layout, tags
-from .errors import CheckpointNotFoundError, FormatError, IntegrityError
+from .errors import CheckpointError, CheckpointNotFoundError, FormatError, IntegrityError
 from .serialization.pickle_scan import allowed_globals, scan_torch_file
 from .storage import Storage, storage_for
 
@@ -102,7 +103,7 @@ class _Verifier:
             if not self.storage.exists(f"{self.tag}/{rel}"):
                 self.problem(f"{self.url}/{rel} is missing (the checkpoint's metadata says it was saved)")
         for rel, rec in sorted(index.items()):
-            self._check_listed(rel, rec)
+            self._guarded(rel, lambda rel=rel, rec=rec: self._check_listed(rel, rec))
         manifest_names = {p.rsplit("/", 1)[1] for p in integrity.manifest_paths(self.storage, self.tag)}
         for path in self.storage.walk_files(self.tag):
             rel = path[len(self.tag) + 1 :]
@@ -112,7 +113,14 @@ class _Verifier:
                 continue
             if index:
                 report.notes.append(f"{self.url}/{rel} is not listed in any manifest; checked its structure only")
-            self._check_unlisted(rel)
+            self._guarded(rel, lambda rel=rel: self._check_unlisted(rel))
+
+    def _guarded(self, rel: str, check: Callable[[], None]) -> None:
+        """Run one file's check; an unreadable file is a problem naming it, not a crash of the whole verify."""
+        try:
+            check()
+        except (CheckpointError, OSError) as e:
+            self.problem(f"{self.url}/{rel} cannot be read: {e}")
 
     def _metadata(self) -> dict | None:
         path = layout.tag_path(self.tag, layout.METADATA_FILE)

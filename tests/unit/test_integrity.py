@@ -263,3 +263,16 @@ def test_scan_torch_file_reads_globals_without_running_them():
 
 def test_manifest_paths_are_per_rank(tmp_path):
     assert layout.manifest_file("step_1", 12) == "step_1/nxd_ckpt/manifest_rank_00012.json"
+
+
+def test_a_manifest_cannot_point_outside_its_tag(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    _save(str(ckpt), "step_1", seed=1)
+    (tmp_path / "secret").write_bytes(b"outside")
+    store = LocalStorage(ckpt)
+    hostile = {"../../secret": integrity.FileRecord(7, integrity.hash_bytes(b"outside")[1], 0)}
+    store.write_bytes(layout.manifest_file("step_1", 0), integrity.manifest_bytes("step_1", 0, hostile))
+    with pytest.raises(IntegrityError, match="manifest_rank_00000.json is damaged"):
+        integrity.read_index(store, "step_1")
+    report = nxd.verify(str(ckpt))
+    assert any("manifest_rank_00000.json is damaged" in p for p in report.problems), report.summary()
