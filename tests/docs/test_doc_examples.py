@@ -7,20 +7,21 @@ an ``<!-- skip-test ... -->`` comment (multi-process or S3 examples) is not run.
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
-_BLOCK = re.compile(r"(?P<skip><!--\s*skip-test[^>]*-->\s*\n)?```python\n(?P<code>.*?)```", re.DOTALL)
+_BLOCK = re.compile(r"(?P<skip><!--\s*skip-test[^>]*-->\s*)?(?P<indent>[ \t]*)```python\n(?P<code>.*?)```", re.DOTALL)
 
 
 def python_blocks(path: Path) -> list[tuple[int, str, bool]]:
     """(line number, code, skipped) for each ```python block of a markdown file."""
     text = path.read_text()
     return [
-        (text.count("\n", 0, m.start("code")) + 1, m.group("code"), m.group("skip") is not None)
+        (text.count("\n", 0, m.start("code")) + 1, textwrap.dedent(m.group("code")), m.group("skip") is not None)
         for m in _BLOCK.finditer(text)
     ]
 
@@ -34,8 +35,17 @@ def test_docs_exist_and_are_linked_from_the_readme():
 
 def test_block_extraction_honours_skip_markers(tmp_path):
     md = tmp_path / "x.md"
-    md.write_text("a\n```python\nx = 1\n```\n<!-- skip-test: S3 -->\n```python\nraise SystemExit\n```\n")
-    assert python_blocks(md) == [(3, "x = 1\n", False), (7, "raise SystemExit\n", True)]
+    md.write_text(
+        "a\n```python\nx = 1\n```\n<!-- skip-test: S3 -->\n```python\nraise SystemExit\n```\n"
+        "- item:\n\n  <!-- skip-test -->\n  ```python\n  raise SystemExit\n  ```\n"
+        "  ```python\n  y = 2\n  ```\n"
+    )
+    assert python_blocks(md) == [
+        (3, "x = 1\n", False),
+        (7, "raise SystemExit\n", True),
+        (13, "raise SystemExit\n", True),
+        (16, "y = 2\n", False),
+    ]
 
 
 @pytest.mark.parametrize(
