@@ -14,10 +14,21 @@ case "$lane" in
 esac
 stamp_src="$(cat "$root/pyproject.toml" "$root/scripts/setup_env.sh" | sha256sum | cut -c1-16)"
 stamp_file="$env_dir/.nxd_ckpt_stamp"
+# One builder at a time: concurrent runs (several developers, CI jobs) wait instead of pip-installing into one env.
+mkdir -p "$(dirname "$env_dir")"
+exec 9>"$env_dir.lock"
+if ! flock -n 9; then
+  echo "[setup] waiting for another run that is setting up the $lane environment ..." >&2
+  flock 9
+fi
 if [ -x "$env_dir/bin/python" ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp_src" ]; then
   echo "[setup] $lane environment up to date: $env_dir" >&2
 else
-  echo "[setup] building the $lane environment in $env_dir (first run or dependencies changed) ..." >&2
+  if [ -x "$env_dir/bin/python" ]; then why="pyproject.toml or setup_env.sh changed since it was built"; else why="first run"; fi
+  echo "[setup] building the $lane environment in $env_dir ($why): ${torch_pins[*]} + nxd_ckpt[test,s3] ..." >&2
+  if [ "$lane" = xla ]; then
+    echo "[setup] (a fresh xla environment downloads ~7 GB: torch 2.9.0 from PyPI is the CUDA build)" >&2
+  fi
   start=$(date +%s)
   python3 -m venv "$env_dir"
   "$env_dir/bin/python" -m pip install -q --upgrade pip >&2
