@@ -9,6 +9,7 @@ Replicas that load the same file read each tensor from storage once between them
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 from collections.abc import Callable, Sequence
@@ -111,7 +112,10 @@ def write_state_file(
     for tid in sorted(share, key=lambda i: -sizes[i]):
         tensor_path = layout.xser_tensor_file(path, tid)
         jobs.append((tensor_path, _tensor_writer(storage, tensor_path, tensors[tid])))
-    _run_parallel(jobs, threads, f"writing {storage.url}/{path}")
+    # One fsync per tensor file would cost a cache flush each: local storage syncs them together at the end.
+    deferred = getattr(storage, "deferred_fsync", None)
+    with deferred() if callable(deferred) else contextlib.nullcontext():
+        _run_parallel(jobs, threads, f"writing {storage.url}/{path}")
     return WrittenFiles([p for p, _ in jobs], sum(sizes[tid] for tid in share))
 
 

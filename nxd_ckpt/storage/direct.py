@@ -80,15 +80,16 @@ class DirectWriter:
         _write_all(self._fd, self._view[: self._pos])
         self._pos = 0
 
-    def finish(self) -> None:
-        """Write what is buffered (through the page cache) and fsync the file."""
+    def finish(self, fsync: bool = True) -> None:
+        """Write what is buffered (through the page cache) and fsync the file (unless the caller defers it)."""
         if self._pos:
             if self._direct:
                 _set_direct(self._fd, False)
                 self._direct = False
             _write_all(self._fd, self._view[: self._pos])
             self._pos = 0
-        os.fsync(self._fd)
+        if fsync:
+            os.fsync(self._fd)
 
     def close(self) -> None:
         if self._buf is not None:

@@ -51,3 +51,18 @@ def test_switch_off(tmp_path, monkeypatch):
         assert not isinstance(f, direct.DirectWriter)
         f.write(b"abc")
     assert (tmp_path / "f.bin").read_bytes() == b"abc"
+
+
+def test_deferred_fsync_writes_every_file_and_nests(tmp_path):
+    storage = LocalStorage(tmp_path)
+    with storage.deferred_fsync():
+        with storage.deferred_fsync():
+            storage.write_bytes("a/1.bin", b"one")
+        storage.write_bytes("a/2.bin", os.urandom(CHUNK + 9))
+        assert storage._batch is not None and len(storage._batch) == 2
+    assert storage._batch is None
+    assert storage.read_bytes("a/1.bin") == b"one" and storage.size("a/2.bin") == CHUNK + 9
+    with pytest.raises(RuntimeError), storage.deferred_fsync():
+        storage.write_bytes("a/3.bin", b"x")
+        raise RuntimeError("a failed save")
+    assert storage._batch is None  # the next writes fsync one by one again
