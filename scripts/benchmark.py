@@ -1,0 +1,508 @@
+"""Save/load throughput of nxd_ckpt against the disk and the alternatives users would pick (issue 3).
+
+Run (2 ranks, 2 GiB of tensor data, 3 interleaved repetitions):
+    $(bash scripts/setup_env.sh cpu | tail -1) scripts/benchmark.py --size-gb 2 --ranks 2 --reps 3
+    PJRT_DEVICE=CPU $(bash scripts/setup_env.sh xla | tail -1) scripts/benchmark.py ...   # adds the torch_xla rows
+
+State (as in ../shared/docs/baselines.md): a transformer-like fp32 model replicated on every rank (DP = --ranks)
+plus AdamW ``exp_avg``/``exp_avg_sq`` split ZeRO-1 style; model + all optimizer shards = --size-gb. Throughput
+is that total divided by the time from a barrier before the step to a barrier after it (so: the slowest rank).
+Saves are timed to durability (every file fsynced); the page cache is dropped before every load (cold reads;
+needs root, otherwise the table says "warm"). A load ends with every rank holding the model and its own
+optimizer shard. Sections run interleaved (rotated order each repetition); the table shows medians and ratios
+to the raw disk rows measured in the same run, since absolute numbers on this shared machine move 2-5x.
+
+Sections are functions registered with ``@section``; each returns the save and load seconds. To add one (e.g.
+an "async" section), write ``@section("name", "label") def _(b: Bench) -> Timing`` using ``b.timed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+GIB = 1 << 30
+BLOCK = 64 << 20
+
+
+# ----------------------------------------------------------------------------------------------- state
+
+
+def build_state(total_bytes: int, rank: int, world: int, hidden: int) -> tuple[dict, dict]:
+    """A replicated fp32 model and this rank's ZeRO-1 shard of AdamW state; model + all shards = total_bytes."""
+    shapes = {"qkv.weight": (3 * hidden, hidden), "proj.weight": (hidden, hidden), "fc1.weight": (4 * hidden, hidden)}
+    shapes |= {"fc2.weight": (hidden, 4 * hidden), "ln1.weight": (hidden,), "ln2.weight": (hidden,)}
+    shapes |= {"fc1.bias": (4 * hidden,), "fc2.bias": (hidden,), "proj.bias": (hidden,)}
+    per_layer = sum(torch.Size(s).numel() for s in shapes.values()) * 4
+    layers = max(1, round(total_bytes / 3 / per_layer))
+    gen = torch.Generator().manual_seed(0)
+    model = {f"layers.{i}.{k}": torch.rand(s, generator=gen) for i in range(layers) for k, s in shapes.items()}
+    shard_gen = torch.Generator().manual_seed(1 + rank)
+    state = {}
+    for i, t in enumerate(model.values()):
+        shard = -(-t.numel() // world)
+        state[i] = {
+            "step": torch.tensor(10.0),
+            "exp_avg": torch.rand(shard, generator=shard_gen),
+            "exp_avg_sq": torch.rand(shard, generator=shard_gen),
+        }
+    optimizer = {"state": state, "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.999), "params": list(state)}]}
+    return model, optimizer
+
+
+def tensors_of(tree: Any) -> list[torch.Tensor]:
+    from nxd_ckpt.tree import iter_tensors
+
+    return [t for _, t in iter_tensors(tree)]
+
+
+def nbytes_of(tree: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors_of(tree))
+
+
+def assert_same(a: Any, b: Any, what: str) -> None:
+    ta, tb = tensors_of(a), tensors_of(b)
+    if len(ta) != len(tb) or not all(torch.equal(x, y.cpu()) for x, y in zip(ta, tb, strict=True)):
+        raise AssertionError(f"{what}: loaded state differs from the saved one")
+
+
+# ----------------------------------------------------------------------------------------------- harness
+
+
+@dataclass
+class Timing:
+    save_s: float | None = None
+    load_s: float | None = None
+
+
+@dataclass
+class Bench:
+    """What a section needs: this rank's state, a scratch directory shared by all ranks, and timing helpers."""
+
+    rank: int
+    world: int
+    root: str
+    model: dict
+    optimizer: dict
+    total_bytes: int
+    cold: bool
+    check: bool = True
+    scratch: list[str] = field(default_factory=list)
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def timed(self, fn: Callable[[], Any]) -> float:
+        """Seconds from a barrier before ``fn`` on every rank to a barrier after it on every rank."""
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - start
+
+    def timed_load(self, fn: Callable[[], Any]) -> float:
+        self.drop_caches()
+        return self.timed(fn)
+
+    def drop_caches(self) -> None:
+        dist.barrier()
+        if self.rank == 0 and self.cold:
+            subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], check=True)
+        dist.barrier()
+
+    def clean(self, name: str) -> None:
+        dist.barrier()
+        if self.rank == 0:
+            full = self.path(name)
+            if os.path.isdir(full):
+                shutil.rmtree(full, ignore_errors=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(full)
+        dist.barrier()
+
+
+SECTIONS: dict[str, tuple[str, Callable[[Bench], Timing], Callable[[], bool]]] = {}
+
+
+def section(name: str, label: str, available: Callable[[], bool] = lambda: True) -> Callable:
+    """Register a benchmark section: ``fn(bench) -> Timing``, run on every rank."""
+
+    def register(fn: Callable[[Bench], Timing]) -> Callable[[Bench], Timing]:
+        SECTIONS[name] = (label, fn, available)
+        return fn
+
+    return register
+
+
+def fsync_tree(path: str) -> None:
+    """fsync every file and directory under ``path`` (for writers that do not make their files durable)."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def save_fsynced(obj: Any, path: str) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ----------------------------------------------------------------------------------------------- sections
+
+
+@section("raw_dd", "disk: dd O_DIRECT+fdatasync / cold dd read")
+def _raw_dd(b: Bench) -> Timing:
+    """The physical limit: each rank streams its share of the bytes with dd (no page cache on the write)."""
+    name = f"raw_dd_{b.rank}"
+    count = max(1, round(b.total_bytes / b.world / BLOCK))
+    out = b.path(name)
+
+    def write() -> None:
+        subprocess.run(
+            ["dd", "if=/dev/zero", f"of={out}", f"bs={BLOCK}", f"count={count}", "oflag=direct", "conv=fdatasync"],
+            check=True,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def read() -> None:
+        subprocess.run(["dd", f"if={out}", "of=/dev/null", f"bs={BLOCK}"], check=True, stderr=subprocess.DEVNULL)
+
+    scale = b.total_bytes / (count * BLOCK * b.world)  # report per total_bytes
+    timing = Timing(b.timed(write) * scale, b.timed_load(read) * scale)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(out)
+    return timing
+
+
+@section("raw_buffered", "disk: buffered write+fsync / cold read (Python, 64 MiB blocks)")
+def _raw_buffered(b: Bench) -> Timing:
+    """What a library can hope for through the page cache: large writes from touched memory, then fsync."""
+    share = b.total_bytes // b.world
+    buf = torch.ones(min(share, BLOCK), dtype=torch.uint8).numpy()
+    out = b.path(f"raw_buffered_{b.rank}")
+
+    def write() -> None:
+        with open(out, "wb", buffering=0) as f:
+            left = share
+            while left > 0:
+                left -= f.write(memoryview(buf)[: min(left, len(buf))])
+            os.fsync(f.fileno())
+
+    def read() -> None:
+        with open(out, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+    timing = Timing(b.timed(write), b.timed_load(read))
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(out)
+    return timing
+
+
+@section("torch_save", "torch.save / torch.load (NxD plain layout: model on rank 0, a shard per rank)")
+def _torch_save(b: Bench) -> Timing:
+    model_path, optim_path = b.path("ts_model.pt"), b.path(f"ts_optim_{b.rank}.pt")
+
+    def save() -> None:
+        if b.rank == 0:
+            save_fsynced(b.model, model_path)
+        save_fsynced(b.optimizer, optim_path)
+
+    loaded: dict = {}
+
+    def load() -> None:
+        loaded["model"] = torch.load(model_path, map_location="cpu", weights_only=True)
+        loaded["optim"] = torch.load(optim_path, map_location="cpu", weights_only=True)
+
+    timing = Timing(b.timed(save), b.timed_load(load))
+    if b.check:
+        assert_same(b.model, loaded["model"], "torch.load model")
+    loaded.clear()
+    b.clean("ts_model.pt")
+    b.clean(f"ts_optim_{b.rank}.pt")
+    return timing
+
+
+@section("dcp", "torch.distributed.checkpoint save / load (FileSystemWriter, 4 threads)")
+def _dcp(b: Bench) -> Timing:
+    import torch.distributed.checkpoint as dcp
+
+    path = b.path("dcp")
+    state = {"model": b.model, "optim": {f"rank{b.rank}": b.optimizer["state"]}}
+
+    def save() -> None:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=4, sync_files=True))
+
+    target = {
+        "model": {k: torch.empty_like(v) for k, v in b.model.items()},
+        "optim": {
+            f"rank{b.rank}": {
+                i: {k: torch.empty_like(v) for k, v in s.items()} for i, s in b.optimizer["state"].items()
+            }
+        },
+    }
+
+    def load() -> None:
+        dcp.load(target, storage_reader=dcp.FileSystemReader(path))
+
+    timing = Timing(b.timed(save), b.timed_load(load))
+    if b.check:
+        assert_same(b.model, target["model"], "DCP model")
+    b.clean("dcp")
+    return timing
+
+
+def _nxd(b: Bench, name: str, *, use_xser: bool, verify: bool, device: str | None = None) -> Timing:
+    import nxd_ckpt as nxd
+
+    model, optimizer = b.model, b.optimizer
+    if device is not None:  # the state lives on the XLA device, as in training
+        model, optimizer = _to_device(b, device)
+    path = b.path(name)
+
+    def save() -> None:
+        nxd.save_checkpoint(path, "step_1", model=model, optimizer=optimizer, use_xser=use_xser, zero1_optimizer=True)
+
+    model_out: dict = {}
+    optim_out: dict = {}
+
+    def load() -> None:
+        nxd.load_checkpoint(path, "step_1", model=model_out, optimizer=optim_out, verify=verify)
+
+    timing = Timing(b.timed(save), b.timed_load(load))
+    if b.check:
+        assert_same(b.model, model_out, f"{name} model")
+        assert_same(b.optimizer, optim_out, f"{name} optimizer")
+    model_out.clear()
+    optim_out.clear()
+    b.clean(name)
+    return timing
+
+
+@section("nxd_xser", "nxd_ckpt use_xser=True (defaults: checksums written and verified)")
+def _nxd_xser(b: Bench) -> Timing:
+    return _nxd(b, "nxd_xser", use_xser=True, verify=True)
+
+
+@section("nxd_xser_noverify", "nxd_ckpt use_xser=True, load(verify=False)")
+def _nxd_xser_noverify(b: Bench) -> Timing:
+    return _nxd(b, "nxd_xser_nv", use_xser=True, verify=False)
+
+
+@section("nxd_plain", "nxd_ckpt plain (one torch.save file per state file), load(verify=False)")
+def _nxd_plain(b: Bench) -> Timing:
+    return _nxd(b, "nxd_plain", use_xser=False, verify=False)
+
+
+def _have_torch_xla() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch_xla") is not None
+
+
+_device_cache: dict[str, tuple[dict, dict]] = {}
+
+
+def _to_device(b: Bench, device: str) -> tuple[dict, dict]:
+    """The state moved to the XLA device once per process (as it lives there during training)."""
+    if device not in _device_cache:
+        import torch_xla
+
+        from nxd_ckpt.tree import map_tensors
+
+        dev = torch_xla.device()
+        _device_cache[device] = (
+            map_tensors(b.model, lambda t: t.to(dev)),
+            map_tensors(b.optimizer, lambda t: t.to(dev)),
+        )
+        torch_xla.sync()
+    return _device_cache[device]
+
+
+@section("torch_xla_xser", "torch_xla xser.save (XLA tensors) +fsync / xser.load to CPU", _have_torch_xla)
+def _torch_xla_xser(b: Bench) -> Timing:
+    import torch_xla.utils.serialization as xser
+
+    model, optimizer = _to_device(b, "xla")
+    directory = b.path("txser")
+    model_path, optim_path = os.path.join(directory, "model.pt"), os.path.join(directory, f"optim_{b.rank}.pt")
+    os.makedirs(directory, exist_ok=True)
+
+    def save() -> None:
+        if b.rank == 0:
+            xser.save(model, model_path, master_only=False)
+            fsync_tree(model_path + ".tensors")
+            fsync_tree(directory)
+        xser.save(optimizer, optim_path, master_only=False)
+        fsync_tree(optim_path + ".tensors")
+        fsync_tree(directory)
+
+    loaded: dict = {}
+
+    def load() -> None:
+        loaded["model"] = xser.load(model_path)
+        loaded["optim"] = xser.load(optim_path)
+
+    timing = Timing(b.timed(save), b.timed_load(load))
+    if b.check:
+        assert_same(b.model, loaded["model"], "torch_xla xser model")
+    loaded.clear()
+    b.clean("txser")
+    return timing
+
+
+@section("nxd_xser_from_xla", "nxd_ckpt use_xser=True from XLA tensors, load(verify=False) to CPU", _have_torch_xla)
+def _nxd_xser_from_xla(b: Bench) -> Timing:
+    return _nxd(b, "nxd_xser_xla", use_xser=True, verify=False, device="xla")
+
+
+# ----------------------------------------------------------------------------------------------- driver
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int, root: str, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.ranks))
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(args.ranks))
+    dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
+    total = int(args.size_gb * GIB)
+    model, optimizer = build_state(total, rank, args.ranks, args.hidden)
+    saved = nbytes_of(model) + sum(o for o in dist_all_gather(nbytes_of(optimizer)))
+    cold = os.geteuid() == 0 and not args.warm
+    bench = Bench(rank, args.ranks, root, model, optimizer, saved, cold)
+    names = [n for n in args.sections if SECTIONS[n][2]()]
+    results: dict[str, list[Timing]] = {n: [] for n in names}
+    bench.check = True
+    # Warm-up (untimed): first-touch of memory and imports would otherwise land on whichever section runs first.
+    for name in names if args.warmup else []:
+        SECTIONS[name][1](bench)
+    for rep in range(args.reps):
+        order = names[rep % len(names) :] + names[: rep % len(names)]
+        for name in order:
+            timing = SECTIONS[name][1](bench)
+            results[name].append(timing)
+            if rank == 0:
+                print(f"[rep {rep}] {name}: save {timing.save_s:.2f} s, load {timing.load_s:.2f} s", flush=True)
+            bench.check = False  # verified once per section is enough
+        bench.check = rep == 0
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(
+                {
+                    "bytes": saved,
+                    "cold": cold,
+                    "results": {n: [[t.save_s, t.load_s] for t in ts] for n, ts in results.items()},
+                },
+                f,
+            )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def dist_all_gather(value: int) -> list[int]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def report(data: dict, args: argparse.Namespace) -> str:
+    gb = data["bytes"] / 1e9
+    med = {
+        n: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts))
+        for n, ts in data["results"].items()
+    }
+    base_w, base_r = med.get("raw_dd", (None, None))
+    lines = [
+        f"state: {data['bytes'] / GIB:.2f} GiB of tensor data ({gb:.2f} GB), {args.ranks} ranks, "
+        f"{args.reps} reps (median), loads {'cold (page cache dropped)' if data['cold'] else 'WARM'}, "
+        f"torch {torch.__version__}",
+        "",
+        "| system | save s | save GB/s | x disk write | load s | load GB/s | x disk read |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, (s, ld) in med.items():
+        label = SECTIONS[name][0]
+        xw = f"{base_w / s:.2f}" if base_w else ""
+        xr = f"{base_r / ld:.2f}" if base_r else ""
+        lines.append(f"| {label} | {s:.2f} | {gb / s:.2f} | {xw} | {ld:.2f} | {gb / ld:.2f} | {xr} |")
+    lines.append("")
+    for name, ts in data["results"].items():
+        saves = ", ".join(f"{t[0]:.2f}" for t in ts)
+        loads = ", ".join(f"{t[1]:.2f}" for t in ts)
+        lines.append(f"- {name}: save [{saves}] s, load [{loads}] s")
+    if "nxd_xser" in med:
+        s, ld = med["nxd_xser"]
+        lines.append("")
+        for other in ("torch_xla_xser", "dcp", "torch_save"):
+            if other in med:
+                lines.append(
+                    f"nxd_xser vs {other}: save {med[other][0] / s:.2f}x faster, load {med[other][1] / ld:.2f}x faster"
+                )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-gb", type=float, default=2.0, help="GiB of tensor data (model + optimizer shards)")
+    parser.add_argument("--ranks", type=int, default=2, help="processes (DP replicas)")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=1024, help="hidden size of the synthetic layers")
+    parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir under /tmp)")
+    parser.add_argument(
+        "--sections", default=",".join(SECTIONS), help="comma-separated subset of: " + ",".join(SECTIONS)
+    )
+    parser.add_argument("--warm", action="store_true", help="do not drop the page cache before loads")
+    parser.add_argument("--warmup", action="store_true", help="run every section once untimed first")
+    parser.add_argument("--json", default=None, help="also write the raw timings here")
+    args = parser.parse_args(argv)
+    args.sections = [s for s in args.sections.split(",") if s]
+    unknown = [s for s in args.sections if s not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
+    root = tempfile.mkdtemp(prefix="nxd_bench_", dir=args.dir)
+    out_path = os.path.join(root, "results.json")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        mp.spawn(_worker, args=(args, port, root, out_path), nprocs=args.ranks, join=True)
+        with open(out_path) as f:
+            data = json.load(f)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    text = report(data, args)
+    print("\ncommand: " + " ".join([os.path.basename(sys.executable), *sys.argv]))
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
