@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, BinaryIO
 
-from . import __version__, completeness, tags, verification
+from . import __version__, completeness, layout, tags, verification
 from .errors import CheckpointError
 from .export import export_safetensors
 from .inspect import Checkpoint, open_checkpoint
@@ -144,6 +144,12 @@ def _storage(directory: str) -> Storage:
     storage = storage_for(directory)
     if "://" not in directory and not os.path.isdir(directory):
         raise CheckpointError(f"{directory}: no such directory")
+    if storage.exists(layout.DONE_MARKER) or storage.exists(layout.CHECKPOINT_MARKER):
+        path = os.path.normpath(directory)
+        raise CheckpointError(
+            f"{directory} is one checkpoint (a tag directory); pass the directory holding the tags instead: "
+            f"{os.path.dirname(path) or '.'} --tag {os.path.basename(path)}"
+        )
     return storage
 
 
@@ -240,9 +246,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(f"checkpoint {ckpt.url} ({'complete' if ckpt.complete else 'INCOMPLETE: no done marker'})")
     print(f"layout: {lay.describe()}")
-    if args.files:
-        print("files:")
-        _print_table([[f"  {p}", human_bytes(s)] for p, s in files])
+    print("files:")
+    _print_table([[f"  {name}", human_bytes(size)] for name, size in _file_rows(files, args.files)])
     for s in state:
         rel = s["path"][len(ckpt.tag) + 1 :]
         print(f"\n{rel}  [{s['prefix']}]  {s['encoding']}, {s['tensors']} tensors, {human_bytes(s['tensor_bytes'])}")
@@ -261,6 +266,25 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"{human_bytes(totals['file_bytes'])} on disk"
     )
     return EXIT_OK
+
+
+def _file_rows(files: list[tuple[str, int]], every: bool) -> list[tuple[str, int]]:
+    """Files with sizes; unless ``every``, each xser ``.tensors/`` directory is one row (file count, total)."""
+    if every:
+        return files
+    rows: list[tuple[str, int]] = []
+    dirs: dict[str, list[int]] = {}
+    for path, size in files:
+        directory, _, _ = path.rpartition("/")
+        if directory.endswith(layout.XSER_TENSORS_SUFFIX):
+            if directory not in dirs:
+                dirs[directory] = [0, 0]
+                rows.append((directory, -1))
+            dirs[directory][0] += 1
+            dirs[directory][1] += size
+        else:
+            rows.append((path, size))
+    return [(f"{p}/ ({dirs[p][0]} files)", dirs[p][1]) if size < 0 else (p, size) for p, size in rows]
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -346,7 +370,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
             if args.quick:
                 detail = "structure only (no data read)"
             else:
-                how = f"checksums from {result['manifests']} manifests" if result["manifests"] else "zip CRCs"
+                n_manifests = result["manifests"]
+                how = (
+                    f"checksums from {n_manifests} manifest{'s' if n_manifests > 1 else ''}"
+                    if n_manifests
+                    else "zip CRCs"
+                )
                 detail = f"{result['files_checked']} files, {human_bytes(result['bytes_checked'])} checked by {how}"
             print(f"{ckpt.tag}: {status}: {detail}")
     ok = all(r["ok"] for r in results)
@@ -465,7 +494,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", metavar="DIR")
     tag_arg(p, "inspect")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--files", action="store_true", help="also list every file with its size")
+    p.add_argument("--files", action="store_true", help="list every file (default: one line per xser .tensors dir)")
     p.add_argument("--object", metavar="PATH", help="print one object, e.g. model/tp00_pp00/fc1.weight")
     p.add_argument("--allow-pickle", action="store_true", help="unpickle arbitrary classes (trusted checkpoints only)")
 
@@ -528,6 +557,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format=f"{PROG}: %(message)s")
     try:
         return int(args.func(args))
+    except BrokenPipeError:  # e.g. piped into head: not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        return EXIT_OK
     except KeyError as e:  # an object path that is not in the checkpoint
         _err(f"error: {e.args[0] if e.args else e}")
         return EXIT_FAILED
@@ -537,9 +569,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _err("interrupted")
         return 130
-    except BrokenPipeError:  # e.g. piped into head: not an error of ours
-        sys.stderr.close()
-        return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -134,6 +134,7 @@ def test_list(ckpt_dir, parallel_dirs, cli):
     assert "DP=2 TP=1 PP=1, ZeRO-1" in cli("list", str(parallel_dirs / "zero1"))[0]
     assert "TP=2" in cli("list", str(parallel_dirs / "tp2"))[0]
     assert "no checkpoints" in cli("list", str(parallel_dirs))[1]
+    assert f"{ckpt_dir} --tag step_1" in cli("list", str(ckpt_dir / "step_1"), check=1)[1]
 
 
 def test_inspect(ckpt_dir, cli):
@@ -150,6 +151,7 @@ def test_inspect(ckpt_dir, cli):
     text = cli("inspect", str(ckpt_dir))[0]
     assert text.startswith(f"checkpoint {ckpt_dir}/step_2 (complete)")
     assert "layout: DP=1 TP=1 PP=1, xser" in text
+    assert f"  {MODEL}.tensors/ (5 files)" in text and "  nxd_ckpt.json" in text
     assert any(line.split()[:3] == ["fc1.weight", "float32", "[16,"] for line in text.splitlines())
     assert "total: 4 state files, 17 tensors" in text
     one = json.loads(cli("inspect", str(ckpt_dir), "--object", "model/tp00_pp00/fc2.bias", "--json")[0])
