@@ -11,9 +11,11 @@ the same processes and interleaved, on every rank at once (barrier before each):
   nxd sync    ``save_checkpoint()`` of the same state (blocked = total);
   dcp async   ``torch.distributed.checkpoint.async_save``: time until it returns, and until its future is done.
 A first, untimed async save allocates the staging buffers; its blocked time and memory are reported apart.
-Peak extra host memory is the largest RSS growth over the process's RSS before any checkpointing, sampled
-every 2 ms during each async save, relative to the bytes this rank saves. Medians over repeats; each figure is
-the slowest rank. Ratios are what the issue's targets are stated in; absolute times vary 2-5x on this machine.
+Peak extra host memory is the largest RSS growth over the process's RSS before any checkpointing, sampled every
+2 ms during the first async save (buffers allocated) and the second (buffers reused; measured before DCP runs,
+whose freed memory can stay in the heap), relative to the bytes the largest rank saves. Medians over repeats;
+each figure is the slowest rank. Ratios are what the issue's targets are stated in; absolute times vary 2-5x
+on this machine.
 """
 
 from __future__ import annotations
@@ -144,6 +146,13 @@ def bench_async_section(root: str, total_bytes: int, repeats: int) -> dict:
     dist.barrier()
     first = {"blocked_s": _slowest(first_blocked), "peak_extra_bytes": _slowest(first_mem.peak - rss_base)}
     _clean(ckpt)
+    # Second async save: buffers reused. Measured before DCP runs, whose freed memory may stay in the heap.
+    dist.barrier()
+    with PeakRss() as steady_mem:
+        nxd.save_checkpoint(ckpt, "steady", async_save=True, **kw).wait()
+    dist.barrier()
+    steady_extra = _slowest(steady_mem.peak - rss_base)
+    _clean(ckpt)
     dcp.async_save({"model": model, f"optim_{rank}": optimizer}, checkpoint_id=os.path.join(root, "dcp_w")).result()
     _clean(os.path.join(root, "dcp_w"))
 
@@ -156,17 +165,15 @@ def bench_async_section(root: str, total_bytes: int, repeats: int) -> dict:
         row["memcpy_s"] = _slowest(time.perf_counter() - start)
 
         dist.barrier()
-        with PeakRss() as mem:
-            start = time.perf_counter()
-            report = nxd.save_checkpoint(ckpt, f"async_{rep}", async_save=True, **kw)
-            blocked = time.perf_counter() - start
-            report.wait()  # rank 0: 'done' written; other ranks: the commit outcome is known
-            total = time.perf_counter() - start
+        start = time.perf_counter()
+        report = nxd.save_checkpoint(ckpt, f"async_{rep}", async_save=True, **kw)
+        blocked = time.perf_counter() - start
+        report.wait()  # rank 0: 'done' written; other ranks: the commit outcome is known
+        total = time.perf_counter() - start
         row["nxd_async_blocked_s"] = _slowest(blocked)
         row["nxd_async_total_s"] = _slowest(total)
         row["nxd_async_staging_s"] = _slowest(report.staging_s)
         row["nxd_async_staging_allocated_bytes"] = _slowest(report.staging_allocated_bytes)
-        row["nxd_async_peak_extra_bytes"] = _slowest(mem.peak - rss_base)
         _clean(ckpt)
 
         dist.barrier()
@@ -179,9 +186,11 @@ def bench_async_section(root: str, total_bytes: int, repeats: int) -> dict:
         dist.barrier()
         start = time.perf_counter()
         future = dcp.async_save({"model": model, f"optim_{rank}": optimizer}, checkpoint_id=dcp_dir)
-        row["dcp_async_blocked_s"] = _slowest(time.perf_counter() - start)
-        future.result()
-        row["dcp_async_total_s"] = _slowest(time.perf_counter() - start)
+        dcp_blocked = time.perf_counter() - start
+        future.result()  # before any collective of ours: DCP's background thread uses the default group
+        dcp_total = time.perf_counter() - start
+        row["dcp_async_blocked_s"] = _slowest(dcp_blocked)
+        row["dcp_async_total_s"] = _slowest(dcp_total)
         _clean(dcp_dir)
         rows.append(row)
         if rank == 0:
@@ -197,7 +206,7 @@ def bench_async_section(root: str, total_bytes: int, repeats: int) -> dict:
         "blocked / dcp async blocked (target < 1)": med["nxd_async_blocked_s"] / med["dcp_async_blocked_s"],
         "async total / sync total (target <= 1.1)": med["nxd_async_total_s"] / med["nxd_sync_s"],
         "dcp async total / nxd sync total": med["dcp_async_total_s"] / med["nxd_sync_s"],
-        "peak extra memory / saved bytes, steady (target <= 1.1)": med["nxd_async_peak_extra_bytes"] / largest_saved,
+        "peak extra memory / saved bytes, steady (target <= 1.1)": steady_extra / largest_saved,
         "peak extra memory / saved bytes, first save": first["peak_extra_bytes"] / largest_saved,
         "first async save blocked / memcpy": first["blocked_s"] / med["memcpy_s"],
     }
@@ -209,6 +218,7 @@ def bench_async_section(root: str, total_bytes: int, repeats: int) -> dict:
         "repeats": rows,
         "median": med,
         "first_async_save": first,
+        "steady_async_save_peak_extra_bytes": steady_extra,
         "ratios": ratios,
     }
 
