@@ -11,8 +11,9 @@ Object paths name a state file, then the keys down to the object, joined by ``/`
 The manifest comes from the pickled structure alone: a plain ``torch.save`` file's ``data.pkl`` is replayed with
 storages on the ``meta`` device (only the zip directory and the pickle are read), xser files from their reference
 and info files.
-Reading one object of an xser file opens only its reference file and that object's tensor files; a plain file
-on local disk is memory-mapped, so only the pages of the wanted tensors are read. Works on NxD-written
+Reading one object of an xser file opens only its reference file and that object's tensor files; of a plain
+file, its pickle and then only the zip records of the wanted tensors are read (ranged reads, so on S3 too).
+Works on NxD-written
 checkpoints too (their layout is the same; only ``nxd_ckpt.json`` is missing).
 """
 
@@ -37,6 +38,7 @@ from .storage import LocalStorage, Storage, storage_for
 __all__ = ["Checkpoint", "Layout", "ObjectInfo", "StateFile", "load_structure", "open_checkpoint"]
 
 _SMALL_LIST = 64
+_RECORD_ATTR = "_nxd_ckpt_record"
 _RANK_PART_RE = re.compile(r"([a-z]+)_rank_(\d+)")
 
 
@@ -159,6 +161,7 @@ class Checkpoint:
         self._state_files: list[StateFile] | None = None
         self._xser_refs: dict[str, Any] = {}
         self._xser_infos: dict[str, dict[int, dict[str, Any]] | None] = {}
+        self._structures: dict[str, Any] = {}
 
     @property
     def url(self) -> str:
@@ -245,7 +248,7 @@ class Checkpoint:
                 else:
                     out.append(_value_info(path, leaf, sf.path))
             return out
-        tree = self._plain_tree(sf, meta=True)
+        tree = self._plain_structure(sf)
         out = []
         for inner, leaf in _walk(tree):
             path = _join(sf.prefix, inner)
@@ -261,8 +264,8 @@ class Checkpoint:
         """One tensor, value or sub-tree by object path (a state file's prefix alone reads the whole file).
 
         Only the files holding it are read: for xser, the reference file and the tensor files under ``path``;
-        for a plain file on local disk, the pages of the wanted tensors (memory-mapped). Tensors come back as
-        CPU tensors owning their memory.
+        for a plain file, its pickle and the zip records of the tensors under ``path``. Tensors come back as CPU
+        tensors owning their memory.
         """
         sf, inner = self._split(path)
         if sf.encoding == "xser":
@@ -270,8 +273,8 @@ class Checkpoint:
             info = self._xser_info(sf)
             tensors = {tid: self._read_xser_tensor(sf, tid, info) for tid in xser.referenced_tids(sub)}
             return xser.decode(sub, tensors, what=f"{self.storage.url}/{sf.path}")
-        sub = _navigate(self._plain_tree(sf, meta=False), inner, path, self.url)
-        return _map_tensors(sub, lambda t: t.clone())
+        sub = _navigate(self._plain_structure(sf), inner, path, self.url)
+        return self._materialize(sf, sub, inner, path)
 
     def iter_tensors(self, state_file: StateFile | str) -> Iterator[tuple[str, torch.Tensor]]:
         """(object path, tensor) for each tensor of one state file, read one at a time (bounded memory)."""
@@ -310,17 +313,49 @@ class Checkpoint:
     def _what(self, path: str) -> str:
         return f"{self.storage.url}/{path}"
 
-    def _plain_tree(self, sf: StateFile, *, meta: bool) -> Any:
-        """The unpickled structure of a plain file: on the meta device (no data read), or memory-mapped."""
-        what = self._what(sf.path)
-        if meta:
+    def _plain_structure(self, sf: StateFile) -> Any:
+        """The unpickled structure of a plain file, tensors on the meta device (no tensor data read); cached."""
+        if sf.path not in self._structures:
             with open_for_partial_reads(self.storage, sf.path) as f:
-                return load_structure(f, what, self.allow_pickle)
-        if isinstance(self.storage, LocalStorage):
-            full = os.path.join(self.storage.root, *sf.path.split("/"))
-            return _torch_load(full, what, self.allow_pickle, map_location="cpu", mmap=True)
-        with self.storage.open_read(sf.path) as f:
-            return _torch_load(f, what, self.allow_pickle, map_location="cpu")
+                self._structures[sf.path] = load_structure(f, self._what(sf.path), self.allow_pickle)
+        return self._structures[sf.path]
+
+    def _materialize(self, sf: StateFile, sub: Any, inner: str, path: str) -> Any:
+        """Real CPU tensors for the meta tensors in ``sub``: each zip record they use is read once, by range."""
+        metas = [t for _, t in _walk(sub) if isinstance(t, torch.Tensor)]
+        if not metas:
+            return sub
+        records = {getattr(t.untyped_storage(), _RECORD_ATTR, None) for t in metas}
+        if None in records:  # a legacy (pre-zip) torch.save file: no records to read by range, load it whole
+            with self.storage.open_read(sf.path) as f:
+                full = _torch_load(f, self._what(sf.path), self.allow_pickle, map_location="cpu")
+            return _navigate(full, inner, path, self.url)
+        with open_for_partial_reads(self.storage, sf.path) as f:
+            reader = torch._C.PyTorchFileReader(f)
+            if reader.has_record("byteorder") and reader.get_record("byteorder") not in (b"little", "little"):
+                raise FormatError(f"{self._what(sf.path)} was written on a big-endian machine; load it with torch.load")
+            offsets = {key: reader.get_record_offset(f"data/{key}") for key in sorted(records)}
+        nbytes = {getattr(t.untyped_storage(), _RECORD_ATTR): t.untyped_storage().nbytes() for t in metas}
+        storages = {key: self._read_record(sf, offsets[key], nbytes[key]) for key in offsets}
+
+        def real(t: torch.Tensor) -> torch.Tensor:
+            storage = storages[getattr(t.untyped_storage(), _RECORD_ATTR)]
+            out = torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.shape, t.stride())
+            whole = out.is_contiguous() and t.storage_offset() == 0 and out.nbytes == storage.nbytes()
+            return out if whole else out.clone()
+
+        return _map_tensors(sub, real)
+
+    def _read_record(self, sf: StateFile, offset: int, nbytes: int) -> torch.UntypedStorage:
+        if nbytes == 0:
+            return torch.UntypedStorage(0)
+        data = self.storage.read_bytes(sf.path, offset, nbytes)
+        if len(data) != nbytes:
+            raise FormatError(
+                f"{self._what(sf.path)} is truncated: a tensor record at byte {offset} should hold {nbytes} bytes, "
+                f"found {len(data)}"
+            )
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).untyped_storage()
 
     def _xser_ref(self, sf: StateFile) -> Any:
         if sf.path not in self._xser_refs:
@@ -477,9 +512,10 @@ def load_structure(f: Any, what: str, trusted: bool = False) -> Any:
         return _torch_load(f, what, trusted, map_location="meta")
 
     def persistent_load(saved_id: Any) -> Any:
-        _, storage_type, _key, _location, numel = saved_id
+        _, storage_type, key, _location, numel = saved_id
         dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
         storage = torch.UntypedStorage(int(numel) * _element_size(dtype), device="meta")
+        setattr(storage, _RECORD_ATTR, str(key))  # which zip record holds the data, for ranged reads
         return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
 
     def replay() -> Any:

@@ -124,8 +124,31 @@ def test_plain_manifest_reads_only_the_pickle(tmp_path):
     assert size > 4_000_000
     assert storage.bytes_read[path] < size // 20, (storage.bytes_read[path], size)
 
+    # Reading one tensor adds its zip record and a few small ranges (the zip directory again), not the file.
+    before = storage.bytes_read[path]
+    ckpt = open_checkpoint(storage)
+    ckpt.objects()
+    structure = storage.bytes_read[path] - before
+    tensor = ckpt.read("model/tp00_pp00/layers.5.weight")
+    assert torch.equal(tensor, state["layers.5.weight"])
+    read = storage.bytes_read[path] - before - structure
+    assert tensor.nbytes <= read < tensor.nbytes + 16384, (read, tensor.nbytes)
 
-def test_plain_reads_tensor_and_subtree_from_local_disk(tmp_path):
+
+def test_plain_read_of_views_and_odd_dtypes(tmp_path):
+    base = torch.arange(24, dtype=torch.float64).reshape(4, 6)
+    state = {"base": base, "view": base[1:3, ::2], "flag": torch.tensor([True, False]), "empty": torch.empty(0, 3)}
+    state["bf16"] = torch.randn(5, dtype=torch.bfloat16)
+    nxd.save_checkpoint(tmp_path, "t", model=state)
+    ckpt = open_checkpoint(RemoteLikeStorage(tmp_path))
+    for key, expected in state.items():
+        got = ckpt.read(f"model/tp00_pp00/{key}")
+        assert got.dtype == expected.dtype and torch.equal(got, expected), key
+    view = ckpt.read("model/tp00_pp00/view")
+    assert view.untyped_storage().nbytes() == view.nbytes  # compacted, not the whole shared record
+
+
+def test_plain_reads_tensor_and_subtree(tmp_path):
     model, opt, sched = make_training(seed=3, device="cpu")
     train_steps(model, opt, sched, 2, seed=3)
     nxd.save_checkpoint(tmp_path, "step_2", model=model, optimizer=opt, scheduler=sched, user_content={"step": 2})
@@ -140,7 +163,7 @@ def test_plain_reads_tensor_and_subtree_from_local_disk(tmp_path):
     ]
     weight = ckpt.read("model/tp00_pp00/fc1.weight")
     assert torch.equal(weight, model.state_dict()["fc1.weight"])
-    assert weight.untyped_storage().nbytes() == weight.nbytes  # owns its memory, not the mmap of the whole file
+    assert weight.untyped_storage().nbytes() == weight.nbytes  # owns exactly its memory
     assert_state_equal(ckpt.read("optim/dp00_tp00_pp00/state/0"), opt.state_dict()["state"][0])
     assert_state_equal(ckpt.read("model/tp00_pp00"), model.state_dict())
     assert ckpt.read("user_content/step") == 2
