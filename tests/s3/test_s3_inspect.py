@@ -1,0 +1,36 @@
+"""Inspection and the nxd-ckpt command line on ``s3://`` checkpoints (loopback S3 server)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import nxd_ckpt as nxd
+from nxd_ckpt.cli import main
+from nxd_ckpt.testing.fakes import make_training, train_steps
+
+pytestmark = pytest.mark.s3
+
+
+def test_inspect_read_and_cli_on_s3(s3_url, capsys):
+    model, opt, sched = make_training(seed=5, device="cpu")
+    train_steps(model, opt, sched, 2, seed=5)
+    nxd.save_checkpoint(s3_url, "plain", model=model, optimizer=opt, scheduler=sched)
+    nxd.save_checkpoint(s3_url, "xser", model=model, optimizer=opt, use_xser=True)
+    for tag in ("plain", "xser"):
+        ckpt = nxd.open_checkpoint(s3_url, tag)
+        shapes = {o.path: o.shape for o in ckpt.objects("model/tp00_pp00")}
+        assert shapes["model/tp00_pp00/fc1.weight"] == (16, 8)
+        assert torch.equal(ckpt.read("model/tp00_pp00/fc1.weight"), model.state_dict()["fc1.weight"])
+        assert torch.equal(ckpt.read("optim/dp00_tp00_pp00/state/1/exp_avg"), opt.state_dict()["state"][1]["exp_avg"])
+
+    assert main(["list", s3_url, "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    assert [(t["tag"], t["latest"]) for t in listing["tags"]] == [("plain", False), ("xser", True)]
+    assert main(["inspect", s3_url, "--tag", "plain", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["totals"]["tensors"] == 17
+    assert main(["verify", s3_url, "--all"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[:2] for line in lines] == [["plain", " OK"], ["xser", " OK"]]
