@@ -45,8 +45,8 @@ def require(reason: str) -> ModuleType:
         return importlib.import_module("torch_xla")
     except ImportError as e:
         raise DeviceUnavailableError(
-            f"{reason} needs torch_xla, which is not installed in this environment ({e}). Install torch-xla "
-            "built for this torch version (e.g. torch==2.9.0 with torch-xla==2.9.0), or load onto the CPU "
+            f"{reason} needs torch_xla, which cannot be imported in this environment ({e}). Install torch-xla "
+            "built for exactly this torch version (e.g. torch==2.9.0 with torch-xla==2.9.0), or load onto the CPU "
             "(device=None or 'cpu'); checkpoints of XLA tensors load as CPU tensors without torch_xla."
         ) from e
 
@@ -61,8 +61,9 @@ def resolve_device(device: str | torch.device | None, what: str = "device") -> t
         raise ValueError(f"{what}={device!r} is not a valid torch device: {e}") from e
     if resolved.type == "xla":
         xla = require(f"{what}={str(device)!r}")
-        if resolved.index is None:
-            resolved = torch.device(xla.device())
+        if resolved.index is None:  # this process's default XLA device (torch_xla.device() since 2.5)
+            default = getattr(xla, "device", None) or importlib.import_module("torch_xla.core.xla_model").xla_device
+            resolved = torch.device(default())
     return resolved
 
 
