@@ -279,11 +279,13 @@ class CheckpointManager:
         def prepare() -> float:
             if coord.rank != 0:
                 return 0.0
+            replacing = storage.exists(layout.tag_path(tag, layout.DONE_MARKER))
             storage.delete(layout.tag_path(tag, layout.DONE_MARKER))
             storage.delete(layout.tag_path(tag, layout.METADATA_FILE))
             integrity.remove_manifests(storage, tag)  # stale ones (e.g. another world size) would fail verify
             storage.write_bytes(layout.tag_path(tag, layout.CHECKPOINT_MARKER), b"1")
-            storage.sync_dirs([tag, ""])  # the removal of an old 'done' is durable before files are rewritten
+            if replacing:  # make the removal of the old 'done' durable before files are rewritten; a new
+                storage.sync_dirs([tag, ""])  # tag skips these fsyncs (async saves block on this step)
             return time.time()
 
         created_at = coord.broadcast_object(coord.run_all(prepare, f"starting checkpoint {tag!r}"))
