@@ -20,7 +20,7 @@ from contextlib import AbstractContextManager
 from typing import Any, BinaryIO
 
 from . import __version__, completeness, layout, tags, verification
-from .errors import CheckpointError
+from .errors import CheckpointError, UnsafeCheckpointError
 from .export import export_safetensors
 from .inspect import Checkpoint, open_checkpoint
 from .storage import Storage, storage_for
@@ -210,8 +210,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     lay = ckpt.layout()
     files = ckpt.files()
     state = []
+    damaged = False
     for sf in ckpt.state_files():
-        objects = ckpt.objects(sf)
+        error = None
+        try:
+            objects = ckpt.objects(sf)
+        except UnsafeCheckpointError as e:  # refused for safety, not damaged: show the rest
+            objects, error = [], str(e)
+        except CheckpointError as e:
+            objects, error, damaged = [], str(e), True
         tensors = [o for o in objects if o.kind == "tensor"]
         state.append(
             {
@@ -221,8 +228,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 "tensors": len(tensors),
                 "tensor_bytes": sum(o.nbytes for o in tensors),
                 "objects": [o.to_json() for o in objects],
+                "error": error,
             }
         )
+        if error is not None:
+            _err(error)
     totals = {
         "files": len(files),
         "file_bytes": sum(size for _, size in files),
@@ -243,7 +253,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 "totals": totals,
             }
         )
-        return EXIT_OK
+        return EXIT_FAILED if damaged else EXIT_OK
     print(f"checkpoint {ckpt.url} ({'complete' if ckpt.complete else 'INCOMPLETE: no done marker'})")
     print(f"layout: {lay.describe()}")
     print("files:")
@@ -251,6 +261,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for s in state:
         rel = s["path"][len(ckpt.tag) + 1 :]
         print(f"\n{rel}  [{s['prefix']}]  {s['encoding']}, {s['tensors']} tensors, {human_bytes(s['tensor_bytes'])}")
+        if s["error"] is not None:
+            print("  (not readable, see the message on stderr)")
         rows = []
         for o in s["objects"]:
             name = o["path"][len(s["prefix"]) + 1 :]
@@ -265,7 +277,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"{human_bytes(totals['tensor_bytes'])} of tensor data; {totals['files']} files, "
         f"{human_bytes(totals['file_bytes'])} on disk"
     )
-    return EXIT_OK
+    return EXIT_FAILED if damaged else EXIT_OK
 
 
 def _file_rows(files: list[tuple[str, int]], every: bool) -> list[tuple[str, int]]:

@@ -507,13 +507,17 @@ def load_structure(f: Any, what: str, trusted: bool = False) -> Any:
     """
     try:
         pickled = torch._C.PyTorchFileReader(f).get_record("data.pkl")
-    except RuntimeError:
+    except RuntimeError as e:
+        f.seek(0)
+        if f.read(1) != b"\x80":  # neither a zip nor a legacy torch.save pickle
+            raise FormatError(f"{what} is truncated or not a torch.save file: {_first_line(e)}") from e
         f.seek(0)
         return _torch_load(f, what, trusted, map_location="meta")
 
     def persistent_load(saved_id: Any) -> Any:
         _, storage_type, key, _location, numel = saved_id
-        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else getattr(storage_type, "_dtype", None)
+        dtype = dtype or storage_type.dtype  # _dtype: the legacy class's dtype without a deprecation warning
         storage = torch.UntypedStorage(int(numel) * _element_size(dtype), device="meta")
         setattr(storage, _RECORD_ATTR, str(key))  # which zip record holds the data, for ranged reads
         return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)

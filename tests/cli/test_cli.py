@@ -28,7 +28,7 @@ MODEL = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
 def run(*args: str, check: int | None = 0) -> subprocess.CompletedProcess:
     """``nxd-ckpt ARGS`` in a fresh interpreter; asserts the exit status unless ``check`` is None."""
     proc = subprocess.run(
-        [sys.executable, "-m", "nxd_ckpt.cli", *args], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-m", "nxd_ckpt.cli", *args], capture_output=True, text=True, timeout=280, check=False
     )
     if check is not None:
         assert proc.returncode == check, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
@@ -110,7 +110,7 @@ def test_console_script_is_installed():
     script = Path(sys.executable).with_name("nxd-ckpt")
     if not script.exists():
         pytest.skip("the package was installed without its console scripts")
-    proc = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=120, check=True)
+    proc = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=280, check=True)
     assert proc.stdout.startswith("nxd-ckpt ")
 
 
@@ -160,6 +160,24 @@ def test_inspect(ckpt_dir, cli):
     assert "no key 'nope'" in cli("inspect", str(ckpt_dir), "--object", "model/tp00_pp00/nope", check=1)[1]
     assert "INCOMPLETE" in cli("inspect", str(ckpt_dir), "--tag", "step_3")[0]
     assert "does not exist" in cli("inspect", str(ckpt_dir), "--tag", "step_9", check=1)[1]
+
+
+class Opaque:
+    """A user class in user content: inspecting needs --allow-pickle for that file only."""
+
+    def __init__(self) -> None:
+        self.n = 3
+
+
+def test_inspect_unpickling_needs_opt_in_and_shows_the_rest(tmp_path, cli):
+    nxd.save_checkpoint(tmp_path, "t", model={"w": torch.ones(2)}, user_content={"obj": Opaque()})
+    out, err = cli("inspect", str(tmp_path))
+    assert "user_content.pt  [user_content]" in out and "(not readable" in out and "  w  " in out
+    assert "--allow-pickle" in err and "Opaque" in err
+    out, _ = cli("inspect", str(tmp_path), "--allow-pickle")
+    assert "  obj  Opaque" in out
+    (tmp_path / "t" / MODEL).write_bytes(b"not a zip")
+    assert "model/tp00_pp00" in cli("inspect", str(tmp_path), check=1)[0]
 
 
 def test_verify_good_and_broken(ckpt_dir, tmp_path, cli):
@@ -260,6 +278,6 @@ def test_progress_bar_only_on_a_terminal(ckpt_dir):
             break
         drawn += chunk
     os.close(main_fd)
-    assert proc.wait(timeout=120) == 0
+    assert proc.wait(timeout=280) == 0
     assert proc.stdout.read().decode().startswith("step_2: OK")
     assert b"verify step_2:" in drawn and b"%|" in drawn
