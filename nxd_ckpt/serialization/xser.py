@@ -17,6 +17,7 @@ import contextlib
 import copyreg
 import ctypes
 import io
+import os
 import pickle
 import sys
 import threading
@@ -169,10 +170,14 @@ _crc_state = {"users": 0, "saved": True}
 @contextlib.contextmanager
 def _no_crc32() -> Iterator[None]:
     """Skip torch.save's CRC32 of tensor data while tensor files are written: it is a quarter of a save's CPU
-    time and torch.load never checks it. Reference-counted, so concurrent writers restore the setting once."""
+    time and torch.load does not check it (zip tools such as Python's ``zipfile`` would). Reference-counted, so
+    concurrent writers restore the setting once. ``NXD_CKPT_XSER_CRC32=1`` keeps the CRCs."""
     try:
         from torch.utils.serialization import config
     except ImportError:  # torch < 2.6 has no switch
+        yield
+        return
+    if os.environ.get("NXD_CKPT_XSER_CRC32", "0") == "1":
         yield
         return
     with _crc_lock:
