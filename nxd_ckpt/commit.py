@@ -14,6 +14,8 @@ from .dist import store_timeout
 from .errors import CheckpointError, RemoteRankError
 
 _PREFIX = "nxd_ckpt/commit"
+_MAX_POLL_S = 0.01
+"""Longest pause between two polls of the store: the commit learns of the last arrival within 10 ms."""
 
 
 class CommitBarrier:
@@ -52,7 +54,7 @@ class CommitBarrier:
                     f"{store_timeout()}; raise NXD_CKPT_COMMIT_TIMEOUT_S if storage is that slow"
                 )
             time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+            delay = min(delay * 2, _MAX_POLL_S)
         if self.store.add(f"{self.prefix}/errors", 0) == 0:
             return {}
         errors = {}
@@ -85,7 +87,7 @@ class CommitBarrier:
                     "raise NXD_CKPT_COMMIT_TIMEOUT_S if storage is that slow"
                 )
             time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+            delay = min(delay * 2, _MAX_POLL_S)
         value = self.store.get(key)
         if value != b"ok":
             raise RemoteRankError(value.decode(errors="replace").removeprefix("fail:"))
