@@ -61,10 +61,12 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    xm = None
     if args.device == "xla":
-        import torch_xla.core.xla_model as xm  # optional: only with --device xla
+        import torch_xla  # optional: only with --device xla
+        import torch_xla.core.xla_model as xm
 
-        device = xm.xla_device()
+        device = torch_xla.device()
     else:
         device = torch.device("cpu")
 
@@ -84,6 +86,8 @@ def main() -> None:
     log = open(args.loss_log, "a") if (args.loss_log and rank == 0) else None  # noqa: SIM115
     for step in range(start_step + 1, args.steps + 1):
         torch.manual_seed(step * 31 + rank)  # dropout masks depend only on (step, rank)
+        if xm is not None:
+            xm.set_rng_state(step * 31 + rank)  # XLA's RNG (dropout on the device) is not torch.manual_seed's
         x, y = batch(step, rank, device)
         loss = nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
@@ -91,6 +95,8 @@ def main() -> None:
         all_reduce_gradients(model, world)
         opt.step()
         sched.step()
+        if xm is not None:
+            torch_xla.sync()  # one graph per step, as every XLA training loop does (else graphs grow and recompile)
         loss_value = float(loss.detach().cpu())
         if log is not None:
             log.write(json.dumps({"step": step, "loss": loss_value}) + "\n")
