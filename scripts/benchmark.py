@@ -14,6 +14,8 @@ to the raw disk rows measured in the same run, since absolute numbers on this sh
 
 Sections are functions registered with ``@section``; each returns the save and load seconds. To add one (e.g.
 an "async" section), write ``@section("name", "label") def _(b: Bench) -> Timing`` using ``b.timed``.
+The async sections (issue 4: ``nxd_async``, ``dcp_async``) time the save until durable and also record the time
+blocked in the call, and ``nxd_async`` a memcpy of the rank's saved bytes; the report ends with their ratios.
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ def assert_same(a: Any, b: Any, what: str) -> None:
 class Timing:
     save_s: float | None = None
     load_s: float | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+    """Figures beyond save/load (the async sections: time blocked in the call, the memcpy baseline)."""
 
 
 @dataclass
@@ -248,6 +252,18 @@ def _torch_save(b: Bench) -> Timing:
     return timing
 
 
+def _dcp_target(b: Bench) -> dict:
+    """Empty tensors shaped like the DCP state (model + this rank's optimizer shard), for dcp.load."""
+    return {
+        "model": {k: torch.empty_like(v) for k, v in b.model.items()},
+        "optim": {
+            f"rank{b.rank}": {
+                i: {k: torch.empty_like(v) for k, v in s.items()} for i, s in b.optimizer["state"].items()
+            }
+        },
+    }
+
+
 @section("dcp", "torch.distributed.checkpoint save / load (FileSystemWriter, 4 threads)")
 def _dcp(b: Bench) -> Timing:
     import torch.distributed.checkpoint as dcp
@@ -258,14 +274,7 @@ def _dcp(b: Bench) -> Timing:
     def save() -> None:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=4, sync_files=True))
 
-    target = {
-        "model": {k: torch.empty_like(v) for k, v in b.model.items()},
-        "optim": {
-            f"rank{b.rank}": {
-                i: {k: torch.empty_like(v) for k, v in s.items()} for i, s in b.optimizer["state"].items()
-            }
-        },
-    }
+    target = _dcp_target(b)
 
     def load() -> None:
         dcp.load(target, storage_reader=dcp.FileSystemReader(path))
@@ -274,6 +283,88 @@ def _dcp(b: Bench) -> Timing:
     if b.check:
         assert_same(b.model, target["model"], "DCP model")
     b.clean("dcp")
+    return timing
+
+
+@section("dcp_async", "torch.distributed.checkpoint async_save (save = until its future is done) / load")
+def _dcp_async(b: Bench) -> Timing:
+    import torch.distributed.checkpoint as dcp
+
+    path = b.path("dcp_async")
+    state = {"model": b.model, "optim": {f"rank{b.rank}": b.optimizer["state"]}}
+    blocked: dict[str, float] = {}
+
+    def save() -> None:
+        start = time.perf_counter()
+        writer = dcp.FileSystemWriter(path, thread_count=4, sync_files=True)
+        future = dcp.async_save(state, storage_writer=writer)
+        blocked["s"] = time.perf_counter() - start
+        future.result()  # before any other collective: DCP's background thread uses the default group
+
+    target = _dcp_target(b)
+
+    def load() -> None:
+        dcp.load(target, storage_reader=dcp.FileSystemReader(path))
+
+    timing = Timing(b.timed(save), b.timed_load(load), {"blocked_s": max(dist_all_gather(blocked["s"]))})
+    if b.check:
+        assert_same(b.model, target["model"], "DCP async model")
+    b.clean("dcp_async")
+    return timing
+
+
+_MEMCPY_BUFFERS: dict[int, torch.Tensor] = {}
+
+
+def _memcpy_s(b: Bench, tensors: list[torch.Tensor]) -> float:
+    """Slowest rank's time to copy ``tensors`` into an already-allocated, already-touched host buffer."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    if nbytes not in _MEMCPY_BUFFERS:
+        _MEMCPY_BUFFERS.clear()
+        _MEMCPY_BUFFERS[nbytes] = torch.ones(nbytes, dtype=torch.uint8)
+    flat, views, offset = _MEMCPY_BUFFERS[nbytes], [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        views.append(flat[offset : offset + n].view(t.dtype).view(t.shape))
+        offset += n
+    dist.barrier()
+    start = time.perf_counter()
+    for dst, src in zip(views, tensors, strict=True):
+        dst.copy_(src)
+    return max(dist_all_gather(time.perf_counter() - start))
+
+
+@section("nxd_async", "nxd_ckpt async_save=True plain (save = until durable and committed), load(verify=False)")
+def _nxd_async(b: Bench) -> Timing:
+    """Issue 4: also times the call alone (blocked) and a memcpy of this rank's saved bytes (its target)."""
+    import nxd_ckpt as nxd
+
+    path = b.path("nxd_async")
+    saved = (tensors_of(b.model) if b.rank == 0 else []) + tensors_of(b.optimizer)  # DP rank 0 saves the model
+    memcpy_s = _memcpy_s(b, saved)
+    figures: dict[str, float] = {}
+
+    def save() -> None:
+        start = time.perf_counter()
+        report = nxd.save_checkpoint(
+            path, "step_1", model=b.model, optimizer=b.optimizer, zero1_optimizer=True, async_save=True
+        )
+        figures["blocked_s"], figures["staging_s"] = time.perf_counter() - start, report.staging_s
+        report.wait()  # rank 0: 'done' written; other ranks: the commit outcome is known
+
+    model_out: dict = {}
+    optim_out: dict = {}
+
+    def load() -> None:
+        nxd.load_checkpoint(path, "step_1", model=model_out, optimizer=optim_out, verify=False)
+
+    save_s = b.timed(save)
+    extra = {k: max(dist_all_gather(v)) for k, v in figures.items()} | {"memcpy_s": memcpy_s}
+    timing = Timing(save_s, b.timed_load(load), extra)
+    if b.check:
+        assert_same(b.model, model_out, "nxd_async model")
+        assert_same(b.optimizer, optim_out, "nxd_async optimizer")
+    b.clean("nxd_async")
     return timing
 
 
@@ -415,6 +506,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, root: str, out_path:
                     "bytes": saved,
                     "cold": cold,
                     "results": {n: [[t.save_s, t.load_s] for t in ts] for n, ts in results.items()},
+                    "extra": {n: [t.extra for t in ts] for n, ts in results.items() if ts and ts[0].extra},
                 },
                 f,
             )
@@ -422,7 +514,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, root: str, out_path:
     dist.destroy_process_group()
 
 
-def dist_all_gather(value: int) -> list[int]:
+def dist_all_gather(value: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
@@ -461,7 +553,37 @@ def report(data: dict, args: argparse.Namespace) -> str:
                 lines.append(
                     f"nxd_xser vs {other}: save {med[other][0] / s:.2f}x faster, load {med[other][1] / ld:.2f}x faster"
                 )
+    lines += _async_report(data, med)
     return "\n".join(lines)
+
+
+def _async_report(data: dict, med: dict[str, tuple[float, float]]) -> list[str]:
+    """Issue 4's targets: blocked <= 1.25x memcpy and below DCP's async_save; total <= 1.1x the sync save."""
+    extra = data.get("extra", {})
+    if "nxd_async" not in extra:
+        return []
+    runs = extra["nxd_async"]
+    a = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    paired = statistics.median(r["blocked_s"] / r["memcpy_s"] for r in runs)
+    lines = [
+        "",
+        f"async: nxd async_save blocks {a['blocked_s']:.3f} s (staging {a['staging_s']:.3f} s); memcpy of the same "
+        f"bytes into a touched buffer {a['memcpy_s']:.3f} s: blocked / memcpy {a['blocked_s'] / a['memcpy_s']:.2f} "
+        f"(median per repetition {paired:.2f}; target <= 1.25)",
+    ]
+    if "nxd_plain" in med:
+        ratio = med["nxd_async"][0] / med["nxd_plain"][0]
+        lines.append(
+            f"async: total until durable {med['nxd_async'][0]:.2f} s = {ratio:.2f}x the sync save (target <= 1.1)"
+        )
+    if "dcp_async" in extra:
+        dcp_blocked = statistics.median(r["blocked_s"] for r in extra["dcp_async"])
+        lines.append(
+            f"async: DCP async_save blocks {dcp_blocked:.3f} s and is done after {med['dcp_async'][0]:.2f} s; "
+            f"nxd blocked / DCP blocked {a['blocked_s'] / dcp_blocked:.2f} (target < 1)"
+        )
+    lines.append("async: peak extra host memory: scripts/benchmark_async.py")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
