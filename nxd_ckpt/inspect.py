@@ -21,24 +21,23 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch._weights_only_unpickler as _weights_only
 
 from . import layout, statefile, tags
-from .errors import CheckpointNotFoundError, FormatError, UnsafeCheckpointError
-from .serialization import plain, xser
+from .errors import CheckpointNotFoundError, FormatError
+from .serialization import xser
+from .serialization.structure import RECORD_ATTR, load_structure, torch_load
 from .storage import LocalStorage, Storage, storage_for
+from .tree import map_tensors
 
-__all__ = ["Checkpoint", "Layout", "ObjectInfo", "StateFile", "load_structure", "open_checkpoint"]
+__all__ = ["Checkpoint", "Layout", "ObjectInfo", "StateFile", "open_checkpoint"]
 
 _SMALL_LIST = 64
-_RECORD_ATTR = "_nxd_ckpt_record"
 _RANK_PART_RE = re.compile(r"([a-z]+)_rank_(\d+)")
 
 
@@ -325,26 +324,26 @@ class Checkpoint:
         metas = [t for _, t in _walk(sub) if isinstance(t, torch.Tensor)]
         if not metas:
             return sub
-        records = {getattr(t.untyped_storage(), _RECORD_ATTR, None) for t in metas}
+        records = {getattr(t.untyped_storage(), RECORD_ATTR, None) for t in metas}
         if None in records:  # a legacy (pre-zip) torch.save file: no records to read by range, load it whole
             with self.storage.open_read(sf.path) as f:
-                full = _torch_load(f, self._what(sf.path), self.allow_pickle, map_location="cpu")
+                full = torch_load(f, self._what(sf.path), self.allow_pickle, map_location="cpu")
             return _navigate(full, inner, path, self.url)
         with open_for_partial_reads(self.storage, sf.path) as f:
             reader = torch._C.PyTorchFileReader(f)
             if reader.has_record("byteorder") and reader.get_record("byteorder") not in (b"little", "little"):
                 raise FormatError(f"{self._what(sf.path)} was written on a big-endian machine; load it with torch.load")
             offsets = {key: reader.get_record_offset(f"data/{key}") for key in sorted(records)}
-        nbytes = {getattr(t.untyped_storage(), _RECORD_ATTR): t.untyped_storage().nbytes() for t in metas}
+        nbytes = {getattr(t.untyped_storage(), RECORD_ATTR): t.untyped_storage().nbytes() for t in metas}
         storages = {key: self._read_record(sf, offsets[key], nbytes[key]) for key in offsets}
 
         def real(t: torch.Tensor) -> torch.Tensor:
-            storage = storages[getattr(t.untyped_storage(), _RECORD_ATTR)]
+            storage = storages[getattr(t.untyped_storage(), RECORD_ATTR)]
             out = torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.shape, t.stride())
             whole = out.is_contiguous() and t.storage_offset() == 0 and out.nbytes == storage.nbytes()
             return out if whole else out.clone()
 
-        return _map_tensors(sub, real)
+        return map_tensors(sub, real)
 
     def _read_record(self, sf: StateFile, offset: int, nbytes: int) -> torch.UntypedStorage:
         if nbytes == 0:
@@ -468,21 +467,6 @@ def _navigate(tree: Any, inner: str, path: str, where: str) -> Any:
     return node
 
 
-def _map_tensors(obj: Any, fn: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        out = obj.__class__() if type(obj) is not dict else {}
-        for k, v in obj.items():
-            out[k] = _map_tensors(v, fn)
-        return out
-    if isinstance(obj, list):
-        return [_map_tensors(v, fn) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_map_tensors(v, fn) for v in obj)
-    return obj
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -496,80 +480,6 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-def load_structure(f: Any, what: str, trusted: bool = False) -> Any:
-    """A torch.save file's structure with every tensor on the ``meta`` device (shape, dtype, no data).
-
-    Only the zip directory and ``data.pkl`` are read: the pickle is replayed with storages that allocate
-    nothing (torch.load(map_location="meta") reads every record in torch < 2.10). Same safety rules as
-    loading: allow-listed classes only unless ``trusted``. Legacy (non-zip) files fall back to torch.load.
-    """
-    try:
-        pickled = torch._C.PyTorchFileReader(f).get_record("data.pkl")
-    except RuntimeError as e:
-        f.seek(0)
-        if f.read(1) != b"\x80":  # neither a zip nor a legacy torch.save pickle
-            raise FormatError(f"{what} is truncated or not a torch.save file: {_first_line(e)}") from e
-        f.seek(0)
-        return _torch_load(f, what, trusted, map_location="meta")
-
-    def persistent_load(saved_id: Any) -> Any:
-        _, storage_type, key, _location, numel = saved_id
-        dtype = torch.uint8 if storage_type is torch.UntypedStorage else getattr(storage_type, "_dtype", None)
-        dtype = dtype or storage_type.dtype  # _dtype: the legacy class's dtype without a deprecation warning
-        storage = torch.UntypedStorage(int(numel) * _element_size(dtype), device="meta")
-        setattr(storage, _RECORD_ATTR, str(key))  # which zip record holds the data, for ranged reads
-        return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
-
-    def replay() -> Any:
-        if trusted:
-            unpickler: Any = pickle.Unpickler(io.BytesIO(pickled), encoding="utf-8")
-        else:
-            unpickler = _weights_only.Unpickler(io.BytesIO(pickled), encoding="utf-8")
-        unpickler.persistent_load = persistent_load
-        return unpickler.load()
-
-    return _with_load_errors(replay, what, trusted)
-
-
-def _torch_load(f: Any, what: str, trusted: bool, *, map_location: str, mmap: bool = False) -> Any:
-    """torch.load with the project's safe-loading rules (allow-listed classes only unless ``trusted``)."""
-
-    def load() -> Any:
-        return torch.load(f, map_location=map_location, weights_only=not trusted, mmap=mmap)
-
-    return _with_load_errors(load, what, trusted)
-
-
-def _with_load_errors(fn: Any, what: str, trusted: bool) -> Any:
-    """Run an unpickling ``fn`` under the allow-list; its errors become FormatError/UnsafeCheckpointError."""
-    try:
-        if trusted:
-            return fn()
-        with torch.serialization.safe_globals(_allow_list()):
-            return fn()
-    except pickle.UnpicklingError as e:
-        if trusted or ("weights_only" not in str(e) and "Unsupported global" not in str(e)):
-            raise FormatError(f"{what} is not a readable torch.save file: {_first_line(e)}") from e
-        found = re.search(r"GLOBAL ([\w.]+)", str(e))
-        name = found.group(1) if found else "an object that is not a tensor or plain Python value"
-        raise UnsafeCheckpointError(
-            f"{what} holds a pickled {name}; reading it would run code from the checkpoint. If you trust this "
-            "checkpoint, pass allow_pickle=True (nxd-ckpt: --allow-pickle)."
-        ) from e
-    except (RuntimeError, EOFError, ValueError, OSError) as e:
-        raise FormatError(f"{what} is truncated or not a torch.save file: {_first_line(e)}") from e
-
-
-def _allow_list() -> list[Any]:
-    """The classes plain.load allows (format classes such as xser's TensorReference register there)."""
-    return list(getattr(plain, "_extra_safe_globals", []))
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
 
 
 class _RangeReader(io.RawIOBase):
