@@ -32,6 +32,15 @@ PACK_BELOW_BYTES = 1 << 20
 PACK_BYTES = 64 << 20
 
 
+def inline_below_bytes() -> int:
+    """xser tensors smaller than this stay in the reference file (NXD_CKPT_XSER_INLINE_BYTES, default 64 KiB).
+
+    torch_xla's own ``save`` keeps every CPU tensor there, and every xser reader handles that; one file per
+    0-d ``step`` or 4 KiB LayerNorm vector would cost a file creation and a flush each. 0 = a file per tensor.
+    """
+    return max(0, int(os.environ.get("NXD_CKPT_XSER_INLINE_BYTES", str(64 << 10))))
+
+
 def io_threads() -> int:
     """Threads per rank for tensor-file I/O (NXD_CKPT_IO_THREADS, default 4)."""
     return max(1, int(os.environ.get("NXD_CKPT_IO_THREADS", "4")))
@@ -99,7 +108,7 @@ def write_state_file(
     replicas = tuple(replicas) if replicas else (rank,)
     if rank not in replicas:
         raise ValueError(f"rank {rank} is not one of the replicas {replicas} that hold {path}")
-    ref_data, tensors = xser.encode(state)
+    ref_data, tensors = xser.encode(state, inline_below=inline_below_bytes())
     sizes = [xser.tensor_nbytes(t) for t in tensors]
     index = replicas.index(rank)
     share = balance(sizes, len(replicas))[index]
@@ -116,7 +125,8 @@ def write_state_file(
     deferred = getattr(storage, "deferred_fsync", None)
     with deferred() if callable(deferred) else contextlib.nullcontext():
         _run_parallel(jobs, threads, f"writing {storage.url}/{path}")
-    return WrittenFiles([p for p, _ in jobs], sum(sizes[tid] for tid in share))
+    inline = xser.inline_nbytes(ref_data) if index == 0 else 0
+    return WrittenFiles([p for p, _ in jobs], inline + sum(sizes[tid] for tid in share))
 
 
 def _write(storage: Storage, path: str, fn: Callable[[Any], None]) -> None:

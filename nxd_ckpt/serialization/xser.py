@@ -74,24 +74,29 @@ def _is_reference(obj: Any) -> bool:
 # ----------------------------------------------------------------------------------------------- encode
 
 
-def encode(state: Any) -> tuple[Any, list[torch.Tensor]]:
+def encode(state: Any, *, inline_below: int = 0) -> tuple[Any, list[torch.Tensor]]:
     """Split ``state`` into reference data and its distinct tensors, numbered by a depth-first walk.
 
     Dicts (OrderedDict kept), lists and tuples are rebuilt; other leaves are kept as they are. The same tensor
-    object met twice becomes one tid, as in torch_xla. Tensors are returned as found (see ``compact``).
+    object met twice becomes one tid, as in torch_xla. Tensors of fewer than ``inline_below`` bytes stay inside
+    the reference data (compacted), as torch_xla keeps CPU tensors: a file each would cost more than their bytes.
+    Other tensors are returned as found (see ``compact``).
     """
     ref_cls = reference_class()
     tensors: list[torch.Tensor] = []
-    tids: dict[int, Any] = {}
+    seen: dict[int, Any] = {}
 
     def walk(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            ref = tids.get(id(obj))
-            if ref is None:
-                ref = ref_cls(len(tensors))
-                tensors.append(obj)
-                tids[id(obj)] = ref
-            return ref
+            out = seen.get(id(obj))
+            if out is None:
+                if tensor_nbytes(obj) < inline_below:
+                    out = compact(obj)
+                else:
+                    out = ref_cls(len(tensors))
+                    tensors.append(obj)
+                seen[id(obj)] = out
+            return out
         if isinstance(obj, dict):
             out = collections.OrderedDict() if isinstance(obj, collections.OrderedDict) else {}
             for k, v in obj.items():
@@ -119,6 +124,13 @@ def compact(tensor: torch.Tensor) -> torch.Tensor:
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def inline_nbytes(ref_data: Any) -> int:
+    """Bytes of the distinct tensors kept inside reference data."""
+    from ..tree import iter_tensors
+
+    return sum(tensor_nbytes(t) for t in {id(t): t for _, t in iter_tensors(ref_data)}.values())
 
 
 def make_info(tensors: list[torch.Tensor]) -> dict[int, dict[str, Any]]:

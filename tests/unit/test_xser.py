@@ -23,6 +23,12 @@ from nxd_ckpt.testing.fakes import assert_state_equal
 PATH = "step_1/model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
 
 
+@pytest.fixture(autouse=True)
+def _a_file_per_tensor(monkeypatch):
+    """These tests use tiny tensors and check the one-file-per-tensor layout: turn inlining off."""
+    monkeypatch.setenv("NXD_CKPT_XSER_INLINE_BYTES", "0")
+
+
 def _nested_state() -> dict:
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     shared = torch.randn(3, 3)
@@ -231,3 +237,20 @@ def test_info_disagreeing_with_a_tensor(tmp_path, field, value):
 def test_tensor_file_that_is_not_a_torch_save_file(tmp_path):
     with pytest.raises(FormatError, match="bogus"):
         xser.load_tensor(io.BytesIO(b"not a zip file at all" * 10), what="bogus")
+
+
+def test_small_tensors_stay_in_the_reference_file(tmp_path, monkeypatch):
+    """By default tensors under 64 KiB are kept inline, as torch_xla keeps CPU tensors; big ones get files."""
+    monkeypatch.delenv("NXD_CKPT_XSER_INLINE_BYTES")
+    big, small = torch.randn(128, 256), torch.arange(10.0)
+    state = {"big": big, "small": small, "small_again": small, "step": torch.tensor(3.0), "view": big[0]}
+    written = _write(tmp_path, state)
+    storage = LocalStorage(tmp_path)
+    assert sorted(p.rsplit("/", 1)[-1] for p in written.paths if ".tensors/" in p) == ["tensor_0.pt"]
+    assert written.nbytes == big.numel() * 4 + (10 + 1 + 256) * 4
+    info = torch.load(str(tmp_path / PATH) + ".info.pt", weights_only=True)
+    assert list(info) == [0]
+    loaded = statefile.read_state_file(storage, PATH)
+    assert_state_equal(state, loaded)
+    assert loaded["small"] is loaded["small_again"]
+    assert loaded["view"].untyped_storage().nbytes() == 256 * 4  # inline views are compacted too

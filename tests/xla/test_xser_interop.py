@@ -25,6 +25,12 @@ txser = pytest.importorskip("torch_xla.utils.serialization")
 PATH = "t/model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
 
 
+@pytest.fixture(autouse=True)
+def _a_file_per_tensor(monkeypatch):
+    """A file per tensor, like torch_xla's save of XLA tensors (tests that want inlining re-enable it)."""
+    monkeypatch.setenv("NXD_CKPT_XSER_INLINE_BYTES", "0")
+
+
 def _nested(device: torch.device | str) -> dict:
     torch.manual_seed(0)
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
@@ -67,7 +73,10 @@ def _pickle_of(path: str) -> bytes:
         return z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
 
 
-def test_our_files_load_with_torch_xla(tmp_path):
+@pytest.mark.parametrize("inline", ["0", str(64 << 10)])
+def test_our_files_load_with_torch_xla(tmp_path, monkeypatch, inline):
+    """With a file per tensor, and with small tensors kept in the reference file (nxd_ckpt's default)."""
+    monkeypatch.setenv("NXD_CKPT_XSER_INLINE_BYTES", inline)
     state = _nested("cpu")
     statefile.write_state_file(LocalStorage(tmp_path), PATH, state, xser_encoding=True)
     loaded = txser.load(str(tmp_path / PATH))
