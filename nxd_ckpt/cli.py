@@ -454,6 +454,9 @@ def cmd_convert_zero1(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- parser
 
 
+_DIR_HELP = "checkpoint directory (the one holding the tag directories) or s3://bucket/prefix"
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -483,8 +486,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
+    # The global options are accepted after the subcommand too (defaults stay the main parser's).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    common.add_argument(
+        "--no-progress", dest="progress", action="store_false", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
+
     def add(name: str, fn: Callable[[argparse.Namespace], int], help_text: str, **kw: Any) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, description=help_text, **kw)
+        parents = [common] if kw.get("add_help", True) else []
+        p = sub.add_parser(name, help=help_text, description=help_text, parents=parents, **kw)
         p.set_defaults(func=fn)
         return p
 
@@ -494,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(
         "list", cmd_list, "list the tags of a checkpoint directory, oldest first: complete or not, latest, size, layout"
     )
-    p.add_argument("dir", metavar="DIR")
+    p.add_argument("dir", metavar="DIR", help=_DIR_HELP)
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
     p = add(
@@ -503,7 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
         "show a checkpoint's state files and, per file, every tensor's shape, dtype and "
         "bytes, without loading tensor data",
     )
-    p.add_argument("dir", metavar="DIR")
+    p.add_argument("dir", metavar="DIR", help=_DIR_HELP)
     tag_arg(p, "inspect")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--files", action="store_true", help="list every file (default: one line per xser .tensors dir)")
@@ -516,7 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
         "check a checkpoint: done marker, every state file the layout needs, readable "
         "files, CRC-32s and recorded checksums; exit status 1 if anything is wrong",
     )
-    p.add_argument("dir", metavar="DIR")
+    p.add_argument("dir", metavar="DIR", help=_DIR_HELP)
     tag_arg(p, "verify")
     p.add_argument("--all", action="store_true", help="verify every complete tag")
     p.add_argument("--quick", action="store_true", help="check structure only, without reading tensor data")
@@ -538,7 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
         "delete all but the newest N complete checkpoints (and incomplete ones older than "
         "those), 'done' first so a crash never leaves a tag that looks complete",
     )
-    p.add_argument("dir", metavar="DIR")
+    p.add_argument("dir", metavar="DIR", help=_DIR_HELP)
     p.add_argument("--keep", type=_positive_int, required=True, metavar="N", help="complete checkpoints to keep")
     p.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
 
@@ -547,7 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_export,
         "write a checkpoint's model state as one safetensors file (TP=1; pipeline stages are merged)",
     )
-    p.add_argument("dir", metavar="DIR")
+    p.add_argument("dir", metavar="DIR", help=_DIR_HELP)
     tag_arg(p, "export")
     p.add_argument("--out", required=True, metavar="FILE", help="the .safetensors file to write")
     p.add_argument("--shard", metavar="PREFIX", help="export one state file instead, e.g. model/tp01_pp00")

@@ -244,6 +244,9 @@ class Checkpoint:
                     dtype, shape = self._xser_tensor_meta(sf, int(leaf.tid), info)
                     nbytes = _numel(shape) * _element_size(dtype)
                     out.append(ObjectInfo(path, "tensor", _dtype_name(dtype), shape, nbytes, tensor_file))
+                elif isinstance(leaf, torch.Tensor):  # a small tensor kept inside the reference file
+                    shape, nbytes = tuple(leaf.shape), leaf.numel() * leaf.element_size()
+                    out.append(ObjectInfo(path, "tensor", _dtype_name(leaf.dtype), shape, nbytes, sf.path))
                 else:
                     out.append(_value_info(path, leaf, sf.path))
             return out

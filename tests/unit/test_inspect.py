@@ -87,6 +87,7 @@ def _large_state(n: int = 24, numel: int = 64 * 1024) -> dict[str, torch.Tensor]
 
 def test_read_one_tensor_of_xser_checkpoint_opens_only_its_files(tmp_path):
     state = _large_state()
+    state["norm.weight"] = torch.randn(16)  # small: the writer may keep it inside the reference file
     nxd.save_checkpoint(tmp_path, "step_1", model=state, use_xser=True)
     storage = CountingStorage(tmp_path)
     ckpt = open_checkpoint(storage)
@@ -108,6 +109,10 @@ def test_read_one_tensor_of_xser_checkpoint_opens_only_its_files(tmp_path):
             f.unlink()
     fresh = open_checkpoint(tmp_path, "step_1")
     assert torch.equal(fresh.read("model/tp00_pp00/layers.7.weight"), state["layers.7.weight"])
+    small = fresh.objects("model/tp00_pp00")[-1]
+    assert (small.path, small.kind, small.shape) == ("model/tp00_pp00/norm.weight", "tensor", (16,))
+    if small.file == ref:  # inlined: read from the reference file alone
+        assert torch.equal(fresh.read("model/tp00_pp00/norm.weight"), state["norm.weight"])
     with pytest.raises(nxd.FormatError, match="tensor_"):
         fresh.read("model/tp00_pp00/layers.8.weight")
 
