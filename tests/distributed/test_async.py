@@ -171,7 +171,7 @@ def test_a_new_save_waits_for_the_previous_one_and_logs_how_long(tmp_path, caplo
     state = {"w": torch.ones(64, 64)}
     first = nxd.save_checkpoint(storage, "step_1", model=state, async_save=True)
     assert not first.completed and not os.path.exists(tmp_path / "step_1" / "done")
-    threading.Timer(0.3, gate.set).start()
+    threading.Timer(1.0, gate.set).start()  # opens while the next save is already waiting
     second = nxd.save_checkpoint(storage, "step_2", model=state, async_save=True)
     assert first.completed and os.path.exists(tmp_path / "step_1" / "done")
     assert second.waited_s > 0 and second.blocked_s >= second.waited_s
