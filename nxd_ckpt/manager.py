@@ -341,15 +341,13 @@ class CheckpointManager:
 
         if waves is not None and coord.distributed and waves < ctx.topology.local_world_size:
             try:
-                coord.in_waves(
-                    waves, ctx.topology.local_rank, ctx.topology.local_world_size, write_files, "writing"
-                )
-            except BaseException as e:  # noqa: BLE001 - reported through the commit barrier
+                coord.in_waves(waves, ctx.topology.local_rank, ctx.topology.local_world_size, write_files, "writing")
+            except BaseException as e:
                 error = e
         else:
             try:
                 write_files()
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:
                 error = e
         report.write_s = time.perf_counter() - write_start
         if lease is not None:
@@ -362,7 +360,7 @@ class CheckpointManager:
             if not errors:
                 try:
                     self._write_done(ctx, coord.world_size)
-                except BaseException as e:  # noqa: BLE001
+                except BaseException as e:
                     commit_error = e
             summary = "; ".join(errors[r] for r in sorted(errors)) if errors else None
             if commit_error is not None:
@@ -416,9 +414,7 @@ class CheckpointManager:
             "items": list(ctx.items),
             "torch_version": torch.__version__,
         }
-        ctx.storage.write_bytes(
-            layout.tag_path(ctx.tag, layout.METADATA_FILE), json.dumps(metadata, indent=1).encode()
-        )
+        ctx.storage.write_bytes(layout.tag_path(ctx.tag, layout.METADATA_FILE), json.dumps(metadata, indent=1).encode())
         ctx.storage.write_manifest()  # rank 0's manifest again, now listing the metadata file too
         ctx.storage.sync_dirs([ctx.tag, ""])  # the tag's entries are durable before 'done' can be
         ctx.storage.write_bytes(layout.tag_path(ctx.tag, layout.DONE_MARKER), b"1")
@@ -462,7 +458,9 @@ class CheckpointManager:
             resolved = tags.resolve_tag(storage, tag)
             return resolved, describe_checkpoint(storage, resolved)
 
-        resolved, info = coord.broadcast_object(coord.run_all(resolve if coord.rank == 0 else lambda: None, "resolving"))
+        resolved, info = coord.broadcast_object(
+            coord.run_all(resolve if coord.rank == 0 else lambda: None, "resolving")
+        )
         if verify:  # every file read below is checked against the manifests written with it (integrity.py)
             index = coord.broadcast_object(
                 coord.run_all(lambda: integrity.read_index(storage, resolved) if coord.rank == 0 else None, "verifying")
@@ -563,9 +561,7 @@ class CheckpointManager:
                     storage.url,
                     reason,
                 )
-        raise IntegrityError(
-            f"no complete checkpoint in {storage.url} passes verification: " + " | ".join(failures)
-        )
+        raise IntegrityError(f"no complete checkpoint in {storage.url} passes verification: " + " | ".join(failures))
 
 
 def _tensors(state: Any) -> list[torch.Tensor]:
@@ -608,7 +604,9 @@ def describe_checkpoint(storage: Storage, tag: str) -> dict:
     else:
         tp = pp = None
     full_coords = [  # ZeRO-1 optimizer states merged by the offline converter (optim/full_*.pt)
-        c for n in storage.list_dir(layout.tag_path(tag, layout.OPTIM_DIR)) if (c := layout.parse_full_optim_file_name(n))
+        c
+        for n in storage.list_dir(layout.tag_path(tag, layout.OPTIM_DIR))
+        if (c := layout.parse_full_optim_file_name(n))
     ]
     zero1_full = bool(meta.get("zero1_full", bool(full_coords) and not optim_coords))
     zero1 = meta.get("zero1", any(c[0] > 0 for c in optim_coords)) or zero1_full
