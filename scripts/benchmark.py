@@ -318,15 +318,15 @@ _MEMCPY_BUFFERS: dict[int, torch.Tensor] = {}
 
 def _memcpy_s(b: Bench, tensors: list[torch.Tensor]) -> float:
     """Slowest rank's time to copy ``tensors`` into an already-allocated, already-touched host buffer."""
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    nbytes = sum(-(-t.numel() * t.element_size() // 64) * 64 for t in tensors)
     if nbytes not in _MEMCPY_BUFFERS:
         _MEMCPY_BUFFERS.clear()
         _MEMCPY_BUFFERS[nbytes] = torch.ones(nbytes, dtype=torch.uint8)
     flat, views, offset = _MEMCPY_BUFFERS[nbytes], [], 0
-    for t in tensors:
+    for t in tensors:  # each destination 64-byte aligned, as separately allocated tensors are
         n = t.numel() * t.element_size()
         views.append(flat[offset : offset + n].view(t.dtype).view(t.shape))
-        offset += n
+        offset += -(-n // 64) * 64
     dist.barrier()
     start = time.perf_counter()
     for dst, src in zip(views, tensors, strict=True):

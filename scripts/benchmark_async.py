@@ -120,13 +120,13 @@ def bench_async_section(root: str, total_bytes: int, repeats: int) -> dict:
     saved = (_tensors(model) if rank == 0 else []) + _tensors(optimizer)  # DP rank 0 writes the replicated model
     saved_bytes = _nbytes(saved)
     state_bytes = _nbytes(_tensors(model)) + _nbytes(_tensors(optimizer))
-    flat = torch.empty(saved_bytes, dtype=torch.uint8)
+    flat = torch.empty(saved_bytes + 64 * len(saved), dtype=torch.uint8)
     flat.fill_(1)  # touched: an already-allocated buffer, as the target says
     views, offset = [], 0
-    for t in saved:
+    for t in saved:  # each destination 64-byte aligned, as separately allocated tensors are
         n = t.numel() * t.element_size()
         views.append(flat[offset : offset + n].view(t.dtype).view(t.shape))
-        offset += n
+        offset += -(-n // 64) * 64
 
     def memcpy() -> None:
         for dst, src in zip(views, saved, strict=True):
