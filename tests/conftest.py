@@ -33,3 +33,10 @@ def _fresh_nxd_ckpt_state():
     yield
     nxd_ckpt.reset_manager()
     nxd_ckpt.destroy_model_parallel()
+
+
+@pytest.fixture
+def xser_file_per_tensor(monkeypatch):
+    """Write every xser tensor to its own file (no inlining of small tensors), for tests that inspect or damage
+    tensor files of small test models. Spawned ranks inherit it through the environment."""
+    monkeypatch.setenv("NXD_CKPT_XSER_INLINE_BYTES", "0")

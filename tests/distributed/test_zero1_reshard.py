@@ -21,6 +21,8 @@ from nxd_ckpt.testing.multiprocess import run_on_ranks
 from nxd_ckpt.testing.zero1_adamw import Zero1AdamW
 from nxd_ckpt.tools.convert_zero1 import convert_zero1
 
+pytestmark = pytest.mark.usefixtures("xser_file_per_tensor")  # these tests look at individual tensor files
+
 GLOBAL_BATCH = 12
 STEPS_BEFORE, STEPS_AFTER = 3, 4
 ENCODINGS = ("plain", "xser")

@@ -12,6 +12,8 @@ import nxd_ckpt as nxd
 from nxd_ckpt.errors import FormatError
 from nxd_ckpt.testing.fakes import make_training, train_steps
 
+pytestmark = pytest.mark.usefixtures("xser_file_per_tensor")  # these tests look at individual tensor files
+
 STATE = "dp_rank_00_tp_rank_00_pp_rank_00.pt"
 COMMON = [
     f"model/{STATE}",

@@ -14,7 +14,7 @@ from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_step
 from nxd_ckpt.testing.multiprocess import run_with_ranks
 from nxd_ckpt.testing.s3server import ThrottlingProxy
 
-pytestmark = pytest.mark.s3
+pytestmark = [pytest.mark.s3, pytest.mark.usefixtures("xser_file_per_tensor")]  # tests count tensor files
 
 MODEL_FILE = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
 OPTIM_FILE = "optim/dp_rank_00_tp_rank_00_pp_rank_00.pt"

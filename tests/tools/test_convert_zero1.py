@@ -19,6 +19,8 @@ from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.fakes import assert_state_equal
 from nxd_ckpt.tools.convert_zero1 import convert_zero1, main
 
+pytestmark = pytest.mark.usefixtures("xser_file_per_tensor")  # these tests look at individual tensor files
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TAG = "step_9"
 SHAPES = {0: (10, 3), 1: (7,), 2: (1, 4), 3: (13, 2)}

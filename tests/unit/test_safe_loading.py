@@ -22,6 +22,8 @@ from nxd_ckpt.serialization import xser
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.fakes import assert_state_equal, make_training
 
+pytestmark = pytest.mark.usefixtures("xser_file_per_tensor")  # these tests look at individual tensor files
+
 STATE = "dp_rank_00_tp_rank_00_pp_rank_00.pt"
 
 
