@@ -117,6 +117,20 @@ def convert_zero1(
         CheckpointError: the input is not a ZeRO-1 checkpoint, files are missing or inconsistent, or the output
             directory already holds a checkpoint.
     """
+    if _is_remote(input_dir) or _is_remote(output_dir):
+        return _convert_through_local_copy(
+            os.fspath(input_dir),
+            os.fspath(output_dir),
+            dict(
+                dp_size=dp_size,
+                convert_to_full=convert_to_full,
+                convert_to_sharded=convert_to_sharded,
+                num_workers=num_workers,
+                overwrite=overwrite,
+                allow_pickle=allow_pickle,
+                progress=progress,
+            ),
+        )
     start = time.perf_counter()
     if convert_to_sharded is None:
         convert_to_sharded = not convert_to_full
@@ -188,6 +202,63 @@ def convert_zero1(
 
 
 # --------------------------------------------------------------------------------------------- input / output
+
+
+def _is_remote(path: str | os.PathLike[str]) -> bool:
+    return os.fspath(path).startswith("s3://")
+
+
+def _split_url(url: str, role: str) -> tuple[str, str]:
+    """(checkpoint dir, tag) of a tag directory given as a local path or an ``s3://bucket/prefix/tag`` URL."""
+    if not _is_remote(url):
+        return _split_tag_dir(url, role)
+    root, _, tag = url.rstrip("/").rpartition("/")
+    try:
+        layout.validate_tag(tag)
+    except CheckpointError as e:
+        raise ValueError(f"{role} {url} must be a tag directory with a plain name: {e}") from e
+    return root, tag
+
+
+def _convert_through_local_copy(input_dir: str, output_dir: str, options: dict) -> ConversionReport:
+    """Convert a tag on S3 (or into S3): stream the input tag to a local scratch directory, convert there with
+    the same bounded-memory code, then upload the output with ``done`` last. Scratch space is local disk, so
+    host memory stays at about one parameter's optimizer state whatever the size of the tag."""
+    import tempfile
+
+    from ..storage import storage_for
+
+    in_root, in_tag = _split_url(input_dir, "input")
+    out_root, out_tag = _split_url(output_dir, "output")
+    in_storage, out_storage = storage_for(in_root), storage_for(out_root)
+    out_is_checkpoint = out_storage.exists(layout.tag_path(out_tag, layout.CHECKPOINT_MARKER)) or out_storage.exists(
+        layout.tag_path(out_tag, layout.DONE_MARKER)
+    )
+    if out_is_checkpoint and not options["overwrite"]:
+        raise CheckpointError(
+            f"output {output_dir} already holds a checkpoint; choose a new tag or pass --overwrite to replace it"
+        )
+    files = in_storage.walk_files(in_tag)
+    if not files:
+        raise FormatError(f"input {input_dir} does not exist or is empty")
+    with tempfile.TemporaryDirectory(prefix="nxd_ckpt_convert_") as scratch:
+        local_in, local_out = os.path.join(scratch, "in", in_tag), os.path.join(scratch, "out", out_tag)
+        for path in files:
+            target = os.path.join(scratch, "in", *path.split("/"))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with in_storage.open_read(path) as src, open(target, "wb") as dst:
+                shutil.copyfileobj(src, dst, 8 << 20)
+        report = convert_zero1(local_in, local_out, **{**options, "overwrite": True})
+        if out_is_checkpoint:  # replace: 'done' first, so a crash never leaves a complete-looking mixture
+            out_storage.delete(layout.tag_path(out_tag, layout.DONE_MARKER))
+            out_storage.delete_tree(out_tag)
+        out_files = LocalStorage(os.path.join(scratch, "out")).walk_files(out_tag)
+        done_path = layout.tag_path(out_tag, layout.DONE_MARKER)
+        for path in [p for p in out_files if p != done_path] + [done_path]:
+            with open(os.path.join(scratch, "out", *path.split("/")), "rb") as src, out_storage.open_write(path) as dst:
+                shutil.copyfileobj(src, dst, 8 << 20)
+    report.input_dir, report.output_dir = input_dir, output_dir
+    return report
 
 
 def _split_tag_dir(path: str | os.PathLike[str], role: str) -> tuple[str, str]:
