@@ -472,6 +472,11 @@ def _nxd_xser_from_xla(b: Bench) -> Timing:
     return _nxd(b, "nxd_xser_xla", use_xser=True, verify=False, device="xla")
 
 
+import bench_s3  # noqa: E402 - registers the "s3_loopback" section (runs only with NXD_CKPT_BENCH_S3=1)
+
+bench_s3.register(section, Timing, assert_same)
+
+
 # ----------------------------------------------------------------------------------------------- driver
 
 
