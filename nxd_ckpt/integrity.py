@@ -6,8 +6,9 @@ about it. Before arriving at the commit barrier each rank makes its files' direc
 ``<tag>/nxd_ckpt/manifest_rank_XXXXX.json`` (a folder NxD ignores): ``{path within the tag: [size, digest]}``
 plus a checksum of the manifest itself. ``done`` comes after every manifest, so a complete tag has all of them.
 
-Loading: ``VerifyingStorage`` wraps the load's storage for one tag; ``open_read`` of a listed file hashes it to
-the end, compares size and digest with the manifest, and raises IntegrityError naming the file on a mismatch.
+Loading: ``VerifyingStorage`` wraps the load's storage for one tag; ``read_buffer`` of a listed file hashes the
+whole-file buffer the loader then parses (each byte read once), ``open_read`` hashes the stream to the end and
+seeks back; both compare size and digest with the manifest and raise IntegrityError naming the file on a mismatch.
 Tags without manifests (written by NxD, or by nxd_ckpt before manifests existed) are read unverified.
 """
 
@@ -20,11 +21,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+import numpy as np
 import xxhash
 
 from . import layout
 from .errors import IntegrityError, StorageError
 from .storage import Storage, check_relative_path
+from .storage.base import Allocator
 
 ALGORITHM = "xxh3_64"
 MANIFEST_FORMAT = "nxd_ckpt.manifest"
@@ -202,6 +205,9 @@ class _DelegatingStorage(Storage):
 
     def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         return self.inner.read_bytes(path, offset, length)
+
+    def read_buffer(self, path: str, allocate: Allocator | None = None) -> np.ndarray:
+        return self.inner.read_buffer(path, allocate)
 
     def exists(self, path: str) -> bool:
         return self.inner.exists(path)
@@ -381,6 +387,14 @@ class VerifyingStorage(_DelegatingStorage):
                 self._check(path, rec, size, digest)
                 f.seek(0)
             yield f
+
+    def read_buffer(self, path: str, allocate: Allocator | None = None) -> np.ndarray:
+        """The whole file, read once and checked in memory: loads parse this same buffer (single pass)."""
+        buffer = self.inner.read_buffer(path, allocate)
+        rec = self.record_for(path)
+        if rec is not None:
+            self._check(path, rec, *hash_bytes(buffer))
+        return buffer
 
     def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         rec = self.record_for(path)

@@ -23,6 +23,7 @@ from . import layout
 from .dist import Coordinator, format_exception
 from .errors import FormatError, StorageError
 from .serialization import plain, xser
+from .serialization.inmemory import BufferReader, allocate
 from .storage import Storage
 from .topology import Topology
 from .tree import tensor_bytes
@@ -67,8 +68,8 @@ def write_plain(storage: Storage, path: str, state: Any) -> list[str]:
 
 
 def read_plain(storage: Storage, path: str, *, trusted: bool = False) -> Any:
-    with storage.open_read(path) as f:
-        return plain.load(f, what=f"{storage.url}/{path}", trusted=trusted)
+    """Read a ``torch.save`` state file: one read into memory (checked there when verified), parsed in place."""
+    return plain.load_buffer(storage.read_buffer(path, allocate), what=f"{storage.url}/{path}", trusted=trusted)
 
 
 # ----------------------------------------------------------------------------------------------- writing
@@ -259,15 +260,13 @@ def read_xser(
 def _read_header(storage: Storage, path: str, trusted: bool) -> _Header:
     what = f"{storage.url}/{path}"
     try:
-        with storage.open_read(path) as f:
-            ref_data = xser.load_ref(f, what=what, trusted=trusted)
+        ref_data = xser.load_ref(BufferReader(storage.read_buffer(path, allocate)), what=what, trusted=trusted)
     except StorageError as e:
         raise FormatError(f"the xser reference file {what} cannot be read: {e}") from e
     info = None
     info_path = layout.xser_info_file(path)
     if storage.exists(info_path):
-        with storage.open_read(info_path) as f:
-            info = xser.load_info(f, what=f"{storage.url}/{info_path}")
+        info = xser.load_info(BufferReader(storage.read_buffer(info_path, allocate)), what=f"{storage.url}/{info_path}")
     tids = xser.referenced_tids(ref_data)
     sizes = []
     for tid in tids:
@@ -300,8 +299,7 @@ def _read_tensors(
         tensor_path = layout.xser_tensor_file(path, tid)
         what = f"{storage.url}/{tensor_path}"
         try:
-            with storage.open_read(tensor_path) as f:
-                tensor = xser.load_tensor(f, what=what)
+            tensor = xser.load_tensor_buffer(storage.read_buffer(tensor_path, allocate), what=what)
         except StorageError as e:
             raise _missing_tensor(storage, path, tid) from e
         xser.check_against_info(tid, tensor, info, what=what)

@@ -6,14 +6,18 @@ checkpoint runs; ``trusted=True`` is the explicit opt-in for files holding arbit
 
 from __future__ import annotations
 
+import io
 import pickle
 import re
 from collections.abc import Iterable
 from typing import IO, Any
 
+import numpy as np
 import torch
+import torch._weights_only_unpickler
 
 from ..errors import FormatError, UnsafeCheckpointError
+from . import inmemory
 
 _extra_safe_globals: list[Any] = []
 
@@ -54,6 +58,25 @@ def load(f: IO[bytes], *, what: str, trusted: bool = False) -> Any:
         ) from e
     except (RuntimeError, EOFError, ValueError, OSError) as e:
         raise FormatError(f"{what} is truncated or not a torch.save file: {_first_line(e)}") from e
+
+
+def load_buffer(buffer: np.ndarray, *, what: str, trusted: bool = False) -> Any:
+    """``load`` of a file held in memory (``Storage.read_buffer``); its tensors share ``buffer`` (no copy).
+
+    Safe loading unpickles with torch's weights-only unpickler and the same allow-list as ``load``; trusted
+    files, unusual layouts and every error go through ``load`` over the buffer, which words the error.
+    """
+    if not trusted:
+        try:
+            with torch.serialization.safe_globals(list(_extra_safe_globals)):
+                return inmemory.load_zero_copy(buffer, what, _weights_only_unpickler)
+        except Exception:  # torch.load below gives the proper error, or handles what this reader does not
+            pass
+    return load(inmemory.BufferReader(buffer), what=what, trusted=trusted)
+
+
+def _weights_only_unpickler(data: io.BytesIO) -> Any:
+    return torch._weights_only_unpickler.Unpickler(data, encoding="utf-8")
 
 
 def _unsafe_names(f: IO[bytes], message: str) -> str:

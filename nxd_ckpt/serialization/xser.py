@@ -25,11 +25,12 @@ import types
 from collections.abc import Iterator
 from typing import IO, Any
 
+import numpy as np
 import torch
 import torch._weights_only_unpickler as _weights_only
 
 from ..errors import FormatError
-from . import plain
+from . import inmemory, plain
 
 XSER_MODULE = "torch_xla.utils.serialization"
 _REF_NAME = "TensorReference"
@@ -319,6 +320,27 @@ def load_tensor(f: IO[bytes], *, what: str) -> torch.Tensor:
     if not isinstance(result, torch.Tensor):
         raise FormatError(f"{what} does not hold a tensor (found {type(result).__name__})")
     return result
+
+
+def load_tensor_buffer(buffer: np.ndarray, *, what: str) -> torch.Tensor:
+    """Read one ``tensor_<tid>.pt`` held in memory (``Storage.read_buffer``); the tensor shares ``buffer``.
+
+    No bytes are copied when the data record is aligned (torch.save aligns to 64); anything unusual falls back
+    to ``torch.load`` over the buffer.
+    """
+    try:
+        result = inmemory.load_zero_copy(buffer, what, _tensor_unpickler)
+    except FormatError:
+        raise
+    except Exception:  # an unexpected layout: let torch.load decide (and report) instead
+        result = plain.load(inmemory.BufferReader(buffer), what=what)
+    if not isinstance(result, torch.Tensor):
+        raise FormatError(f"{what} does not hold a tensor (found {type(result).__name__})")
+    return result
+
+
+def _tensor_unpickler(data: io.BytesIO) -> Any:
+    return _weights_only.Unpickler(data, encoding="utf-8")
 
 
 def _load_tensor_direct(f: IO[bytes], what: str) -> Any:

@@ -8,11 +8,20 @@ surface without knowing which backend answers.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import BinaryIO
 
+import numpy as np
+
 from ..errors import InvalidTagError
+
+Allocator = Callable[[int], np.ndarray]
+"""Returns an uninitialised, writable, contiguous uint8 array of the given size."""
+
+
+def _empty(size: int) -> np.ndarray:
+    return np.empty(size, dtype=np.uint8)
 
 
 def check_relative_path(path: str) -> str:
@@ -45,6 +54,21 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         """The file's bytes, or ``length`` bytes from ``offset``."""
+
+    def read_buffer(self, path: str, allocate: Allocator | None = None) -> np.ndarray:
+        """The whole file in one writable uint8 array, read from storage once.
+
+        Loads hash and parse this one buffer (tensors are views of it), so no byte is read twice. ``allocate(n)``
+        returns an uninitialised uint8 array of ``n`` bytes (default ``np.empty``; zeroing would touch every page
+        twice); loaders pass torch's allocator. The array is filled by ``readinto`` of ``open_read``'s stream, so
+        wrappers of ``open_read`` see these reads; a buffered local file then reads straight into the array
+        (reads larger than its buffer bypass it), one system call per 2 GiB.
+        """
+        with self.open_read(path) as f:
+            size = f.seek(0, 2)
+            f.seek(0)
+            buffer = (allocate or _empty)(size)
+            return buffer[: read_fully(f, memoryview(buffer))]
 
     @abc.abstractmethod
     def exists(self, path: str) -> bool:
@@ -89,3 +113,20 @@ class Storage(abc.ABC):
             elif self.exists(child):
                 out.append(child)
         return sorted(out)
+
+
+def read_fully(f: BinaryIO, view: memoryview) -> int:
+    """Fill ``view`` from ``f``; returns the bytes read (fewer only when the stream ends first)."""
+    done = 0
+    readinto = getattr(f, "readinto", None)
+    while done < len(view):
+        if readinto is not None:
+            n = readinto(view[done:])
+        else:
+            data = f.read(len(view) - done)
+            n = len(data)
+            view[done : done + n] = data
+        if not n:
+            break
+        done += n
+    return done
