@@ -12,6 +12,11 @@ import nxd_ckpt
 HAVE_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None  # found without importing it
 if HAVE_TORCH_XLA:
     os.environ.setdefault("PJRT_DEVICE", "CPU")  # this machine has no accelerator
+if HAVE_TORCH_XLA and os.environ.get("NXD_CKPT_TEST_LANE") == "xla":
+    # torch's autograd engine sizes its per-device queues once, at the first backward of the process: a CPU-only
+    # test running backward before torch_xla registered its device would break every later XLA backward
+    # ("device_ready_queues_" internal assert). Training scripts import torch_xla first; so does the XLA lane.
+    import torch_xla  # noqa: F401
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -35,8 +40,11 @@ def _fresh_nxd_ckpt_state():
     nxd_ckpt.destroy_model_parallel()
 
 
-@pytest.fixture
-def xser_file_per_tensor(monkeypatch):
-    """Write every xser tensor to its own file (no inlining of small tensors), for tests that inspect or damage
-    tensor files of small test models. Spawned ranks inherit it through the environment."""
-    monkeypatch.setenv("NXD_CKPT_XSER_INLINE_BYTES", "0")
+@pytest.fixture(scope="module")
+def xser_file_per_tensor():
+    """Write every xser tensor to its own file (no inlining of small tensors), for test modules that inspect or
+    damage tensor files of small test models (module-scoped, so module-scoped checkpoint fixtures see it too).
+    Spawned ranks inherit it through the environment."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NXD_CKPT_XSER_INLINE_BYTES", "0")
+        yield
