@@ -353,6 +353,8 @@ class VerifyingStorage(_DelegatingStorage):
     can read them and hand them to the others.
     """
 
+    whole_file_reads = True  # loaders call read_buffer: each file is read once, hashed and parsed in memory
+
     def __init__(self, inner: Storage, tag: str, index: dict[str, FileRecord] | None = None) -> None:
         super().__init__(inner)
         self.tag = layout.validate_tag(tag)

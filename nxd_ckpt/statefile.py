@@ -68,8 +68,20 @@ def write_plain(storage: Storage, path: str, state: Any) -> list[str]:
 
 
 def read_plain(storage: Storage, path: str, *, trusted: bool = False) -> Any:
-    """Read a ``torch.save`` state file: one read into memory (checked there when verified), parsed in place."""
-    return plain.load_buffer(storage.read_buffer(path, allocate), what=f"{storage.url}/{path}", trusted=trusted)
+    """Read a ``torch.save`` state file; verified loads read it once into memory, check and parse it there."""
+    what = f"{storage.url}/{path}"
+    if storage.whole_file_reads:
+        return plain.load_buffer(storage.read_buffer(path, allocate), what=what, trusted=trusted)
+    with storage.open_read(path) as f:
+        return plain.load(f, what=what, trusted=trusted)
+
+
+def _load_small(storage: Storage, path: str, load: Callable[[Any], Any]) -> Any:
+    """``load`` of a stream of the whole file (from one whole-file read where the storage wants those)."""
+    if storage.whole_file_reads:
+        return load(BufferReader(storage.read_buffer(path, allocate)))
+    with storage.open_read(path) as f:
+        return load(f)
 
 
 # ----------------------------------------------------------------------------------------------- writing
@@ -260,13 +272,13 @@ def read_xser(
 def _read_header(storage: Storage, path: str, trusted: bool) -> _Header:
     what = f"{storage.url}/{path}"
     try:
-        ref_data = xser.load_ref(BufferReader(storage.read_buffer(path, allocate)), what=what, trusted=trusted)
+        ref_data = _load_small(storage, path, lambda f: xser.load_ref(f, what=what, trusted=trusted))
     except StorageError as e:
         raise FormatError(f"the xser reference file {what} cannot be read: {e}") from e
     info = None
     info_path = layout.xser_info_file(path)
     if storage.exists(info_path):
-        info = xser.load_info(BufferReader(storage.read_buffer(info_path, allocate)), what=f"{storage.url}/{info_path}")
+        info = _load_small(storage, info_path, lambda f: xser.load_info(f, what=f"{storage.url}/{info_path}"))
     tids = xser.referenced_tids(ref_data)
     sizes = []
     for tid in tids:
@@ -299,7 +311,11 @@ def _read_tensors(
         tensor_path = layout.xser_tensor_file(path, tid)
         what = f"{storage.url}/{tensor_path}"
         try:
-            tensor = xser.load_tensor_buffer(storage.read_buffer(tensor_path, allocate), what=what)
+            if storage.whole_file_reads:
+                tensor = xser.load_tensor_buffer(storage.read_buffer(tensor_path, allocate), what=what)
+            else:
+                with storage.open_read(tensor_path) as f:
+                    tensor = xser.load_tensor(f, what=what)
         except StorageError as e:
             raise _missing_tensor(storage, path, tid) from e
         xser.check_against_info(tid, tensor, info, what=what)
