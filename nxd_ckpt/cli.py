@@ -16,14 +16,13 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
 from typing import Any, BinaryIO
 
 from . import __version__, completeness, layout, tags, verification
 from .errors import CheckpointError, UnsafeCheckpointError
 from .export import export_safetensors
 from .inspect import Checkpoint, open_checkpoint
-from .storage import Storage, storage_for
+from .storage import DelegatingStorage, Storage, storage_for
 
 PROG = "nxd-ckpt"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -95,12 +94,12 @@ class _CountingStream:
         return getattr(self._f, name)
 
 
-class ReadProgressStorage(Storage):
+class ReadProgressStorage(DelegatingStorage):
     """Delegates to another storage and reports every byte read (drives the progress bar of ``verify``)."""
 
     def __init__(self, inner: Storage, report: Callable[[int], Any]) -> None:
-        self.inner, self._report = inner, report
-        self.url = inner.url
+        super().__init__(inner)
+        self._report = report
 
     @contextlib.contextmanager
     def open_read(self, path: str) -> Iterator[BinaryIO]:
@@ -112,29 +111,7 @@ class ReadProgressStorage(Storage):
         self._report(len(data))
         return data
 
-    def open_write(self, path: str) -> AbstractContextManager[BinaryIO]:
-        return self.inner.open_write(path)
-
-    def exists(self, path: str) -> bool:
-        return self.inner.exists(path)
-
-    def list_dir(self, path: str = "") -> list[str]:
-        return self.inner.list_dir(path)
-
-    def walk_files(self, path: str = "") -> list[str]:
-        return self.inner.walk_files(path)
-
-    def size(self, path: str) -> int:
-        return self.inner.size(path)
-
-    def mtime(self, path: str) -> float:
-        return self.inner.mtime(path)
-
-    def delete(self, path: str) -> None:
-        self.inner.delete(path)
-
-    def delete_tree(self, path: str) -> None:
-        self.inner.delete_tree(path)
+    read_buffer = Storage.read_buffer  # through open_read above, so whole-file reads are counted too
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -26,7 +26,7 @@ import xxhash
 
 from . import layout
 from .errors import IntegrityError, StorageError
-from .storage import Storage, check_relative_path
+from .storage import DelegatingStorage, Storage, check_relative_path
 from .storage.base import Allocator
 
 ALGORITHM = "xxh3_64"
@@ -185,55 +185,6 @@ def _ancestors(path: str, stop: str) -> set[str]:
 
 
 # --------------------------------------------------------------------------------------------------- storages
-class _DelegatingStorage(Storage):
-    """Forwards everything to ``inner``; subclasses change writing or reading."""
-
-    def __init__(self, inner: Storage) -> None:
-        self.inner = inner
-        self.url = inner.url
-
-    def __getattr__(self, name: str) -> Any:  # backend-specific attributes (e.g. LocalStorage.root)
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def open_write(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
-        return self.inner.open_write(path)
-
-    def open_read(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
-        return self.inner.open_read(path)
-
-    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
-        return self.inner.read_bytes(path, offset, length)
-
-    def read_buffer(self, path: str, allocate: Allocator | None = None) -> np.ndarray:
-        return self.inner.read_buffer(path, allocate)
-
-    def exists(self, path: str) -> bool:
-        return self.inner.exists(path)
-
-    def list_dir(self, path: str = "") -> list[str]:
-        return self.inner.list_dir(path)
-
-    def size(self, path: str) -> int:
-        return self.inner.size(path)
-
-    def mtime(self, path: str) -> float:
-        return self.inner.mtime(path)
-
-    def delete(self, path: str) -> None:
-        self.inner.delete(path)
-
-    def delete_tree(self, path: str) -> None:
-        self.inner.delete_tree(path)
-
-    def sync_dirs(self, paths: Iterator[str] | list[str] | set[str]) -> None:
-        self.inner.sync_dirs(paths)
-
-    def walk_files(self, path: str = "") -> list[str]:
-        return self.inner.walk_files(path)
-
-
 class _HashingWriter:
     """A write-only stream that hashes and counts what passes through to ``target``.
 
@@ -282,7 +233,7 @@ class _HashingWriter:
         return self._hasher.hexdigest()
 
 
-class ChecksummingStorage(_DelegatingStorage):
+class ChecksummingStorage(DelegatingStorage):
     """The storage of one save on one rank: records size and digest of every file written under ``tag``."""
 
     def __init__(self, inner: Storage, tag: str, rank: int) -> None:
@@ -346,7 +297,7 @@ class ChecksummingStorage(_DelegatingStorage):
         return path
 
 
-class VerifyingStorage(_DelegatingStorage):
+class VerifyingStorage(DelegatingStorage):
     """Read access to one tag that checks every file listed in the tag's manifests against its record.
 
     ``index`` is the merged manifests (``read_index``), read lazily on first use when not given, so one rank

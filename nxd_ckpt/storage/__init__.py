@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 
-from .base import Storage, check_relative_path
+from .base import DelegatingStorage, Storage, check_relative_path
 from .local import LocalStorage
 
-__all__ = ["LocalStorage", "Storage", "check_relative_path", "storage_for"]
+__all__ = ["DelegatingStorage", "LocalStorage", "Storage", "check_relative_path", "storage_for"]
 
 
 def storage_for(checkpoint_dir: str | os.PathLike[str] | Storage) -> Storage:

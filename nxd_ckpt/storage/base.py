@@ -134,3 +134,52 @@ def read_fully(f: BinaryIO, view: memoryview) -> int:
             break
         done += n
     return done
+
+
+class DelegatingStorage(Storage):
+    """Forwards everything to ``inner``; wrappers (checksums, verification, progress) override what they change."""
+
+    def __init__(self, inner: Storage) -> None:
+        self.inner = inner
+        self.url = inner.url
+
+    def __getattr__(self, name: str) -> object:  # backend-specific attributes (e.g. LocalStorage.root)
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def open_write(self, path: str) -> AbstractContextManager[BinaryIO]:
+        return self.inner.open_write(path)
+
+    def open_read(self, path: str) -> AbstractContextManager[BinaryIO]:
+        return self.inner.open_read(path)
+
+    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        return self.inner.read_bytes(path, offset, length)
+
+    def read_buffer(self, path: str, allocate: Allocator | None = None) -> np.ndarray:
+        return self.inner.read_buffer(path, allocate)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def list_dir(self, path: str = "") -> list[str]:
+        return self.inner.list_dir(path)
+
+    def size(self, path: str) -> int:
+        return self.inner.size(path)
+
+    def mtime(self, path: str) -> float:
+        return self.inner.mtime(path)
+
+    def delete(self, path: str) -> None:
+        self.inner.delete(path)
+
+    def delete_tree(self, path: str) -> None:
+        self.inner.delete_tree(path)
+
+    def sync_dirs(self, paths: Iterator[str] | list[str] | set[str]) -> None:
+        self.inner.sync_dirs(paths)
+
+    def walk_files(self, path: str = "") -> list[str]:
+        return self.inner.walk_files(path)
