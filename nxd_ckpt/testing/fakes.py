@@ -40,8 +40,9 @@ def make_training(
 ) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
     """A seeded TinyMLP with AdamW and a StepLR schedule.
 
-    ``device=None`` means ``lane_device()`` (the lane's device), except with dropout: XLA's RNG is not part of
-    a checkpoint's saved RNG streams, so dropout models stay on the CPU unless a device is given.
+    ``device=None`` means ``lane_device()`` (the lane's device), except with dropout: ``torch.manual_seed`` does
+    not seed XLA's generator (tests would need ``save_rng=True`` and ``xm.set_rng_state``), so dropout models stay
+    on the CPU unless a device is given.
     """
     if device is None:
         device = lane_device() if dropout == 0.0 else torch.device("cpu")
