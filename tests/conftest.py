@@ -14,9 +14,11 @@ if HAVE_TORCH_XLA:
     os.environ.setdefault("PJRT_DEVICE", "CPU")  # this machine has no accelerator
 if HAVE_TORCH_XLA and os.environ.get("NXD_CKPT_TEST_LANE") == "xla":
     # torch's autograd engine sizes its per-device queues once, at the first backward of the process: a CPU-only
-    # test running backward before torch_xla registered its device would break every later XLA backward
-    # ("device_ready_queues_" internal assert). Training scripts import torch_xla first; so does the XLA lane.
-    import torch_xla  # noqa: F401
+    # test running backward before the XLA runtime has its device would break every later XLA backward
+    # ("device_ready_queues_" internal assert). Training scripts create their XLA device first; so does the lane.
+    import torch_xla
+
+    torch_xla.device()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

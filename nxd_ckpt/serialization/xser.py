@@ -13,16 +13,12 @@ puts the files on storage in parallel and spreads them over DP replicas.
 from __future__ import annotations
 
 import collections
-import contextlib
 import copyreg
 import ctypes
 import io
-import os
 import pickle
 import sys
-import threading
 import types
-from collections.abc import Iterator
 from typing import IO, Any
 
 import numpy as np
@@ -176,41 +172,11 @@ def save_info(info: dict[int, dict[str, Any]], f: IO[bytes]) -> None:
     torch.save(info, f)
 
 
-_crc_lock = threading.Lock()
-_crc_state = {"users": 0, "saved": True}
-
-
-@contextlib.contextmanager
-def _no_crc32() -> Iterator[None]:
-    """Skip torch.save's CRC32 of tensor data while tensor files are written: it is a quarter of a save's CPU
-    time and torch.load does not check it (zip tools such as Python's ``zipfile`` would). Reference-counted, so
-    concurrent writers restore the setting once. ``NXD_CKPT_XSER_CRC32=1`` keeps the CRCs."""
-    try:
-        from torch.utils.serialization import config
-    except ImportError:  # torch < 2.6 has no switch
-        yield
-        return
-    if os.environ.get("NXD_CKPT_XSER_CRC32", "0") == "1":
-        yield
-        return
-    with _crc_lock:
-        if _crc_state["users"] == 0:
-            _crc_state["saved"] = config.save.compute_crc32
-            config.save.compute_crc32 = False
-        _crc_state["users"] += 1
-    try:
-        yield
-    finally:
-        with _crc_lock:
-            _crc_state["users"] -= 1
-            if _crc_state["users"] == 0:
-                config.save.compute_crc32 = _crc_state["saved"]
-
-
 def save_tensor(tensor: torch.Tensor, f: IO[bytes]) -> None:
     """Write one ``tensor_<tid>.pt``: ``torch.save`` of a compact CPU tensor, streamed straight into ``f``."""
-    with _no_crc32():
-        torch.save(compact(tensor), f)
+    # torch.save's CRC-32 of the data is kept: turning it off means flipping torch's process-wide
+    # ``serialization.config``, which would also strip the CRCs of files other threads (or the user) write meanwhile.
+    torch.save(compact(tensor), f)
 
 
 # ----------------------------------------------------------------------------------------------- decode
