@@ -3,9 +3,7 @@ loading the same file read each tensor file from storage once between them (coun
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 
 import torch
 import torch.distributed as dist
@@ -15,47 +13,10 @@ from nxd_ckpt import statefile
 from nxd_ckpt.dist import Coordinator
 from nxd_ckpt.errors import FormatError
 from nxd_ckpt.storage import LocalStorage
+from nxd_ckpt.testing.counting import ReadCountingStorage
 from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_steps
 from nxd_ckpt.testing.multiprocess import run_with_ranks
 from nxd_ckpt.topology import Topology
-
-
-class _CountingFile:
-    """A read stream that counts the bytes it returns."""
-
-    def __init__(self, f) -> None:
-        self._f = f
-        self.count = 0
-
-    def read(self, n: int = -1) -> bytes:
-        data = self._f.read(n)
-        self.count += len(data)
-        return data
-
-    def readinto(self, buffer) -> int:
-        n = self._f.readinto(buffer) or 0
-        self.count += n
-        return n
-
-    def __getattr__(self, name: str):
-        return getattr(self._f, name)
-
-
-class CountingStorage(LocalStorage):
-    """Local storage that counts the bytes read per file (instrumentation, not a fake: it reads the disk)."""
-
-    def __init__(self, root: str) -> None:
-        super().__init__(root)
-        self.bytes_read: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def open_read(self, path):
-        with super().open_read(path) as f:
-            counting = _CountingFile(f)
-            yield counting
-            with self._lock:
-                self.bytes_read[path] = self.bytes_read.get(path, 0) + counting.count
 
 
 def _big_model() -> dict:
@@ -91,7 +52,7 @@ def test_dp2_save_splits_writes_and_load_reads_each_tensor_once(tmp_path):
     assert_state_equal(opt.state_dict(), opt2.state_dict())
 
     # Bytes read from storage, counted under the load (verify=False: checksum passes re-read files on purpose).
-    storage = CountingStorage(ckpt)
+    storage = ReadCountingStorage(ckpt)
     model3: dict = {}
     nxd.load_checkpoint(storage, model=model3, verify=False)
     assert_state_equal(model, model3)

@@ -3,9 +3,7 @@ with tensors sharing that buffer; damage is still detected and the file named.""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 
 import numpy as np
 import pytest
@@ -16,58 +14,11 @@ from nxd_ckpt import layout
 from nxd_ckpt.errors import IntegrityError
 from nxd_ckpt.serialization import plain, xser
 from nxd_ckpt.storage import LocalStorage
+from nxd_ckpt.testing.counting import ReadCountingStorage
 from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_steps
 
 # Read more than once by design: the tag's metadata (resolving the tag, then checking its record) and manifests.
 _BOOKKEEPING = ("/nxd_ckpt/", f"/{layout.METADATA_FILE}")
-
-
-class _CountingFile:
-    """A read stream that counts the bytes it returns."""
-
-    def __init__(self, f) -> None:
-        self._f = f
-        self.count = 0
-
-    def read(self, n: int = -1) -> bytes:
-        data = self._f.read(n)
-        self.count += len(data)
-        return data
-
-    def readinto(self, buffer) -> int:
-        n = self._f.readinto(buffer) or 0
-        self.count += n
-        return n
-
-    def __getattr__(self, name: str):
-        return getattr(self._f, name)
-
-
-class CountingStorage(LocalStorage):
-    """Local storage counting the bytes read from each file, by any route (instrumentation: it reads the disk)."""
-
-    def __init__(self, root: str) -> None:
-        super().__init__(root)
-        self.bytes_read: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def _count(self, path: str, n: int) -> None:
-        with self._lock:
-            self.bytes_read[path] = self.bytes_read.get(path, 0) + n
-
-    @contextlib.contextmanager
-    def open_read(self, path):
-        with super().open_read(path) as f:
-            counting = _CountingFile(f)
-            try:
-                yield counting
-            finally:
-                self._count(path, counting.count)
-
-    def read_bytes(self, path, offset=0, length=None):
-        data = super().read_bytes(path, offset, length)
-        self._count(path, len(data))
-        return data
 
 
 def _model_state() -> dict:
@@ -88,7 +39,7 @@ def test_verified_load_reads_each_file_once_and_names_a_corrupt_one(tmp_path, mo
     train_steps(net, opt, sched, steps=2, seed=3)
     nxd.save_checkpoint(ckpt, "step_2", model=model, optimizer=opt, scheduler=sched, use_xser=use_xser)
 
-    storage = CountingStorage(ckpt)
+    storage = ReadCountingStorage(ckpt)
     model2: dict = {}
     _, opt2, sched2 = make_training(seed=11)
     nxd.load_checkpoint(storage, model=model2, optimizer=opt2, scheduler=sched2)  # verify=True (default)
@@ -110,7 +61,7 @@ def test_verified_load_reads_each_file_once_and_names_a_corrupt_one(tmp_path, mo
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x01]))
     with pytest.raises(IntegrityError) as raised:
-        nxd.load_checkpoint(CountingStorage(ckpt), model={}, optimizer=make_training(seed=0)[1])
+        nxd.load_checkpoint(ReadCountingStorage(ckpt), model={}, optimizer=make_training(seed=0)[1])
     assert f"{ckpt}/{victim} is corrupt" in str(raised.value)
 
 
