@@ -22,6 +22,7 @@ background is raised, once and chained, by the next ``save``/``load``/``finalize
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -319,6 +320,15 @@ class CheckpointManager:
         error: BaseException | None = None
 
         def write_files() -> None:
+            # All of this rank's files are fsynced together at the end (one flush, not one per state file).
+            deferred = getattr(ctx.storage, "deferred_fsync", None)
+            with deferred() if callable(deferred) else contextlib.nullcontext():
+                written = write_all()
+            ctx.storage.sync_dirs({p.rsplit("/", 1)[0] for p in written})
+            ctx.storage.write_manifest()  # before arriving: 'done' implies every rank's manifest exists
+            report.files_written = len(written)
+
+        def write_all() -> list[str]:
             written: list[str] = []
             for path, state in staged:
                 if path in ctx.state_files:
@@ -335,9 +345,7 @@ class CheckpointManager:
                     continue
                 written += statefile.write_plain(ctx.storage, path, state)
                 report.bytes_written += sum(t.numel() * t.element_size() for t in _tensors(state))
-            ctx.storage.sync_dirs({p.rsplit("/", 1)[0] for p in written})
-            ctx.storage.write_manifest()  # before arriving: 'done' implies every rank's manifest exists
-            report.files_written = len(written)
+            return written
 
         if waves is not None and coord.distributed and waves < ctx.topology.local_world_size:
             try:

@@ -26,7 +26,7 @@ import torch
 import torch._weights_only_unpickler as _weights_only
 
 from ..errors import FormatError
-from . import inmemory, plain
+from . import inmemory, plain, tensorfile
 
 XSER_MODULE = "torch_xla.utils.serialization"
 _REF_NAME = "TensorReference"
@@ -173,10 +173,9 @@ def save_info(info: dict[int, dict[str, Any]], f: IO[bytes]) -> None:
 
 
 def save_tensor(tensor: torch.Tensor, f: IO[bytes]) -> None:
-    """Write one ``tensor_<tid>.pt``: ``torch.save`` of a compact CPU tensor, streamed straight into ``f``."""
-    # torch.save's CRC-32 of the data is kept: turning it off means flipping torch's process-wide
-    # ``serialization.config``, which would also strip the CRCs of files other threads (or the user) write meanwhile.
-    torch.save(compact(tensor), f)
+    """Write one ``tensor_<tid>.pt``: the ``torch.save`` file of a compact CPU tensor, streamed into ``f`` in
+    chunks with the zip CRC-32 computed off the GIL (see tensorfile.py), so I/O threads do not serialize."""
+    tensorfile.save_tensor(compact(tensor), f)
 
 
 # ----------------------------------------------------------------------------------------------- decode

@@ -10,9 +10,12 @@ import pytest
 from nxd_ckpt.storage import LocalStorage, direct
 
 CHUNK = direct.CHUNK_BYTES
+SMALL = direct.DIRECT_MIN_BYTES
 
 
-@pytest.mark.parametrize("size", [0, 5, CHUNK - 1, CHUNK, 2 * CHUNK + 12345])
+@pytest.mark.parametrize(
+    "size", [0, 5, SMALL - 1, SMALL, SMALL + 1, CHUNK - 1, CHUNK, CHUNK + SMALL + 3, 2 * CHUNK + 12345]
+)
 def test_bytes_round_trip_exactly(tmp_path, size):
     data = os.urandom(size)
     storage = LocalStorage(tmp_path)
@@ -22,7 +25,51 @@ def test_bytes_round_trip_exactly(tmp_path, size):
             f.write(memoryview(data)[start : start + 7_000_001])
         assert f.tell() == size
     assert storage.read_bytes("d/f.bin") == data
+    assert os.path.getsize(tmp_path / "d" / "f.bin") == size  # a padded O_DIRECT tail was truncated back
     assert [n for n in os.listdir(tmp_path / "d")] == ["f.bin"]  # no temporary file left behind
+
+
+def _supports_direct(path) -> bool:
+    fd = os.open(os.path.join(path, "probe"), os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0))
+    os.close(fd)
+    return bool(getattr(os, "O_DIRECT", 0))
+
+
+@pytest.mark.parametrize("size", [SMALL, SMALL + 4097, 3 * CHUNK // 2])
+def test_tails_of_large_files_bypass_the_page_cache(tmp_path, monkeypatch, size):
+    """Every byte of a file of at least DIRECT_MIN_BYTES goes out with O_DIRECT, the partial last block too."""
+    try:
+        if not _supports_direct(tmp_path):
+            pytest.skip("no O_DIRECT on this filesystem")
+    except OSError:
+        pytest.skip("no O_DIRECT on this filesystem")
+    buffered_writes: list[int] = []
+    real_write = os.write
+
+    def spying_write(fd, data):
+        if not direct._is_direct(fd):
+            buffered_writes.append(len(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(direct.os, "write", spying_write)
+    data = os.urandom(size)
+    LocalStorage(tmp_path).write_bytes("f.bin", data)
+    assert buffered_writes == []
+    assert (tmp_path / "f.bin").read_bytes() == data
+
+
+def test_small_files_stay_buffered(tmp_path, monkeypatch):
+    direct_writes: list[int] = []
+    real_write = os.write
+
+    def spying_write(fd, data):
+        if direct._is_direct(fd):
+            direct_writes.append(len(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(direct.os, "write", spying_write)
+    LocalStorage(tmp_path).write_bytes("f.bin", b"x" * (SMALL - 1))
+    assert direct_writes == [] and os.path.getsize(tmp_path / "f.bin") == SMALL - 1
 
 
 def test_tmpfs_or_unsupported_filesystem_still_writes(tmp_path):
