@@ -188,4 +188,3 @@ class _ZipWriter:
             + _LOCATOR.pack(0x07064B50, 0, end64_offset, 1)
             + _END.pack(0x06054B50, 0, 0, n, n, len(central), cd_offset, 0)
         )
-

@@ -6,7 +6,8 @@ training for CPU, and dirty-page throttling stalls writers. ``DirectWriter`` cop
 buffer (with NumPy, which releases the GIL) and writes each full chunk with O_DIRECT. The last partial chunk
 of a file of at least ``DIRECT_MIN_BYTES`` is zero-padded to a block, written with O_DIRECT too, and the file
 truncated to its length; smaller files go through the page cache. The caller fsyncs as usual. Filesystems
-without O_DIRECT (tmpfs, some network filesystems) fall back to buffered writes silently. ``NXD_CKPT_DIRECT_IO=0`` turns it off.
+without O_DIRECT (tmpfs, some network filesystems) fall back to buffered writes silently.
+``NXD_CKPT_DIRECT_IO=0`` turns it off.
 """
 
 from __future__ import annotations
