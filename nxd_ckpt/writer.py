@@ -10,13 +10,16 @@ coordination from a job goes through the c10d store only (see ``commit.py``).
 A failed job does not stop the queue: later jobs still run (a retention job is independent of the next
 save). The first unreported error is raised, once, by ``check_for_errors`` as an ``AsyncSaveError`` whose
 ``__cause__`` is the original exception; errors of further failed jobs are logged and counted in its message.
-The thread is a daemon so a forgotten writer cannot hang the interpreter, and an ``atexit`` hook waits for
-pending jobs instead, so interpreter exit never cuts a checkpoint short.
+The thread is a daemon so a forgotten writer cannot hang the interpreter, and an exit hook waits for
+pending jobs instead, so interpreter exit never cuts a checkpoint short. The hook runs among threading's exit
+callbacks, before ``concurrent.futures`` refuses new work at shutdown: jobs use thread pools (parallel file
+I/O, fsync batches, boto3's transfer manager), which an ordinary ``atexit`` hook would find already closed.
 """
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401 - registers its exit callback before ours (see _register_exit_hook)
 import logging
 import queue
 import threading
@@ -62,9 +65,7 @@ class AsyncWriter:
         self._errors: list[tuple[str, BaseException]] = []
         self._closed = False
         self._thread: threading.Thread | None = None
-        ref = weakref.ref(self)
-        self._atexit_hook = lambda: _wait_at_exit(ref)
-        atexit.register(self._atexit_hook)
+        _live_writers.add(self)
 
     # ------------------------------------------------------------------ submitting
     def submit(self, fn: Callable[[], T], name: str) -> Future[T]:
@@ -118,7 +119,7 @@ class AsyncWriter:
         if thread is not None:
             self._queue.put(None)
             thread.join()
-        atexit.unregister(self._atexit_hook)
+        _live_writers.discard(self)
 
     def __del__(self) -> None:
         if getattr(self, "_unfinished", 0) and not getattr(self, "_closed", True):
@@ -149,15 +150,35 @@ class AsyncWriter:
                     self._idle.notify_all()
 
 
-def _wait_at_exit(ref: weakref.ReferenceType[AsyncWriter]) -> None:
-    """atexit: let pending checkpoint jobs finish; report errors nobody collected."""
-    writer = ref()
-    if writer is None:
-        return
-    if writer.pending:
-        logger.info("waiting for %d pending checkpoint job(s) before exiting", writer.pending)
-    writer.wait_until_finished()
-    with writer._lock:
-        errors = list(writer._errors)
-    for name, error in errors:
-        logger.error("checkpoint job %r failed and was never reported: %s", name, format_exception(error))
+_live_writers: weakref.WeakSet[AsyncWriter] = weakref.WeakSet()
+"""Writers not yet closed, waited for at interpreter exit (weak: a dropped writer is not kept alive)."""
+
+
+def _wait_at_exit() -> None:
+    """At exit: let pending checkpoint jobs finish; report errors nobody collected."""
+    for writer in list(_live_writers):
+        if writer.pending:
+            logger.info("waiting for %d pending checkpoint job(s) before exiting", writer.pending)
+        writer.wait_until_finished()
+        with writer._lock:
+            errors = list(writer._errors)
+        for name, error in errors:
+            logger.error("checkpoint job %r failed and was never reported: %s", name, format_exception(error))
+
+
+def _register_exit_hook() -> None:
+    """Run ``_wait_at_exit`` before ``concurrent.futures`` shuts its executors down at exit.
+
+    threading calls its exit callbacks in reverse order of registration, before ``atexit`` hooks; this one is
+    registered after concurrent.futures' own (imported above), so it runs first. Falls back to ``atexit``.
+    """
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise RuntimeError("no threading._register_atexit")
+        register(_wait_at_exit)
+    except RuntimeError:  # very old Python, or imported while the interpreter is already shutting down
+        atexit.register(_wait_at_exit)
+
+
+_register_exit_hook()
