@@ -3,8 +3,12 @@
 xser files are written and read by a pool of threads, one tensor file per task, largest first. A replicated
 state (model, non-ZeRO optimizer) is spread over the DP replicas holding it: its tensors are binned by size so
 each replica writes about 1/DP of the bytes, and the first replica also writes the reference and info files.
-Replicas that load the same file read each tensor from storage once between them and broadcast it
-(``ReplicaGroup``), so a DP group reads every byte once, not DP times.
+Replicas that load the same file read each tensor from storage once between them (``ReplicaGroup``), so a DP
+group reads every byte from storage once, not DP times. Replicas on different hosts (or reading storage without
+a host page cache, e.g. S3) each read a share and broadcast it over gloo. Replicas on one host reading a local
+or POSIX filesystem share through the page cache instead: each starts with its own share, read from the device,
+then copies the others' shares from memory, which measured faster than a loopback broadcast
+(``NXD_CKPT_REPLICA_READS=broadcast`` forces the broadcast).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import socket
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,6 +45,14 @@ def inline_below_bytes() -> int:
     0-d ``step`` or 4 KiB LayerNorm vector would cost a file creation and a flush each. 0 = a file per tensor.
     """
     return max(0, int(os.environ.get("NXD_CKPT_XSER_INLINE_BYTES", str(64 << 10))))
+
+
+def replica_reads_mode() -> str:
+    """How replicas on one host share a read: ``auto`` (page cache where possible) or ``broadcast``."""
+    mode = os.environ.get("NXD_CKPT_REPLICA_READS", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "broadcast"):
+        raise ValueError(f"NXD_CKPT_REPLICA_READS must be 'auto' or 'broadcast', got {mode!r}")
+    return mode
 
 
 def io_threads() -> int:
@@ -179,11 +192,13 @@ class ReplicaGroup:
     device collective could take its place on Neuron hardware). Every replica must make the same calls.
     """
 
-    def __init__(self, coordinator: Coordinator, ranks: Sequence[int], group: Any) -> None:
+    def __init__(self, coordinator: Coordinator, ranks: Sequence[int], group: Any, same_host: bool = False) -> None:
         self.coordinator = coordinator
         self.ranks = tuple(ranks)
         self.group = group
         self.index = self.ranks.index(coordinator.rank)
+        self.same_host = same_host
+        """Whether every replica runs on this host (they can then share reads through the page cache)."""
 
     @property
     def size(self) -> int:
@@ -205,13 +220,14 @@ def replica_groups(coordinator: Coordinator, topo: Topology) -> ReplicaGroup | N
     every rank, as process-group creation requires."""
     if not coordinator.distributed or topo.dp_size <= 1:
         return None
+    hosts = coordinator.all_gather_object(socket.gethostname())
     mine = None
     for pp in range(topo.pp_size):
         for tp in range(topo.tp_size):
             ranks = topo.dp_group_ranks(topo.rank_of(pp, 0, tp))
             group = coordinator.subgroup(ranks)
             if coordinator.rank in ranks:
-                mine = ReplicaGroup(coordinator, ranks, group)
+                mine = ReplicaGroup(coordinator, ranks, group, same_host=len({hosts[r] for r in ranks}) == 1)
     return mine
 
 
@@ -252,6 +268,8 @@ def read_xser(
     else:
         header = _shared(group, lambda: _read_header(storage, path, trusted), what)
     parts = balance(header.sizes, group.size if group else 1)
+    if group is not None and group.same_host and storage.host_page_cache and replica_reads_mode() == "auto":
+        return _read_through_page_cache(storage, path, header, parts, group, threads)
     mine = [header.tids[i] for i in parts[group.index if group else 0]]
     loaded: dict[int, torch.Tensor] = {}
     error: BaseException | None = None
@@ -266,6 +284,29 @@ def read_xser(
     else:
         owners = [[header.tids[i] for i in part] for part in parts]
         tensors = _exchange(group, loaded, error, owners, what)
+    return xser.decode(header.ref_data, tensors, what=what)
+
+
+def _read_through_page_cache(
+    storage: Storage, path: str, header: _Header, parts: list[list[int]], group: ReplicaGroup, threads: int | None
+) -> Any:
+    """Every replica reads every tensor, each starting with its own share: the device serves each share once,
+    and the replica that comes second to a share copies it from the page cache. Errors are agreed on, so all
+    replicas raise together (one small collective)."""
+    what = f"{storage.url}/{path}"
+    order = [header.tids[i] for k in range(group.size) for i in parts[(group.index + k) % group.size]]
+    tensors: dict[int, torch.Tensor] = {}
+    error: BaseException | None = None
+    try:
+        tensors = _read_tensors(storage, path, order, header.info, threads)
+    except BaseException as e:  # shared with the replicas before raising
+        error = e
+    messages = group.all_gather_object(None if error is None else format_exception(error))
+    if error is not None:
+        raise error
+    failed = [(group.ranks[j], msg) for j, msg in enumerate(messages) if msg is not None]
+    if failed:
+        raise FormatError(f"replica rank {failed[0][0]} could not read {what}: {failed[0][1]}")
     return xser.decode(header.ref_data, tensors, what=what)
 
 

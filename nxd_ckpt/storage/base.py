@@ -42,6 +42,9 @@ class Storage(abc.ABC):
     """Whether loaders should read whole files with ``read_buffer`` (set by storages that check every file's
     bytes, e.g. VerifyingStorage: streaming would read each file twice there). Elsewhere loaders stream, which
     measured as fast or faster for unverified loads."""
+    host_page_cache: bool = False
+    """Whether reads go through this host's page cache (a local or POSIX filesystem), so replicas on one host
+    can share a read: the first reader brings a file in from the device, the others copy it from memory."""
 
     @abc.abstractmethod
     def open_write(self, path: str) -> AbstractContextManager[BinaryIO]:
@@ -147,6 +150,10 @@ class DelegatingStorage(Storage):
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+    @property  # type: ignore[override]
+    def host_page_cache(self) -> bool:
+        return self.inner.host_page_cache
 
     def open_write(self, path: str) -> AbstractContextManager[BinaryIO]:
         return self.inner.open_write(path)

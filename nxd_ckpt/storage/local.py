@@ -21,6 +21,8 @@ WRITE_BUFFER_BYTES = 8 << 20
 class LocalStorage(Storage):
     """A checkpoint directory on a POSIX filesystem; nothing is ever written or deleted outside ``root``."""
 
+    host_page_cache = True
+
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = os.path.abspath(os.fspath(root))
         self.url = self.root

@@ -1,10 +1,12 @@
 """xser across DP replicas on real gloo ranks: every replica writes a share of a replicated file, and replicas
-loading the same file read each tensor file from storage once between them (counted)."""
+loading the same file read each tensor file from storage once between them: counted per file when they
+broadcast (replicas on different hosts), counted at the block device when they share this host's page cache."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -51,10 +53,15 @@ def test_dp2_save_splits_writes_and_load_reads_each_tensor_once(tmp_path):
     assert_state_equal(model, model2)
     assert_state_equal(opt.state_dict(), opt2.state_dict())
 
-    # Bytes read from storage, counted under the load (verify=False: checksum passes re-read files on purpose).
+    # Bytes read from storage, counted under the load (verify=False: checksum passes re-read files on purpose),
+    # with the broadcast that replicas on different hosts use (here they would share the page cache instead).
     storage = ReadCountingStorage(ckpt)
     model3: dict = {}
-    nxd.load_checkpoint(storage, model=model3, verify=False)
+    os.environ["NXD_CKPT_REPLICA_READS"] = "broadcast"
+    try:
+        nxd.load_checkpoint(storage, model=model3, verify=False)
+    finally:
+        del os.environ["NXD_CKPT_REPLICA_READS"]
     assert_state_equal(model, model3)
     reads = coord.all_gather_object(storage.bytes_read)
     tensor_reads = [p for r in reads for p in r if ".tensors/tensor_" in p]
@@ -99,3 +106,60 @@ def test_dp2_shared_read_reports_a_missing_tensor_file_on_every_replica(tmp_path
         assert "tensor_3.pt" in str(e), str(e)
     else:
         raise AssertionError("a missing tensor file must fail the load on every replica")
+
+
+def _device_read_bytes() -> int | None:
+    """Bytes this process made the kernel fetch from the block device (None where the kernel does not say)."""
+    try:
+        with open("/proc/self/io") as f:
+            fields = dict(line.split(": ") for line in f.read().splitlines())
+        return int(fields["read_bytes"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _evict_from_page_cache(root: str) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+@run_with_ranks(2)
+def test_dp2_on_one_host_share_reads_through_the_page_cache(tmp_path):
+    """Same-host replicas each read every tensor file, but the device serves the model once (block-layer count)."""
+    coord = Coordinator()
+    gen = torch.Generator().manual_seed(7)  # the same model on both replicas
+    model = _big_model() | {f"big{i}": torch.randn(256, 1024, generator=gen) for i in range(8)}  # I/O dominates
+    ckpt = str(tmp_path / "ckpt")
+    nxd.save_checkpoint(ckpt, "step_1", model=model, use_xser=True)
+    group = statefile.replica_groups(coord, Topology(dp_size=2, rank=coord.rank, local_rank=coord.rank))
+    assert group is not None and group.same_host
+    model_dir = os.path.join(ckpt, "step_1", "model")
+    on_disk = sum(os.path.getsize(os.path.join(r, f)) for r, _, files in os.walk(model_dir) for f in files)
+
+    storage = ReadCountingStorage(ckpt)
+    if coord.rank == 0:
+        _evict_from_page_cache(ckpt)
+    coord.barrier()
+    before = _device_read_bytes()
+    loaded: dict = {}
+    nxd.load_checkpoint(storage, model=loaded, verify=False)
+    after = _device_read_bytes()
+    assert_state_equal(model, loaded)
+    # Each replica read every tensor file itself (no broadcast) ...
+    reads = coord.all_gather_object(storage.bytes_read)
+    assert all(_tensor_files_read_from(r) == _tensor_files_read_from(reads[0]) for r in reads)
+    assert len(_tensor_files_read_from(reads[0])) == len(
+        os.listdir(model_dir + "/dp_rank_00_tp_rank_00_pp_rank_00.pt.tensors")
+    )
+    # ... yet the device served the model about once between them, not twice.
+    device = coord.all_gather_object(None if before is None or after is None else after - before)
+    if any(d is None for d in device) or sum(device) == 0:
+        pytest.skip("the kernel does not account block-device reads per process here (/proc/self/io)")
+    assert sum(device) < 1.5 * on_disk, (device, on_disk)
+    assert sum(device) > 0.5 * on_disk, (device, on_disk)  # the eviction worked: this was a cold read
