@@ -230,6 +230,7 @@ class CheckpointManager:
         )
         ctx.state_files.update({w.path: w.replicas for w in writes if w.kind in ("model", "optimizer")})
         lease: staging.StagedState | None = None
+        fetcher: staging.HostFetcher | None = None
         if async_save:  # a training-safe copy in reused host buffers, handed back once the files are durable
             try:
                 lease = self._staging_pool.stage([w.state for w in writes])
@@ -241,13 +242,36 @@ class CheckpointManager:
             staged = [(w.path, state) for w, state in zip(writes, lease.trees, strict=True)]
             report.staging_allocated_bytes = lease.allocated_bytes
         else:
-            host_states = staging.to_host([w.state for w in writes], copy=False)  # one XLA sync for all files
-            staged = [(w.path, state) for w, state in zip(writes, host_states, strict=True)]
+            # Device tensors are copied to the host by a thread running ahead of the writers (one sync for all).
+            staged = [(w.path, w.state) for w in writes]
+            if any(staging.has_device_tensors(w.state) for w in writes):
+                order = [
+                    t
+                    for w in writes
+                    for t in statefile.tensors_to_write(
+                        w.state,
+                        xser_encoding=use_xser and w.path in ctx.state_files,
+                        replicas=ctx.state_files.get(w.path),
+                        rank=coord.rank,
+                    )
+                ]
+                try:
+                    fetcher = staging.HostFetcher(order)
+                except BaseException as e:  # as for async staging: rank 0's commit must not wait for this rank
+                    barrier = CommitBarrier(coord.store, str(self._session), ctx.seq, coord.rank, coord.world_size)
+                    barrier.arrive(f"rank {coord.rank} could not copy its state to the host: {format_exception(e)}")
+                    raise
         staged += rank_files
         report.staging_s = time.perf_counter() - stage_start
 
         def write_and_commit() -> None:
-            self._write_and_commit(ctx, coord, staged, report, num_workers if not async_save else None, lease)
+            try:
+                self._write_and_commit(
+                    ctx, coord, staged, report, num_workers if not async_save else None, lease, fetcher
+                )
+            finally:
+                if fetcher is not None:
+                    fetcher.close()
             if async_save:
                 self._log_save(report, coord)
 
@@ -311,10 +335,12 @@ class CheckpointManager:
         report: SaveReport,
         waves: int | None,
         lease: staging.StagedState | None = None,
+        fetcher: staging.HostFetcher | None = None,
     ) -> None:
         """Write this rank's files, then run the commit protocol. ``waves`` bounds concurrent writers per
         host for synchronous saves (it uses barriers); background writes pass None (no collectives).
-        ``lease`` (async saves) returns the staging buffers to the pool as soon as the files are written."""
+        ``lease`` (async saves) returns the staging buffers to the pool as soon as the files are written;
+        ``fetcher`` (synchronous saves of device tensors) hands the writers host copies as they arrive."""
         barrier = CommitBarrier(coord.store, str(self._session), ctx.seq, coord.rank, coord.world_size)
         write_start = time.perf_counter()
         error: BaseException | None = None
@@ -339,11 +365,14 @@ class CheckpointManager:
                         xser_encoding=ctx.use_xser,
                         replicas=ctx.state_files[path],
                         rank=coord.rank,
+                        host=fetcher.host if fetcher is not None else None,
                     )
                     written += done.paths
                     report.bytes_written += done.nbytes
                     continue
-                written += statefile.write_plain(ctx.storage, path, state)
+                written += statefile.write_plain(
+                    ctx.storage, path, state, host=fetcher.host if fetcher is not None else None
+                )
                 report.bytes_written += sum(t.numel() * t.element_size() for t in _tensors(state))
             return written
 

@@ -45,6 +45,75 @@ def to_host(tree: Any, *, copy: bool) -> Any:
     return map_tensors(tree, convert)
 
 
+class HostFetcher:
+    """Host copies of a synchronous save's device tensors, made ahead of the writes on a background thread.
+
+    The save syncs the device once (in the constructor), then a thread moves tensors to the host in bulk
+    batches, in the order given (the order the writers need them), while writer threads already write the
+    first ones: the transfer and the disk overlap instead of adding up. ``host(t)`` blocks until ``t``'s copy
+    exists; tensors not in ``order`` (e.g. other DP replicas' xser shares) are never transferred. The training
+    thread is blocked in the save meanwhile, so this thread is the only one using the device.
+    """
+
+    def __init__(self, order: Sequence[torch.Tensor], batch_bytes: int | None = None) -> None:
+        distinct = list({id(t): t for t in order if t.device.type != "cpu"}.values())
+        self._xla = [t for t in distinct if xla.is_xla(t)]
+        self._copies: dict[int, torch.Tensor] = {
+            id(t): t.detach().to("cpu") for t in distinct if not xla.is_xla(t)
+        }  # other devices: plain copies, now
+        self._error: BaseException | None = None
+        self._reported = False  # a writer already raised the transfer error
+        self._done = False
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        if self._xla:
+            xla.sync(self._xla)  # one execution for all of them, before returning to the caller
+            self._thread = threading.Thread(target=self._run, args=(batch_bytes,), name="nxd_ckpt_d2h", daemon=True)
+            self._thread.start()
+        else:
+            self._done = True
+
+    def _run(self, batch_bytes: int | None) -> None:
+        try:
+            for batch, copies in xla.iter_to_cpu(self._xla, batch_bytes, synced=True):
+                with self._cond:
+                    for i, copy in zip(batch, copies, strict=True):
+                        self._copies[id(self._xla[i])] = copy
+                    self._cond.notify_all()
+        except BaseException as e:  # raised in every writer waiting for a copy, and by close()
+            with self._cond:
+                self._error = e
+        finally:
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+
+    def host(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the host: CPU tensors as they are, device tensors once their copy has arrived."""
+        if t.device.type == "cpu":
+            return t.detach()
+        with self._cond:
+            while id(t) not in self._copies:
+                if self._error is not None:
+                    self._reported = True
+                    raise RuntimeError(f"copying the state to the host failed: {self._error}") from self._error
+                if self._done:  # not in the planned order: copy it now (the transfer thread has finished)
+                    self._copies[id(t)] = xla.to_cpu([t])[0] if xla.is_xla(t) else t.detach().to("cpu")
+                    break
+                self._cond.wait()
+            return self._copies[id(t)]
+
+    def close(self) -> None:
+        """Wait for the transfer thread and drop the host copies; raise its error if nobody saw it."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._copies.clear()
+        if self._error is not None and not self._reported:
+            error, self._error = self._error, None
+            raise RuntimeError(f"copying the state to the host failed: {error}") from error
+
+
 def _bulk_to_cpu(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     """Host copies by source id: XLA tensors with one sync and batched bulk transfers (``xla.to_cpu``)."""
     xla_tensors = [t for t in tensors if t.device.type == "xla"]

@@ -31,7 +31,7 @@ from .serialization import plain, xser
 from .serialization.inmemory import BufferReader, allocate
 from .storage import Storage
 from .topology import Topology
-from .tree import tensor_bytes
+from .tree import iter_tensors, map_tensors, tensor_bytes
 
 PACK_BELOW_BYTES = 1 << 20
 """Tensors smaller than this are broadcast packed together (one collective per ``PACK_BYTES``), not one by one."""
@@ -73,8 +73,14 @@ def is_xser_file(storage: Storage, path: str) -> bool:
     return bool(storage.list_dir(layout.xser_tensors_dir(path)))
 
 
-def write_plain(storage: Storage, path: str, state: Any) -> list[str]:
-    """Write ``state`` (host tensors) as one ``torch.save`` file; return the paths written."""
+HostCopy = Callable[[torch.Tensor], torch.Tensor]
+"""Returns the host copy of a (device) tensor: ``staging.HostFetcher.host``, which copies ahead on a thread."""
+
+
+def write_plain(storage: Storage, path: str, state: Any, *, host: HostCopy | None = None) -> list[str]:
+    """Write ``state`` as one ``torch.save`` file (device tensors through ``host``); return the paths written."""
+    if host is not None:
+        state = map_tensors(state, host)
     with storage.open_write(path) as f:
         plain.save(state, f)
     return [path]
@@ -112,6 +118,25 @@ def balance(sizes: Sequence[int], parts: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
+def _xser_share(tensors: list[torch.Tensor], replicas: tuple[int, ...], rank: int) -> list[int]:
+    """The tids this rank writes, in the order it writes them (largest first)."""
+    sizes = [xser.tensor_nbytes(t) for t in tensors]
+    share = balance(sizes, len(replicas))[replicas.index(rank)]
+    return sorted(share, key=lambda i: -sizes[i])
+
+
+def tensors_to_write(
+    state: Any, *, xser_encoding: bool = False, replicas: Sequence[int] | None = None, rank: int = 0
+) -> list[torch.Tensor]:
+    """The tensors ``write_state_file`` will need from ``state`` on this rank, in about the order it needs them
+    (so device-to-host copies can run ahead of the writes). Other replicas' xser shares are not needed."""
+    if not xser_encoding:
+        return list({id(t): t for _, t in iter_tensors(state)}.values())
+    inline, files = xser.classify(state, inline_below=inline_below_bytes())
+    replicas = tuple(replicas) if replicas else (rank,)
+    return inline + [files[tid] for tid in _xser_share(files, replicas, rank)]
+
+
 def write_state_file(
     storage: Storage,
     path: str,
@@ -121,32 +146,33 @@ def write_state_file(
     replicas: Sequence[int] | None = None,
     rank: int = 0,
     threads: int | None = None,
+    host: HostCopy | None = None,
 ) -> WrittenFiles:
     """Write this rank's part of one state file.
 
     Plain: the whole ``torch.save`` file. xser: the tensor files of this rank's share of ``replicas`` (the
     global ranks holding the same state; default just ``rank``), plus the reference and info files when
-    ``rank`` is the first replica.
+    ``rank`` is the first replica. ``host`` gives the host copy of each tensor as it is written (device states).
     """
     if not xser_encoding:
         storage.delete_tree(layout.xser_tensors_dir(path))  # a stale xser directory would mark it as xser
-        return WrittenFiles(write_plain(storage, path, state), tensor_bytes(state))
+        return WrittenFiles(write_plain(storage, path, state, host=host), tensor_bytes(state))
     replicas = tuple(replicas) if replicas else (rank,)
     if rank not in replicas:
         raise ValueError(f"rank {rank} is not one of the replicas {replicas} that hold {path}")
-    ref_data, tensors = xser.encode(state, inline_below=inline_below_bytes())
+    ref_data, tensors = xser.encode(state, inline_below=inline_below_bytes(), host=host)
     sizes = [xser.tensor_nbytes(t) for t in tensors]
     index = replicas.index(rank)
-    share = balance(sizes, len(replicas))[index]
+    share = _xser_share(tensors, replicas, rank)
     jobs: list[tuple[str, Callable[[], None]]] = []
     if index == 0:
         jobs.append((path, lambda: _write(storage, path, lambda f: xser.save_ref(ref_data, f))))
         info = xser.make_info(tensors)
         info_path = layout.xser_info_file(path)
         jobs.append((info_path, lambda: _write(storage, info_path, lambda f: xser.save_info(info, f))))
-    for tid in sorted(share, key=lambda i: -sizes[i]):
+    for tid in share:
         tensor_path = layout.xser_tensor_file(path, tid)
-        jobs.append((tensor_path, _tensor_writer(storage, tensor_path, tensors[tid])))
+        jobs.append((tensor_path, _tensor_writer(storage, tensor_path, tensors[tid], host)))
     # One fsync per tensor file would cost a cache flush each: local storage syncs them together at the end.
     deferred = getattr(storage, "deferred_fsync", None)
     with deferred() if callable(deferred) else contextlib.nullcontext():
@@ -160,8 +186,8 @@ def _write(storage: Storage, path: str, fn: Callable[[Any], None]) -> None:
         fn(f)
 
 
-def _tensor_writer(storage: Storage, path: str, tensor: torch.Tensor) -> Callable[[], None]:
-    return lambda: _write(storage, path, lambda f: xser.save_tensor(tensor, f))
+def _tensor_writer(storage: Storage, path: str, tensor: torch.Tensor, host: HostCopy | None) -> Callable[[], None]:
+    return lambda: _write(storage, path, lambda f: xser.save_tensor(host(tensor) if host else tensor, f))
 
 
 def _run_parallel(jobs: list[tuple[str, Callable[[], Any]]], threads: int | None, what: str) -> list[Any]:

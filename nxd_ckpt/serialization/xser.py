@@ -19,6 +19,7 @@ import io
 import pickle
 import sys
 import types
+from collections.abc import Callable
 from typing import IO, Any
 
 import numpy as np
@@ -71,29 +72,30 @@ def _is_reference(obj: Any) -> bool:
 # ----------------------------------------------------------------------------------------------- encode
 
 
-def encode(state: Any, *, inline_below: int = 0) -> tuple[Any, list[torch.Tensor]]:
+def encode(
+    state: Any, *, inline_below: int = 0, host: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> tuple[Any, list[torch.Tensor]]:
     """Split ``state`` into reference data and its distinct tensors, numbered by a depth-first walk.
 
     Dicts (OrderedDict kept), lists and tuples are rebuilt; other leaves are kept as they are. The same tensor
     object met twice becomes one tid, as in torch_xla. Tensors of fewer than ``inline_below`` bytes stay inside
-    the reference data (compacted), as torch_xla keeps CPU tensors: a file each would cost more than their bytes.
-    Other tensors are returned as found (see ``compact``).
+    the reference data (compacted, through ``host`` when given: it returns a tensor's host copy), as torch_xla
+    keeps CPU tensors: a file each would cost more than their bytes. Other tensors are returned as found.
     """
     ref_cls = reference_class()
-    tensors: list[torch.Tensor] = []
-    seen: dict[int, Any] = {}
+    inline, files = classify(state, inline_below=inline_below)
+    tids = {id(t): tid for tid, t in enumerate(files)}
+    inline_ids = {id(t) for t in inline}
+    replaced: dict[int, Any] = {}  # one replacement object per distinct tensor, so sharing survives pickling
 
     def walk(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            out = seen.get(id(obj))
-            if out is None:
-                if tensor_nbytes(obj) < inline_below:
-                    out = compact(obj)
+            if id(obj) not in replaced:
+                if id(obj) in inline_ids:
+                    replaced[id(obj)] = compact(host(obj) if host is not None else obj)
                 else:
-                    out = ref_cls(len(tensors))
-                    tensors.append(obj)
-                seen[id(obj)] = out
-            return out
+                    replaced[id(obj)] = ref_cls(tids[id(obj)])
+            return replaced[id(obj)]
         if isinstance(obj, dict):
             out = collections.OrderedDict() if isinstance(obj, collections.OrderedDict) else {}
             for k, v in obj.items():
@@ -105,7 +107,30 @@ def encode(state: Any, *, inline_below: int = 0) -> tuple[Any, list[torch.Tensor
             return tuple(walk(v) for v in obj)
         return obj
 
-    return walk(state), tensors
+    return walk(state), files
+
+
+def classify(state: Any, *, inline_below: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The distinct tensors of ``state`` in depth-first order, split into those kept inline (fewer than
+    ``inline_below`` bytes) and those that get a file each (their index is their tid)."""
+    inline: list[torch.Tensor] = []
+    files: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def walk(obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            if id(obj) not in seen:
+                seen.add(id(obj))
+                (inline if tensor_nbytes(obj) < inline_below else files).append(obj)
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v)
+
+    walk(state)
+    return inline, files
 
 
 def compact(tensor: torch.Tensor) -> torch.Tensor:

@@ -254,3 +254,17 @@ def test_small_tensors_stay_in_the_reference_file(tmp_path, monkeypatch):
     assert_state_equal(state, loaded)
     assert loaded["small"] is loaded["small_again"]
     assert loaded["view"].untyped_storage().nbytes() == 256 * 4  # inline views are compacted too
+
+
+def test_each_replica_plans_only_its_own_xser_share(monkeypatch):
+    monkeypatch.setenv("NXD_CKPT_XSER_INLINE_BYTES", str(64 << 10))
+    g = torch.Generator().manual_seed(2)
+    state = {f"w{i}": torch.randn(256, 64 * (i + 1), generator=g) for i in range(5)} | {"step": torch.tensor(1.0)}
+    shares = [
+        set(map(id, statefile.tensors_to_write(state, xser_encoding=True, replicas=(0, 1), rank=r))) for r in (0, 1)
+    ]
+    files = [t for t in state.values() if t.numel() * 4 >= statefile.inline_below_bytes()]
+    assert shares[0] & shares[1] == {id(state["step"])}  # only the inline tensor (in the reference data) is shared
+    assert {id(t) for t in files} <= shares[0] | shares[1]
+    plain = statefile.tensors_to_write(state, xser_encoding=False)
+    assert [id(t) for t in plain] == [id(t) for t in state.values()]

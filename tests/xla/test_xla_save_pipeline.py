@@ -1,0 +1,99 @@
+"""Synchronous saves of device state: host copies are made by a thread running ahead of the writers
+(staging.HostFetcher), only for the tensors this rank writes, and a failed transfer fails the save."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import nxd_ckpt as nxd
+from nxd_ckpt import staging, statefile, xla
+from nxd_ckpt.testing.fakes import assert_state_equal
+
+pytestmark = pytest.mark.xla
+XLA_LANE_ONLY = "needs torch_xla: runs in the XLA lane (NXD_CKPT_LANES=xla bash scripts/run_tests.sh)"
+torch_xla = pytest.importorskip("torch_xla", reason=XLA_LANE_ONLY)
+
+
+def _device_state(device) -> dict:
+    g = torch.Generator().manual_seed(1)
+    cpu = {f"w{i}": torch.randn(128, 64 * (i + 1), generator=g) for i in range(6)}
+    cpu["tiny"] = torch.tensor(3.0)
+    return cpu
+
+
+def test_host_copies_arrive_in_order_out_of_order_and_unplanned():
+    device = torch_xla.device()
+    cpu = _device_state(device)
+    on_device = {k: v.to(device) * 2 for k, v in cpu.items()}  # pending graphs: the fetcher's sync runs them
+    names = list(on_device)
+    fetcher = staging.HostFetcher([on_device[k] for k in names[:-2]], batch_bytes=64 << 10)
+    try:
+        for k in reversed(names):  # asks for the last planned first, and for two tensors never planned
+            got = fetcher.host(on_device[k])
+            assert got.device.type == "cpu" and torch.equal(got, cpu[k] * 2), k
+        plain = torch.ones(3)
+        assert fetcher.host(plain) is not None and torch.equal(fetcher.host(plain), plain)
+    finally:
+        fetcher.close()
+
+
+def test_a_failed_transfer_reaches_the_writers_and_close(monkeypatch):
+    device = torch_xla.device()
+    tensors = [torch.full((1024,), float(i)).to(device) for i in range(4)]
+    real = xla.iter_to_cpu
+
+    def first_batch_then_fail(*args, **kwargs):
+        batches = real(*args, **kwargs)
+        yield next(batches)
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(xla, "iter_to_cpu", first_batch_then_fail)
+    fetcher = staging.HostFetcher(tensors, batch_bytes=4096)
+    assert torch.equal(fetcher.host(tensors[0]), torch.zeros(1024))
+    with pytest.raises(RuntimeError, match="device lost"):
+        fetcher.host(tensors[3])
+    fetcher.close()  # already reported to a writer: not raised twice
+
+    fetcher = staging.HostFetcher(tensors, batch_bytes=4096)
+    with pytest.raises(RuntimeError, match="device lost"):
+        fetcher.close()  # nobody asked: close raises it
+
+
+def test_writes_start_before_the_transfer_ends_and_the_save_is_exact(tmp_path, monkeypatch):
+    """The disk does not wait for the whole state to reach the host (batches slowed down to make it visible)."""
+    device = torch_xla.device()
+    cpu = _device_state(device)
+    model = {k: v.to(device) for k, v in cpu.items()}
+    events: list[str] = []
+    lock = threading.Lock()
+    real_iter = xla.iter_to_cpu
+
+    def slow_batches(*args, **kwargs):
+        for batch in real_iter(*args, **kwargs):
+            time.sleep(0.05)
+            with lock:
+                events.append("batch")
+            yield batch
+
+    real_save = statefile.xser.save_tensor
+
+    def recording_save(tensor, f):
+        with lock:
+            events.append("write")
+        real_save(tensor, f)
+
+    monkeypatch.setattr(xla, "iter_to_cpu", slow_batches)
+    monkeypatch.setattr(statefile.xser, "save_tensor", recording_save)
+    monkeypatch.setenv("NXD_CKPT_XLA_TRANSFER_BATCH_BYTES", str(64 << 10))
+    nxd.save_checkpoint(str(tmp_path), "step_1", model=model, use_xser=True)
+    assert events.count("batch") >= 4 and "write" in events
+    assert events.index("write") < len(events) - 1 - events[::-1].index("batch"), (
+        events
+    )  # a write before the last batch
+    loaded: dict = {}
+    nxd.load_checkpoint(str(tmp_path), model=loaded)
+    assert_state_equal(cpu, loaded)
