@@ -34,7 +34,10 @@ ARCHIVE_NAME = "archive"
 """Record prefix ``torch.save`` uses for streams (files it opens by name use their stem instead)."""
 ALIGNMENT = 64
 """torch's default ``storage_alignment``: record data starts at a multiple of this offset."""
-CHUNK_BYTES = 8 << 20
+CHUNK_BYTES = 32 << 20
+PAGE_BYTES = 4096
+LINE_UP_MIN_BYTES = 1 << 20
+"""Tensors at least this large get their data lined up with their memory address (see ``save_tensor``)."""
 """Tensor bytes checksummed and handed to the stream per call."""
 _ZIP32_LIMIT = 0xFFFFFFFF - (1 << 20)  # above this (minus headroom for the other records) zip64 fields are needed
 
@@ -58,13 +61,19 @@ def crc32(data: Any, value: int = 0) -> int:
     return _crc32(data, value)
 
 
-def save_tensor(tensor: torch.Tensor, f: IO[bytes]) -> None:
-    """Write ``tensor`` (compact, on the CPU) as ``torch.save(tensor, f)`` would, streaming its bytes."""
+def save_tensor(tensor: torch.Tensor, f: IO[bytes], *, line_up_with_memory: bool = True) -> None:
+    """Write ``tensor`` (compact, on the CPU) as ``torch.save(tensor, f)`` would, streaming its bytes.
+
+    With ``line_up_with_memory`` the padding before a large tensor's data is chosen so that the data's file
+    offset is congruent to its memory address modulo the page size (and still a multiple of ``ALIGNMENT``):
+    an O_DIRECT stream (``storage/direct.py``) can then send it to the disk from the tensor's own memory.
+    The file differs from ``torch.save``'s only in that padding; without it, only in the serialization id.
+    """
     records = _records(tensor)
     if records is None:
         torch.save(tensor, f)
         return
-    writer = _ZipWriter(f)
+    writer = _ZipWriter(f, line_up_with_memory)
     for name, data in records:
         writer.add(name, data)
     writer.add("version", _torch_constants()["version"])
@@ -136,8 +145,9 @@ class _ZipWriter:
     """Stored zip records in miniz's layout for torch: local header padded with an ``FB`` extra field so data
     is aligned, data, data descriptor; then the central directory and zip64 + classic end records."""
 
-    def __init__(self, f: IO[bytes]) -> None:
+    def __init__(self, f: IO[bytes], line_up: bool) -> None:
         self._f = f
+        self._line_up = line_up
         self._offset = 0
         self._entries: list[tuple[bytes, int, int, int]] = []  # name, crc, size, local header offset
 
@@ -150,6 +160,10 @@ class _ZipWriter:
         header_offset = self._offset
         start = header_offset + _LOCAL.size + len(full) + 4
         padding = -start % ALIGNMENT
+        if self._line_up and isinstance(data, np.ndarray) and data.nbytes >= LINE_UP_MIN_BYTES:
+            address = data.ctypes.data
+            if address % ALIGNMENT == 0:  # still ALIGNMENT-aligned in the file, and now page-congruent too
+                padding = (address - start) % PAGE_BYTES
         extra = b"FB" + struct.pack("<H", padding) + b"Z" * padding
         crc, size = 0, len(data)
         flags = _flags(size)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 from nxd_ckpt.storage import LocalStorage, direct
@@ -113,3 +114,34 @@ def test_deferred_fsync_writes_every_file_and_nests(tmp_path):
         storage.write_bytes("a/3.bin", b"x")
         raise RuntimeError("a failed save")
     assert storage._batch is None  # the next writes fsync one by one again
+
+
+@pytest.mark.parametrize("lined_up", [True, False])
+def test_large_writes_lined_up_with_the_file_skip_the_chunk_buffer(tmp_path, monkeypatch, lined_up):
+    """A write whose memory address is congruent to the file position goes out from its own memory."""
+    try:
+        if not _supports_direct(tmp_path):
+            pytest.skip("no O_DIRECT on this filesystem")
+    except OSError:
+        pytest.skip("no O_DIRECT on this filesystem")
+    data = np.frombuffer(os.urandom(5 * direct.IN_PLACE_MIN_BYTES + 123), dtype=np.uint8)
+    prefix = bytes(range(256)) * 3  # 768 bytes before it
+    skip = (prefix_len := len(prefix)) - data.ctypes.data % direct.BLOCK_BYTES
+    offset = skip % direct.BLOCK_BYTES if lined_up else (skip + 64) % direct.BLOCK_BYTES
+    body = data[offset:]
+    sources: list[int] = []
+    real_write = os.write
+
+    def spying_write(fd, view):
+        sources.append(np.frombuffer(view, np.uint8).ctypes.data)
+        return real_write(fd, view)
+
+    monkeypatch.setattr(direct.os, "write", spying_write)
+    storage = LocalStorage(tmp_path)
+    with storage.open_write("f.bin") as f:
+        f.write(prefix)
+        f.write(memoryview(body))
+    assert (tmp_path / "f.bin").read_bytes() == prefix + body.tobytes()
+    from_tensor_memory = [a for a in sources if body.ctypes.data <= a < body.ctypes.data + body.nbytes]
+    assert bool(from_tensor_memory) == lined_up
+    assert prefix_len == 768
