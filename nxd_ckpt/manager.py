@@ -233,7 +233,8 @@ class CheckpointManager:
         fetcher: staging.HostFetcher | None = None
         if async_save:  # a training-safe copy in reused host buffers, handed back once the files are durable
             try:
-                lease = self._staging_pool.stage([w.state for w in writes])
+                needed = {id(t) for t in self._tensors_to_write(writes, ctx, coord.rank)}
+                lease = self._staging_pool.stage([w.state for w in writes], needed=needed)
             except BaseException as e:
                 # Tell rank 0's commit that this rank will never write, instead of letting it wait until timeout.
                 barrier = CommitBarrier(coord.store, str(self._session), ctx.seq, coord.rank, coord.world_size)
@@ -245,18 +246,8 @@ class CheckpointManager:
             # Device tensors are copied to the host by a thread running ahead of the writers (one sync for all).
             staged = [(w.path, w.state) for w in writes]
             if any(staging.has_device_tensors(w.state) for w in writes):
-                order = [
-                    t
-                    for w in writes
-                    for t in statefile.tensors_to_write(
-                        w.state,
-                        xser_encoding=use_xser and w.path in ctx.state_files,
-                        replicas=ctx.state_files.get(w.path),
-                        rank=coord.rank,
-                    )
-                ]
                 try:
-                    fetcher = staging.HostFetcher(order)
+                    fetcher = staging.HostFetcher(self._tensors_to_write(writes, ctx, coord.rank))
                 except BaseException as e:  # as for async staging: rank 0's commit must not wait for this rank
                     barrier = CommitBarrier(coord.store, str(self._session), ctx.seq, coord.rank, coord.world_size)
                     barrier.arrive(f"rank {coord.rank} could not copy its state to the host: {format_exception(e)}")
@@ -287,6 +278,20 @@ class CheckpointManager:
             report.blocked_s = time.perf_counter() - call_start
             self._log_save(report, coord)
         return report
+
+    @staticmethod
+    def _tensors_to_write(writes: list[plan.StateWrite], ctx: _SaveContext, rank: int) -> list[torch.Tensor]:
+        """The tensors this rank's writers will read, in order: with xser, only its share of replicated files."""
+        return [
+            t
+            for w in writes
+            for t in statefile.tensors_to_write(
+                w.state,
+                xser_encoding=ctx.use_xser and w.path in ctx.state_files,
+                replicas=ctx.state_files.get(w.path),
+                rank=rank,
+            )
+        ]
 
     def _begin(
         self,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,6 +114,14 @@ class HostFetcher:
             raise RuntimeError(f"copying the state to the host failed: {error}") from error
 
 
+def _metadata_only(t: torch.Tensor) -> torch.Tensor:
+    """A ``meta`` tensor with ``t``'s shape, dtype and NxD's expert-parallel flag: no memory, no data."""
+    meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    if getattr(t, "expert_model_parallel", False):
+        meta.expert_model_parallel = True  # type: ignore[attr-defined]
+    return meta
+
+
 def _bulk_to_cpu(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     """Host copies by source id: XLA tensors with one sync and batched bulk transfers (``xla.to_cpu``)."""
     xla_tensors = [t for t in tensors if t.device.type == "xla"]
@@ -207,15 +215,24 @@ class StagingPool:
         with self._cond:
             return sum(s.nbytes for s in self._free)
 
-    def stage(self, trees: Sequence[Any], timeout: float | None = None) -> StagedState:
+    def stage(
+        self, trees: Sequence[Any], timeout: float | None = None, needed: Collection[int] | None = None
+    ) -> StagedState:
         """Copy ``trees`` to host memory no later training step can modify; same structure, host tensors.
 
-        A tensor object that appears several times (tied weights) is staged once and stays shared.
+        A tensor object that appears several times (tied weights) is staged once and stays shared. With
+        ``needed`` (ids of tensors), other tensors are not copied: they become data-less ``meta`` tensors of the
+        same shape and dtype (writers of a DP replica's xser share only look at the others' metadata), so any
+        attempt to read their data fails instead of writing something stale.
         """
         unique: dict[int, torch.Tensor] = {}
+        skipped: dict[int, torch.Tensor] = {}
         for tree in trees:
             for _, t in iter_tensors(tree):
-                unique.setdefault(id(t), t)
+                if needed is None or id(t) in needed:
+                    unique.setdefault(id(t), t)
+                elif id(t) not in skipped:
+                    skipped[id(t)] = _metadata_only(t)
         device = [t for t in unique.values() if t.device.type != "cpu"]
         host_cpu = [t for t in unique.values() if t.device.type == "cpu" and _copyable(t)]
         start = time.perf_counter()
@@ -232,8 +249,9 @@ class StagingPool:
             if id(t) not in staged:
                 staged[id(t)] = t.detach().clone()
         copy_s = time.perf_counter() - start
-        out = [map_tensors(tree, lambda t: staged[id(t)]) for tree in trees]
         nbytes = sum(t.numel() * t.element_size() for t in staged.values())
+        staged.update(skipped)
+        out = [map_tensors(tree, lambda t: staged[id(t)]) for tree in trees]
         return StagedState(out, nbytes, allocated, copy_s, _pool=self, _set=buffer_set)
 
     def clear(self) -> None:

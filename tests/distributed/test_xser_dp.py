@@ -163,3 +163,24 @@ def test_dp2_on_one_host_share_reads_through_the_page_cache(tmp_path):
         pytest.skip("the kernel does not account block-device reads per process here (/proc/self/io)")
     assert sum(device) < 1.5 * on_disk, (device, on_disk)
     assert sum(device) > 0.5 * on_disk, (device, on_disk)  # the eviction worked: this was a cold read
+
+
+@run_with_ranks(2)
+def test_dp2_async_xser_save_stages_only_this_replicas_share(tmp_path):
+    """Each replica copies to host memory only the replicated tensors it writes (about half), not the whole model."""
+    coord = Coordinator()
+    gen = torch.Generator().manual_seed(9)
+    model = {f"w{i}": torch.randn(128, 512, generator=gen) for i in range(8)} | {"norm": torch.ones(512)}
+    model_bytes = sum(t.numel() * t.element_size() for t in model.values())
+    ckpt = str(tmp_path / "ckpt")
+    report = nxd.save_checkpoint(ckpt, "step_1", model=model, use_xser=True, async_save=True)
+    expected = {k: v.clone() for k, v in model.items()}
+    for t in model.values():
+        t.add_(1.0)  # the snapshot was taken at call time, shares and metadata-only tensors alike
+    report.wait()
+    nxd.finalize_checkpoint()
+    staged = coord.all_gather_object(report.staging_allocated_bytes)
+    assert all(0.3 * model_bytes < b < 0.7 * model_bytes for b in staged), (staged, model_bytes)
+    loaded: dict = {}
+    nxd.load_checkpoint(ckpt, model=loaded)
+    assert_state_equal(expected, loaded)

@@ -138,3 +138,22 @@ def test_xla_tensors_are_staged_to_private_host_tensors():
     assert out["w"].device.type == "cpu" and out["cpu"].device.type == "cpu"
     assert torch.equal(out["w"], torch.arange(12, dtype=torch.float32).reshape(3, 4))
     assert torch.equal(out["cpu"], torch.ones(2))
+
+
+def test_tensors_not_needed_become_metadata_only():
+    """A DP replica stages only what it writes; the rest keep shape, dtype and NxD's expert flag, and no data."""
+    state = _state()
+    expert = state["model"]["b"]
+    expert.expert_model_parallel = True
+    needed = {id(state["model"]["w"])}
+    staged = staging.StagingPool().stage([state], needed=needed)
+    out = staged.trees[0]
+    assert out["model"]["w"].device.type == "cpu" and torch.equal(out["model"]["w"], state["model"]["w"])
+    assert out["model"]["tied"] is out["model"]["w"]  # sharing survives
+    skipped = out["model"]["b"]
+    assert skipped.device.type == "meta" and skipped.shape == expert.shape and skipped.dtype == expert.dtype
+    assert skipped.expert_model_parallel is True
+    assert staged.nbytes == state["model"]["w"].numel() * 4
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        skipped.cpu()  # no data to write by mistake
+    staged.release()
