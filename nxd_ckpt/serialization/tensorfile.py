@@ -7,7 +7,9 @@ into the write buffer serialize on the GIL. This writer lays out the same zip ar
 records), record for record and byte for byte, except for ``.data/serialization_id``, which torch derives from
 ``std::hash`` (ours is derived from the records' CRCs). The pickled part comes from torch's own ``_save``, so
 the file says exactly what ``torch.save`` would say about the tensor. The data is streamed in chunks, each
-checksummed with zlib-ng's SIMD CRC-32 (zlib's when zlib-ng is missing), which releases the GIL.
+checksummed with zlib-ng's SIMD CRC-32 (zlib's when zlib-ng is missing), which releases the GIL. By default
+the padding before a large tensor's data is chosen so that an O_DIRECT stream can write the data from the
+tensor's own memory (``save_tensor``); the file then differs from ``torch.save``'s in that padding too.
 
 Anything this writer does not cover falls back to ``torch.save``: archives of 4 GiB or more (zip64 sizes),
 a torch whose private ``_save`` changed, a data record that is not the tensor's own storage.
@@ -35,10 +37,10 @@ ARCHIVE_NAME = "archive"
 ALIGNMENT = 64
 """torch's default ``storage_alignment``: record data starts at a multiple of this offset."""
 CHUNK_BYTES = 32 << 20
+"""Tensor bytes checksummed and handed to the stream per call."""
 PAGE_BYTES = 4096
 LINE_UP_MIN_BYTES = 1 << 20
 """Tensors at least this large get their data lined up with their memory address (see ``save_tensor``)."""
-"""Tensor bytes checksummed and handed to the stream per call."""
 _ZIP32_LIMIT = 0xFFFFFFFF - (1 << 20)  # above this (minus headroom for the other records) zip64 fields are needed
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
