@@ -7,8 +7,9 @@ peak is about one parameter's optimizer state instead of the whole merged state 
 
 Input and output are tag directories. The output is a complete checkpoint that ``load_checkpoint`` can use
 directly: model files (xser ``.tensors`` included), scheduler, user content and per-rank extras are copied,
-``nxd_ckpt.json`` records the new ZeRO-1 DP size, and ``done`` is written last, so an interrupted run never
-leaves something that looks complete. xser in gives xser out; plain in gives plain out.
+``nxd_ckpt.json`` records the new ZeRO-1 DP size, every file is checksummed into manifests (so the converted tag
+loads verified), and ``done`` is written last, so an interrupted run never leaves something that looks
+complete. xser in gives xser out; plain in gives plain out.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import layout, zero1
+from .. import integrity, layout, zero1
 from ..errors import CheckpointError, FormatError
 from ..storage import LocalStorage
 from ..zero1_io import (
@@ -193,6 +194,7 @@ def convert_zero1(
         report.bytes_converted += nbytes
 
     _write_metadata(out_storage, out_tag, info, dst_dp)
+    _write_manifests(out_storage, out_tag)
     out_storage.sync_dirs({out_tag, layout.tag_path(out_tag, layout.OPTIM_DIR)})
     out_storage.write_bytes(layout.tag_path(out_tag, layout.DONE_MARKER), b"1")
     out_storage.sync_dirs({out_tag})
@@ -360,6 +362,31 @@ def _carry_over(in_dir: str, out_dir: str) -> int:
             os.replace(tmp, dst)
             copied += 1
     return copied
+
+
+def _write_manifests(storage: LocalStorage, tag: str) -> None:
+    """Checksum every file of the converted tag into manifests, so loads and ``verify`` check it like a saved one.
+
+    Files are hashed as they are on disk now (read back once). Rank 0's manifest lists them all; the other
+    ranks of the recorded layout get empty ones, because ``read_index`` requires one manifest per rank.
+    """
+    records: dict[str, integrity.FileRecord] = {}
+    extras = layout.tag_path(tag, layout.EXTRAS_DIR) + "/"
+    for path in storage.walk_files(tag):
+        rel = path[len(tag) + 1 :]
+        if rel in (layout.DONE_MARKER, layout.CHECKPOINT_MARKER) or path.startswith(extras):
+            continue
+        with storage.open_read(path) as f:
+            records[rel] = integrity.FileRecord(*integrity.hash_stream(f), 0)
+    world = 1
+    meta_path = layout.tag_path(tag, layout.METADATA_FILE)
+    if storage.exists(meta_path):
+        recorded = json.loads(storage.read_bytes(meta_path)).get("layout", {}).get("world_size")
+        world = recorded if isinstance(recorded, int) and recorded > 0 else 1
+    for rank in range(world):
+        manifest = integrity.manifest_bytes(tag, rank, records if rank == 0 else {})
+        storage.write_bytes(layout.manifest_file(tag, rank), manifest)
+    storage.sync_dirs({layout.tag_path(tag, layout.EXTRAS_DIR), tag})
 
 
 def _write_metadata(storage: LocalStorage, tag: str, info: _InputLayout, dst_dp: int | None) -> None:

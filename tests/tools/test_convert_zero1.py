@@ -359,3 +359,31 @@ def test_real_zero_redundancy_optimizer_state(tmp_path, use_xser):
     model2, opt2 = make(5)
     nxd.load_checkpoint(f"{tmp_path}/dp1", TAG, model=model2, optimizer=opt2)
     assert steps(model2, opt2, 3, seed=2) == reference
+
+
+@pytest.mark.parametrize("metadata", [True, False], ids=["nxd_ckpt", "nxd-written"])
+def test_converted_tags_carry_manifests_and_load_verified(tmp_path, metadata):
+    """Every file of the output is checksummed: verify() passes, and a flipped byte in a converted optimizer
+    file is caught and named by the (default, verified) load."""
+    src, out = str(tmp_path / "in"), str(tmp_path / "out")
+    fulls = write_checkpoint(src, 4, tp=1, use_xser=False, metadata=metadata)
+    convert_zero1(f"{src}/{TAG}", f"{out}/{TAG}", dp_size=2, convert_to_sharded=True, progress=False)
+    manifests = os.listdir(f"{out}/{TAG}/{layout.EXTRAS_DIR}")
+    assert manifests and all(n.startswith("manifest_") for n in manifests)
+    assert len(manifests) == (4 if metadata else 1)  # one per rank of the recorded layout
+    loaded: dict = {}
+    nxd.load_checkpoint(out, TAG, optimizer=loaded)  # verified, and re-sharded DP=2 -> 1 on the fly
+    assert_state_equal(loaded, shard_of(fulls[0], 1, 0))
+    report = nxd.verify(out, TAG)
+    assert report.ok and report.manifests == len(manifests), report.summary()
+
+    victim = f"{out}/{TAG}/optim/{layout.state_file_name(1, 0, 0)}"
+    with open(victim, "r+b") as f:
+        f.seek(os.path.getsize(victim) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    damaged = nxd.verify(out, TAG)
+    assert not damaged.ok and any(layout.state_file_name(1, 0, 0) in p for p in damaged.problems), damaged.summary()
+    with pytest.raises(CheckpointError, match=layout.state_file_name(1, 0, 0)):
+        nxd.load_checkpoint(out, TAG, optimizer={})
