@@ -135,18 +135,28 @@ _SLOWDOWN_BODY = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
     b"<Message>Please reduce your request rate.</Message><RequestId>nxd-ckpt-proxy</RequestId></Error>"
 )
+_DENIED_BODY = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code>'
+    b"<Message>Access Denied</Message><RequestId>nxd-ckpt-proxy</RequestId></Error>"
+)
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te", "upgrade", "trailer"}
 
 
 class ThrottlingProxy:
     """HTTP proxy on 127.0.0.1 in front of ``upstream``: the first ``throttle_first`` requests get
     ``503 SlowDown`` (as S3 answers when a prefix is hot); the rest are forwarded, except that the bodies of
-    the first ``cut_first_gets`` GET responses are cut in half by closing the connection (a reset mid-stream)."""
+    the first ``cut_first_gets`` GET responses are cut in half by closing the connection (a reset mid-stream),
+    and uploads (PUT/POST) to keys containing ``deny_writes_to`` get ``403 AccessDenied`` (a bucket policy or
+    a lost permission that fails one part of a save)."""
 
-    def __init__(self, upstream_port: int, throttle_first: int, cut_first_gets: int = 0) -> None:
+    def __init__(
+        self, upstream_port: int, throttle_first: int, cut_first_gets: int = 0, deny_writes_to: str = ""
+    ) -> None:
         self.upstream_port = upstream_port
         self.throttle_first = throttle_first
         self.cut_first_gets = cut_first_gets
+        self.deny_writes_to = deny_writes_to
+        self.denied = 0
         self.requests = 0
         self.throttled = 0
         self.cut = 0
@@ -172,19 +182,28 @@ class ThrottlingProxy:
                         self.rfile.readline()
                 return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
+            def _error(self, status: int, reason: str, body: bytes) -> None:
+                self.send_response(status, reason)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
             def _handle(self) -> None:
                 body = self._body()
+                write = self.command in ("PUT", "POST")
+                deny = write and bool(proxy.deny_writes_to) and proxy.deny_writes_to in self.path
                 with proxy._lock:
                     proxy.requests += 1
-                    throttle = proxy.throttled < proxy.throttle_first
+                    proxy.denied += deny
+                    throttle = not deny and proxy.throttled < proxy.throttle_first
                     proxy.throttled += throttle
+                if deny:
+                    self._error(403, "Forbidden", _DENIED_BODY)
+                    return
                 if throttle:
-                    self.send_response(503, "Slow Down")
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(_SLOWDOWN_BODY)))
-                    self.end_headers()
-                    if self.command != "HEAD":
-                        self.wfile.write(_SLOWDOWN_BODY)
+                    self._error(503, "Slow Down", _SLOWDOWN_BODY)
                     return
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
                 headers.pop("Expect", None)

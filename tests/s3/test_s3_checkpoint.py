@@ -133,3 +133,36 @@ def _clone(state):
     if isinstance(state, list):
         return [_clone(v) for v in state]
     return state
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("use_xser", [False, True], ids=["plain", "xser"])
+def test_a_denied_upload_fails_the_save_and_keeps_the_previous_checkpoint(
+    s3_url, s3_server, monkeypatch, use_xser, async_save
+):
+    """Fault injection on S3: the optimizer file's upload is refused (403) in the middle of a save. The save
+    fails with an error naming the file (from finalize for async saves), no 'done' appears, the previous tag
+    stays the latest and loads, and retention deleted nothing."""
+    model, opt, _ = _trained()
+    nxd.save_checkpoint(s3_url, "step_1", model=model, optimizer=opt, use_xser=use_xser)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    with ThrottlingProxy(s3_server.port, throttle_first=0, deny_writes_to="step_2/optim") as proxy:
+        monkeypatch.setenv(ENDPOINT_ENV, proxy.endpoint_url)
+        with pytest.raises(nxd.CheckpointError, match="optim") as failure:
+            report = nxd.save_checkpoint(
+                s3_url, "step_2", model=model, optimizer=opt, use_xser=use_xser, async_save=async_save, num_kept_ckpts=1
+            )
+            nxd.finalize_checkpoint()
+            assert not async_save, f"the save was reported as {report}"
+        assert proxy.denied >= 1
+        assert "AccessDenied" in str(failure.value) or "denied" in str(failure.value).lower(), str(failure.value)
+    monkeypatch.delenv(ENDPOINT_ENV)
+    storage = S3Storage(s3_url)
+    assert not storage.exists("step_2/done")
+    assert nxd.list_checkpoint_tags(s3_url) == ["step_1"]  # retention never ran: step_1 is still there
+    restored = make_training(seed=9)[0]
+    nxd.load_checkpoint(s3_url, model=restored)
+    assert_state_equal(expected, restored.state_dict())
