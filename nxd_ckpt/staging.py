@@ -14,6 +14,7 @@ into a caller's buffer), so those are used as the snapshot directly instead of b
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Collection, Sequence
@@ -45,6 +46,10 @@ def to_host(tree: Any, *, copy: bool) -> Any:
     return map_tensors(tree, convert)
 
 
+TRANSFER_THREAD_ENV = "NXD_CKPT_XLA_TRANSFER_THREAD"
+"""0 makes synchronous saves copy device tensors on the caller's thread, before writing (no overlap)."""
+
+
 class HostFetcher:
     """Host copies of a synchronous save's device tensors, made ahead of the writes on a background thread.
 
@@ -53,9 +58,13 @@ class HostFetcher:
     first ones: the transfer and the disk overlap instead of adding up. ``host(t)`` blocks until ``t``'s copy
     exists; tensors not in ``order`` (e.g. other DP replicas' xser shares) are never transferred. The training
     thread is blocked in the save meanwhile, so this thread is the only one using the device.
+    ``background=False`` (or ``NXD_CKPT_XLA_TRANSFER_THREAD=0``) transfers everything on the caller's thread
+    first, for runtimes where device transfers must stay on one thread.
     """
 
-    def __init__(self, order: Sequence[torch.Tensor], batch_bytes: int | None = None) -> None:
+    def __init__(
+        self, order: Sequence[torch.Tensor], batch_bytes: int | None = None, background: bool | None = None
+    ) -> None:
         distinct = list({id(t): t for t in order if t.device.type != "cpu"}.values())
         self._xla = [t for t in distinct if xla.is_xla(t)]
         self._copies: dict[int, torch.Tensor] = {
@@ -66,10 +75,16 @@ class HostFetcher:
         self._done = False
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        if background is None:
+            background = os.environ.get(TRANSFER_THREAD_ENV, "1").strip() not in ("0", "false", "no")
         if self._xla:
             xla.sync(self._xla)  # one execution for all of them, before returning to the caller
-            self._thread = threading.Thread(target=self._run, args=(batch_bytes,), name="nxd_ckpt_d2h", daemon=True)
-            self._thread.start()
+            if background:
+                self._thread = threading.Thread(target=self._run, args=(batch_bytes,), name="nxd_ckpt_d2h", daemon=True)
+                self._thread.start()
+            else:  # everything now, on the caller's thread (no overlap with the writes)
+                self._run(batch_bytes)
+                self.close_error_now()
         else:
             self._done = True
 
@@ -102,6 +117,12 @@ class HostFetcher:
                     break
                 self._cond.wait()
             return self._copies[id(t)]
+
+    def close_error_now(self) -> None:
+        """Raise the transfer error, if any, right away (the caller's thread did the transfer)."""
+        if self._error is not None:
+            self._reported = True
+            raise RuntimeError(f"copying the state to the host failed: {self._error}") from self._error
 
     def close(self) -> None:
         """Wait for the transfer thread and drop the host copies; raise its error if nobody saw it."""

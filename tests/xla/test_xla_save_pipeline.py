@@ -97,3 +97,42 @@ def test_writes_start_before_the_transfer_ends_and_the_save_is_exact(tmp_path, m
     loaded: dict = {}
     nxd.load_checkpoint(str(tmp_path), model=loaded)
     assert_state_equal(cpu, loaded)
+
+
+def test_transfers_can_stay_on_the_calling_thread(monkeypatch, tmp_path):
+    device = torch_xla.device()
+    cpu = _device_state(device)
+    on_device = {k: v.to(device) for k, v in cpu.items()}
+    threads: set[str] = set()
+    real = xla.iter_to_cpu
+
+    def recording(*args, **kwargs):
+        for batch in real(*args, **kwargs):
+            threads.add(threading.current_thread().name)
+            yield batch
+
+    monkeypatch.setattr(xla, "iter_to_cpu", recording)
+    fetcher = staging.HostFetcher(list(on_device.values()), background=False)
+    assert threads == {threading.current_thread().name}
+    for k, t in on_device.items():
+        assert torch.equal(fetcher.host(t), cpu[k])
+    fetcher.close()
+
+    monkeypatch.setenv("NXD_CKPT_XLA_TRANSFER_THREAD", "0")
+    nxd.save_checkpoint(str(tmp_path), "step_1", model=on_device, use_xser=True)
+    loaded: dict = {}
+    nxd.load_checkpoint(str(tmp_path), model=loaded)
+    assert_state_equal(cpu, loaded)
+
+
+def test_a_failed_transfer_on_the_calling_thread_fails_at_once(monkeypatch):
+    device = torch_xla.device()
+    tensors = [torch.full((64,), float(i)).to(device) for i in range(3)]
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("device lost")
+        yield  # a generator, like the real one
+
+    monkeypatch.setattr(xla, "iter_to_cpu", failing)
+    with pytest.raises(RuntimeError, match="device lost"):
+        staging.HostFetcher(tensors, background=False)
