@@ -27,14 +27,13 @@ from . import layout
 from .errors import IntegrityError, StorageError
 from .hashing import Hasher, hash_bytes
 from .storage import DelegatingStorage, Storage, check_relative_path
-from .storage.base import Allocator, read_fully
+from .storage.base import Allocator, read_whole
 
 ALGORITHM = "xxh3_64"
 MANIFEST_FORMAT = "nxd_ckpt.manifest"
 MANIFEST_VERSION = 1
 MANIFEST_PREFIX = "manifest_rank_"
 _CHUNK = 8 << 20
-_VERIFY_PIECE_BYTES = 4 << 20  # read, then hashed while in the CPU cache
 _RESTORE_HINT = (
     "the file changed after it was written (disk or transfer corruption, truncation, or tampering); restore it "
     "from a copy or load another tag (load_checkpoint(..., fallback_to_verified=True) picks the newest intact one)"
@@ -48,10 +47,6 @@ class FileRecord:
     size: int
     digest: str
     rank: int = -1
-
-
-def _empty_buffer(size: int) -> np.ndarray:
-    return np.empty(size, dtype=np.uint8)
 
 
 def new_hasher() -> Any:
@@ -352,19 +347,9 @@ class VerifyingStorage(DelegatingStorage):
             return self.inner.read_buffer(path, allocate)
         hasher = new_hasher()
         with self.inner.open_read(path) as f:
-            size = f.seek(0, 2)
-            f.seek(0)
-            buffer = (allocate or _empty_buffer)(size)
-            view = memoryview(buffer)
-            done = 0
-            while done < size:
-                n = read_fully(f, view[done : done + _VERIFY_PIECE_BYTES])
-                if not n:
-                    break
-                hasher.update(view[done : done + n])
-                done += n
-        self._check(path, rec, done, hasher.hexdigest())
-        return buffer[:done]
+            buffer = read_whole(f, allocate, on_piece=hasher.update)
+        self._check(path, rec, buffer.nbytes, hasher.hexdigest())
+        return buffer
 
     def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         rec = self.record_for(path)

@@ -294,9 +294,15 @@ def read_xser(
     else:
         header = _shared(group, lambda: _read_header(storage, path, trusted), what)
     parts = balance(header.sizes, group.size if group else 1)
-    if group is not None and group.same_host and storage.host_page_cache and replica_reads_mode() == "auto":
-        return _read_through_page_cache(storage, path, header, parts, group, threads)
-    mine = [header.tids[i] for i in parts[group.index if group else 0]]
+    through_page_cache = (
+        group is not None and group.same_host and storage.host_page_cache and replica_reads_mode() == "auto"
+    )
+    if group is None:
+        mine = [header.tids[i] for i in parts[0]]
+    elif through_page_cache:  # every tensor, own share first: the replica second to a share hits the page cache
+        mine = [header.tids[i] for k in range(group.size) for i in parts[(group.index + k) % group.size]]
+    else:
+        mine = [header.tids[i] for i in parts[group.index]]
     loaded: dict[int, torch.Tensor] = {}
     error: BaseException | None = None
     try:
@@ -307,33 +313,25 @@ def read_xser(
         if error is not None:
             raise error
         tensors = loaded
+    elif through_page_cache:
+        tensors = _agree(group, loaded, error, what)
     else:
         owners = [[header.tids[i] for i in part] for part in parts]
         tensors = _exchange(group, loaded, error, owners, what)
     return xser.decode(header.ref_data, tensors, what=what)
 
 
-def _read_through_page_cache(
-    storage: Storage, path: str, header: _Header, parts: list[list[int]], group: ReplicaGroup, threads: int | None
-) -> Any:
-    """Every replica reads every tensor, each starting with its own share: the device serves each share once,
-    and the replica that comes second to a share copies it from the page cache. Errors are agreed on, so all
-    replicas raise together (one small collective)."""
-    what = f"{storage.url}/{path}"
-    order = [header.tids[i] for k in range(group.size) for i in parts[(group.index + k) % group.size]]
-    tensors: dict[int, torch.Tensor] = {}
-    error: BaseException | None = None
-    try:
-        tensors = _read_tensors(storage, path, order, header.info, threads)
-    except BaseException as e:  # shared with the replicas before raising
-        error = e
+def _agree(
+    group: ReplicaGroup, loaded: dict[int, torch.Tensor], error: BaseException | None, what: str
+) -> dict[int, torch.Tensor]:
+    """Replicas that each read every tensor raise together when any of them failed (one small collective)."""
     messages = group.all_gather_object(None if error is None else format_exception(error))
     if error is not None:
         raise error
     failed = [(group.ranks[j], msg) for j, msg in enumerate(messages) if msg is not None]
     if failed:
         raise FormatError(f"replica rank {failed[0][0]} could not read {what}: {failed[0][1]}")
-    return xser.decode(header.ref_data, tensors, what=what)
+    return loaded
 
 
 def _read_header(storage: Storage, path: str, trusted: bool) -> _Header:

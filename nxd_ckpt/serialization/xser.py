@@ -113,23 +113,15 @@ def encode(
 def classify(state: Any, *, inline_below: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The distinct tensors of ``state`` in depth-first order, split into those kept inline (fewer than
     ``inline_below`` bytes) and those that get a file each (their index is their tid)."""
+    from ..tree import iter_tensors
+
     inline: list[torch.Tensor] = []
     files: list[torch.Tensor] = []
     seen: set[int] = set()
-
-    def walk(obj: Any) -> None:
-        if isinstance(obj, torch.Tensor):
-            if id(obj) not in seen:
-                seen.add(id(obj))
-                (inline if tensor_nbytes(obj) < inline_below else files).append(obj)
-        elif isinstance(obj, dict):
-            for v in obj.values():
-                walk(v)
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                walk(v)
-
-    walk(state)
+    for _, t in iter_tensors(state):
+        if id(t) not in seen:
+            seen.add(id(t))
+            (inline if tensor_nbytes(t) < inline_below else files).append(t)
     return inline, files
 
 

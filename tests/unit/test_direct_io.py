@@ -30,20 +30,23 @@ def test_bytes_round_trip_exactly(tmp_path, size):
     assert [n for n in os.listdir(tmp_path / "d")] == ["f.bin"]  # no temporary file left behind
 
 
-def _supports_direct(path) -> bool:
-    fd = os.open(os.path.join(path, "probe"), os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0))
-    os.close(fd)
-    return bool(getattr(os, "O_DIRECT", 0))
+@pytest.fixture
+def direct_dir(tmp_path):
+    """``tmp_path``, or a skip where its filesystem refuses O_DIRECT."""
+    flag = getattr(os, "O_DIRECT", 0)
+    try:
+        if not flag:
+            raise OSError("no O_DIRECT flag on this platform")
+        os.close(os.open(tmp_path / "probe", os.O_WRONLY | os.O_CREAT | flag))
+    except OSError:
+        pytest.skip("no O_DIRECT on this filesystem")
+    os.unlink(tmp_path / "probe")
+    return tmp_path
 
 
 @pytest.mark.parametrize("size", [SMALL, SMALL + 4097, 3 * CHUNK // 2])
-def test_tails_of_large_files_bypass_the_page_cache(tmp_path, monkeypatch, size):
+def test_tails_of_large_files_bypass_the_page_cache(direct_dir, monkeypatch, size):
     """Every byte of a file of at least DIRECT_MIN_BYTES goes out with O_DIRECT, the partial last block too."""
-    try:
-        if not _supports_direct(tmp_path):
-            pytest.skip("no O_DIRECT on this filesystem")
-    except OSError:
-        pytest.skip("no O_DIRECT on this filesystem")
     buffered_writes: list[int] = []
     real_write = os.write
 
@@ -54,9 +57,9 @@ def test_tails_of_large_files_bypass_the_page_cache(tmp_path, monkeypatch, size)
 
     monkeypatch.setattr(direct.os, "write", spying_write)
     data = os.urandom(size)
-    LocalStorage(tmp_path).write_bytes("f.bin", data)
+    LocalStorage(direct_dir).write_bytes("f.bin", data)
     assert buffered_writes == []
-    assert (tmp_path / "f.bin").read_bytes() == data
+    assert (direct_dir / "f.bin").read_bytes() == data
 
 
 def test_small_files_stay_buffered(tmp_path, monkeypatch):
@@ -117,13 +120,8 @@ def test_deferred_fsync_writes_every_file_and_nests(tmp_path):
 
 
 @pytest.mark.parametrize("lined_up", [True, False])
-def test_large_writes_lined_up_with_the_file_skip_the_chunk_buffer(tmp_path, monkeypatch, lined_up):
+def test_large_writes_lined_up_with_the_file_skip_the_chunk_buffer(direct_dir, monkeypatch, lined_up):
     """A write whose memory address is congruent to the file position goes out from its own memory."""
-    try:
-        if not _supports_direct(tmp_path):
-            pytest.skip("no O_DIRECT on this filesystem")
-    except OSError:
-        pytest.skip("no O_DIRECT on this filesystem")
     data = np.frombuffer(os.urandom(5 * direct.IN_PLACE_MIN_BYTES + 123), dtype=np.uint8)
     prefix = bytes(range(256)) * 3  # 768 bytes before it
     skip = (prefix_len := len(prefix)) - data.ctypes.data % direct.BLOCK_BYTES
@@ -137,11 +135,11 @@ def test_large_writes_lined_up_with_the_file_skip_the_chunk_buffer(tmp_path, mon
         return real_write(fd, view)
 
     monkeypatch.setattr(direct.os, "write", spying_write)
-    storage = LocalStorage(tmp_path)
+    storage = LocalStorage(direct_dir)
     with storage.open_write("f.bin") as f:
         f.write(prefix)
         f.write(memoryview(body))
-    assert (tmp_path / "f.bin").read_bytes() == prefix + body.tobytes()
+    assert (direct_dir / "f.bin").read_bytes() == prefix + body.tobytes()
     from_tensor_memory = [a for a in sources if body.ctypes.data <= a < body.ctypes.data + body.nbytes]
     assert bool(from_tensor_memory) == lined_up
     assert prefix_len == 768
