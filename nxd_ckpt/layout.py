@@ -23,7 +23,7 @@ XSER_TENSORS_SUFFIX = ".tensors"
 XSER_INFO_SUFFIX = ".info.pt"
 
 _TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=@-]{0,199}$")
-_STATE_FILE_RE = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
+_STATE_FILE_RE = re.compile(r"^dp_rank_(\d+)(?:_ep_rank_(\d+))?_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
 _FULL_OPTIM_RE = re.compile(r"^full_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
 
 
@@ -43,18 +43,36 @@ def tag_path(tag: str, *parts: str) -> str:
     return "/".join((validate_tag(tag), *parts))
 
 
-def state_file_name(dp: int, tp: int, pp: int) -> str:
-    return f"dp_rank_{dp:02d}_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
+def state_file_name(dp: int, tp: int, pp: int, ep: int | None = None) -> str:
+    """NxD's state file name; ``ep`` (the expert-parallel rank) is part of it only with expert parallelism."""
+    ep_part = "" if ep is None else f"_ep_rank_{ep:02d}"
+    return f"dp_rank_{dp:02d}{ep_part}_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
 
 
-def model_file(tag: str, tp: int, pp: int) -> str:
-    """Model state of a (TP, PP) coordinate; always named with DP rank 0."""
-    return tag_path(tag, MODEL_DIR, state_file_name(0, tp, pp))
+def model_file(tag: str, tp: int, pp: int, ep: int | None = None) -> str:
+    """Model state of a (TP, PP[, EP]) coordinate; always named with DP rank 0."""
+    return tag_path(tag, MODEL_DIR, state_file_name(0, tp, pp, ep))
 
 
-def optim_file(tag: str, dp: int, tp: int, pp: int) -> str:
-    """Optimizer state: ``dp`` is the DP rank for ZeRO-1 shards and 0 for replicated optimizers."""
-    return tag_path(tag, OPTIM_DIR, state_file_name(dp, tp, pp))
+def optim_file(tag: str, dp: int, tp: int, pp: int, ep: int | None = None) -> str:
+    """Optimizer state: ``dp`` is the DP rank for ZeRO-1 shards and 0 for replicated optimizers; ``ep`` is given
+    for replicated optimizers under expert parallelism (NxD names ZeRO-1 shards without it)."""
+    return tag_path(tag, OPTIM_DIR, state_file_name(dp, tp, pp, ep))
+
+
+def shared_tensors_file(path: str) -> str:
+    """Where NxD's xser loads read a non-expert tensor file of ``path``'s: the ``ep_rank_00`` file's tensors
+    (NxD writes non-expert tensors only there). Paths without an EP rank are returned unchanged."""
+    head, _, name = path.rpartition("/")
+    m = _STATE_FILE_RE.match(name)
+    if not m or m.group(2) is None:
+        return path
+    dp, _, tp, pp = m.groups()
+    return (
+        f"{head}/{state_file_name(int(dp), int(tp), int(pp), 0)}"
+        if head
+        else state_file_name(int(dp), int(tp), int(pp), 0)
+    )
 
 
 def full_optim_file(tag: str, tp: int, pp: int) -> str:
@@ -63,9 +81,15 @@ def full_optim_file(tag: str, tp: int, pp: int) -> str:
 
 
 def parse_state_file_name(name: str) -> tuple[int, int, int] | None:
-    """(dp, tp, pp) from ``dp_rank_XX_tp_rank_YY_pp_rank_ZZ.pt``, or None for other names."""
+    """(dp, tp, pp) from ``dp_rank_XX[_ep_rank_EE]_tp_rank_YY_pp_rank_ZZ.pt``, or None for other names."""
     m = _STATE_FILE_RE.match(name)
-    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
+    return (int(m.group(1)), int(m.group(3)), int(m.group(4))) if m else None
+
+
+def parse_expert_rank(name: str) -> int | None:
+    """The EP rank of an expert-parallel state file name (``..._ep_rank_EE_...``), else None."""
+    m = _STATE_FILE_RE.match(name)
+    return int(m.group(2)) if m and m.group(2) is not None else None
 
 
 def parse_full_optim_file_name(name: str) -> tuple[int, int] | None:

@@ -196,7 +196,7 @@ class CheckpointManager:
         coord = self.coordinator()
         if waited >= 0.001 and coord.rank == 0:
             logger.info("save of %s waited %.2f s for the previous save to finish writing", tag, waited)
-        topo = current_topology()
+        topo = coord.run_all(current_topology, "reading the parallel layout")
         storage = storage_for(checkpoint_dir)
         zero1 = bool(zero1_optimizer) or adapters.is_zero1_optimizer(optimizer)
         items = tuple(
@@ -449,9 +449,16 @@ class CheckpointManager:
             "format_version": FORMAT_VERSION,
             "tag": ctx.tag,
             "created_at": ctx.created_at,
-            "layout": {"tp": topo.tp_size, "pp": topo.pp_size, "dp": topo.dp_size, "world_size": world_size},
+            "layout": {
+                "tp": topo.tp_size,
+                "pp": topo.pp_size,
+                "dp": topo.dp_size,
+                "cp": topo.cp_size,
+                "ep": topo.ep_size,
+                "world_size": world_size,
+            },
             "zero1": ctx.zero1,
-            "zero1_dp_size": topo.dp_size if ctx.zero1 else None,
+            "zero1_dp_size": topo.zero1_size if ctx.zero1 else None,
             "xser": ctx.use_xser,
             "items": list(ctx.items),
             "torch_version": torch.__version__,
@@ -493,7 +500,7 @@ class CheckpointManager:
         self.wait_pending()
         self.check_for_errors()
         coord = self.coordinator()
-        topo = current_topology()
+        topo = coord.run_all(current_topology, "reading the parallel layout")
         storage = storage_for(checkpoint_dir)
 
         def resolve() -> tuple[str, dict]:
@@ -517,14 +524,18 @@ class CheckpointManager:
 
         def read_and_apply() -> Any:
             if model is not None:
-                path = layout.model_file(resolved, topo.tp_rank, topo.pp_rank)
+                ep = topo.ep_rank if topo.expert_parallel else None
+                path = layout.model_file(resolved, topo.tp_rank, topo.pp_rank, ep)
                 state = _read(storage, path, info, allow_pickle, replicas)
                 adapters.load_model_state(
                     model, state, strict=strict, source=f"{storage.url}/{path}", device=target_device
                 )
             if optimizer is not None:
-                dp = topo.dp_rank if info["zero1"] else 0
-                path = layout.optim_file(resolved, dp, topo.tp_rank, topo.pp_rank)
+                if info["zero1"]:
+                    path = layout.optim_file(resolved, topo.zero1_rank, topo.tp_rank, topo.pp_rank)
+                else:
+                    ep = topo.ep_rank if topo.expert_parallel else None
+                    path = layout.optim_file(resolved, 0, topo.tp_rank, topo.pp_rank, ep)
                 reshard, saved_dp = zero1_io.reshard_source(info, topo)
                 if reshard:  # ZeRO-1 saved with another DP size (or full): read only the rows this shard covers
                     state = zero1_io.load_resharded_state(storage, resolved, saved_dp, topo, trusted=allow_pickle)

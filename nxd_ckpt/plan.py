@@ -31,23 +31,25 @@ def plan_save(
     zero1: bool = False,
     spread_replicated: bool = False,
 ) -> list[StateWrite]:
-    """The files this rank writes: model and replicated optimizer by DP rank 0 of each (TP, PP) coordinate,
-    ZeRO-1 optimizer shards by every rank, scheduler and user content by the master (global rank 0).
+    """The files this rank writes: model and replicated optimizer by the first of each (TP, PP[, EP])
+    coordinate's replicas (DP and CP ranks; expert-DP ranks with EP), ZeRO-1 optimizer shards by every rank,
+    scheduler and user content by the master (global rank 0).
 
     With ``spread_replicated`` (xser, where a file is many tensor files) every DP replica gets the replicated
     files too, and the encoding writes only its share of them (see ``statefile.write_state_file``).
     """
     writes: list[StateWrite] = []
-    replicas = tuple(topo.dp_group_ranks())
-    writes_replicated = topo.dp_rank == 0 or spread_replicated
+    replicas = tuple(topo.replica_ranks())
+    writes_replicated = topo.replica_rank == 0 or spread_replicated
+    ep = topo.ep_rank if topo.expert_parallel else None
     if model is not None and writes_replicated:
-        writes.append(StateWrite("model", layout.model_file(tag, topo.tp_rank, topo.pp_rank), model, replicas))
+        writes.append(StateWrite("model", layout.model_file(tag, topo.tp_rank, topo.pp_rank, ep), model, replicas))
     if optimizer is not None:
         if zero1:
-            path = layout.optim_file(tag, topo.dp_rank, topo.tp_rank, topo.pp_rank)
+            path = layout.optim_file(tag, topo.zero1_rank, topo.tp_rank, topo.pp_rank)
             writes.append(StateWrite("optimizer", path, optimizer, (topo.rank,)))
         elif writes_replicated:
-            path = layout.optim_file(tag, 0, topo.tp_rank, topo.pp_rank)
+            path = layout.optim_file(tag, 0, topo.tp_rank, topo.pp_rank, ep)
             writes.append(StateWrite("optimizer", path, optimizer, replicas))
     if topo.is_master:
         if scheduler is not None:

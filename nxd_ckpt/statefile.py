@@ -242,18 +242,17 @@ class ReplicaGroup:
 
 
 def replica_groups(coordinator: Coordinator, topo: Topology) -> ReplicaGroup | None:
-    """This rank's DP replica group (None without DP replicas); creates every DP group, in the same order on
-    every rank, as process-group creation requires."""
-    if not coordinator.distributed or topo.dp_size <= 1:
+    """This rank's model replica group (None without replicas); creates every replica group, in the same order
+    on every rank, as process-group creation requires."""
+    groups = topo.replica_groups()
+    if not coordinator.distributed or len(groups[0]) <= 1:
         return None
     hosts = coordinator.all_gather_object(socket.gethostname())
     mine = None
-    for pp in range(topo.pp_size):
-        for tp in range(topo.tp_size):
-            ranks = topo.dp_group_ranks(topo.rank_of(pp, 0, tp))
-            group = coordinator.subgroup(ranks)
-            if coordinator.rank in ranks:
-                mine = ReplicaGroup(coordinator, ranks, group, same_host=len({hosts[r] for r in ranks}) == 1)
+    for ranks in groups:
+        group = coordinator.subgroup(ranks)
+        if coordinator.rank in ranks:
+            mine = ReplicaGroup(coordinator, ranks, group, same_host=len({hosts[r] for r in ranks}) == 1)
     return mine
 
 

@@ -295,9 +295,9 @@ def load_resharded_state(storage: Storage, tag: str, src_dp: int | None, topo: T
     for path, index in first.shard_paths.items():
         dtype, _ = first.meta(path)
         rows = first.shapes[index][0]
-        target = torch.zeros(zero1.shard_shape(first.shapes[index], topo.dp_size), dtype=dtype)
+        target = torch.zeros(zero1.shard_shape(first.shapes[index], topo.zero1_size), dtype=dtype)
         zero1.set_path(out, path, target)
-        plans[path] = zero1.slice_plan(rows, n_src, topo.dp_size, topo.dp_rank)
+        plans[path] = zero1.slice_plan(rows, n_src, topo.zero1_size, topo.zero1_rank)
     needed = sorted({p.src_rank for pieces in plans.values() for p in pieces})
     for src_rank in needed:
         f = first if src_rank == 0 else ShardFile(storage, paths[src_rank], trusted=trusted)
@@ -438,4 +438,4 @@ def reshard_source(info: dict, topo: Topology) -> tuple[bool, int | None]:
     if info.get("zero1_full"):
         return True, None
     saved = info.get("zero1_dp_size")
-    return (saved is not None and int(saved) != topo.dp_size), saved
+    return (saved is not None and int(saved) != topo.zero1_size), saved
