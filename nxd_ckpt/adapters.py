@@ -13,6 +13,7 @@ import torch
 
 from . import xla
 from .errors import StateMismatchError
+from .tree import EXPERT_ATTR
 
 ZERO1_CLASSES = (
     ("torch_xla.distributed.zero_redundancy_optimizer", "ZeroRedundancyOptimizer"),
@@ -55,8 +56,21 @@ def model_state(model: Any) -> Any:
     if isinstance(model, dict):
         return model
     if _is_instance_of_loaded(model, PP_MODEL_CLASSES) and hasattr(model, "local_state_dict"):
-        return model.local_state_dict()
-    return _state_dict_of(model, "model")
+        return _mark_experts(model, model.local_state_dict())
+    return _mark_experts(model, _state_dict_of(model, "model"))
+
+
+def _mark_experts(model: Any, state: Any) -> Any:
+    """Carry NxD's ``expert_model_parallel`` mark from a model's parameters to the tensors of its state dict
+    (``state_dict()`` returns detached tensors without it), so xser info files record expert tensors as NxD's do."""
+    named = getattr(model, "named_parameters", None)
+    if not callable(named) or not isinstance(state, dict):
+        return state
+    for name, param in named():
+        value = state.get(name)
+        if getattr(param, EXPERT_ATTR, False) and isinstance(value, torch.Tensor):
+            setattr(value, EXPERT_ATTR, True)
+    return state
 
 
 def optimizer_state(optimizer: Any) -> Any:

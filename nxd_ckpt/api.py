@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from . import tags
+from .log import get_logger
 from .manager import CheckpointManager, SaveReport
 from .storage import storage_for
 
@@ -52,7 +53,7 @@ def reset_manager() -> None:
 
 
 def save_checkpoint(
-    checkpoint_dir: str | os.PathLike[str],
+    checkpoint_dir_str: str | os.PathLike[str],
     tag: str,
     model: Any = None,
     optimizer: Any = None,
@@ -63,11 +64,21 @@ def save_checkpoint(
     num_kept_ckpts: int | None = None,
     async_save: bool = False,
     zero1_optimizer: bool = False,
+    use_zero1_dcp: bool = False,
+    avoid_saving_lower_precision_weights: bool = False,
+    *,
     rank_state: Any = None,
     save_rng: bool = False,
     rank_state_mode: str = "per_rank",
 ) -> SaveReport:
-    """Save a checkpoint under ``checkpoint_dir/tag`` in NxD's layout; every rank must call it.
+    """Save a checkpoint under ``checkpoint_dir_str/tag`` in NxD's layout; every rank must call it.
+
+    The parameters up to ``avoid_saving_lower_precision_weights`` are NxD's, in NxD's order, with NxD's meaning
+    (``num_kept_ckpts=-1`` keeps every checkpoint). ``use_zero1_dcp`` asks for torch Distributed Checkpoint
+    files for ZeRO-1 state: nxd_ckpt writes NxD's per-rank ZeRO-1 files instead (what NxD itself does when DCP
+    support is unavailable) and logs a warning. ``avoid_saving_lower_precision_weights`` lets NxD skip the model's
+    tensor data when ZeRO-1 state holds master weights; nxd_ckpt always writes the model (a larger checkpoint
+    that NxD loads either way). As in NxD the two cannot be combined.
 
     Model and replicated optimizer states are written by DP rank 0 of each (TP, PP) coordinate, ZeRO-1
     optimizer shards by every rank, scheduler and user content by global rank 0. The tag is complete (``done``)
@@ -82,8 +93,9 @@ def save_checkpoint(
     Returns:
         A SaveReport (bytes, blocked/staging/write time); for async saves ``wait()`` blocks until durable.
     """
+    _check_nxd_save_options(use_zero1_dcp, avoid_saving_lower_precision_weights)
     return get_manager().save(
-        checkpoint_dir,
+        checkpoint_dir_str,
         tag,
         model=model,
         optimizer=optimizer,
@@ -101,13 +113,15 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    checkpoint_dir: str | os.PathLike[str],
+    path: str | os.PathLike[str],
     tag: str | None = None,
     model: Any = None,
     optimizer: Any = None,
     scheduler: Any = None,
     num_workers: int = 8,
     strict: bool = True,
+    use_zero1_dcp: bool = False,
+    *,
     allow_pickle: bool = False,
     rank_state: Any = None,
     skip_rank_state: bool = False,
@@ -115,7 +129,12 @@ def load_checkpoint(
     verify: bool = True,
     fallback_to_verified: bool = False,
 ) -> Any:
-    """Load ``tag`` (default: the latest complete checkpoint) into the given objects; every rank must call it.
+    """Load ``tag`` (default: the latest complete checkpoint) from ``path`` into the given objects; every rank
+    must call it. The parameters up to ``use_zero1_dcp`` are NxD's, in NxD's order; ZeRO-1 state is read from
+    NxD's per-rank files whatever ``use_zero1_dcp`` says (a checkpoint whose ZeRO-1 state is in DCP format is
+    refused with FormatError). An explicitly named ``tag`` without any ``checkpoint``/``done`` marker (NxD's
+    ``checkpoint_converter.py`` output, e.g. ``pretrained_weight``) loads with a warning; one with
+    ``checkpoint`` but no ``done`` (an interrupted save) is refused.
 
     Dicts passed as ``model``/``optimizer``/``scheduler`` are filled in place. ``allow_pickle`` opts in to
     files holding arbitrary pickled classes (it runs code from the checkpoint: only for trusted ones).
@@ -133,7 +152,7 @@ def load_checkpoint(
         The saved user content, or None if none was saved.
     """
     return get_manager().load(
-        checkpoint_dir,
+        path,
         tag=tag,
         model=model,
         optimizer=optimizer,
@@ -154,9 +173,29 @@ def finalize_checkpoint() -> None:
     get_manager().finalize()
 
 
-def has_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> bool:
-    """Whether ``checkpoint_dir`` holds at least one complete checkpoint."""
-    return tags.latest_tag(storage_for(checkpoint_dir)) is not None
+def has_checkpoint(checkpoint_dir_str: str | os.PathLike[str]) -> bool:
+    """Whether ``checkpoint_dir_str`` holds at least one complete checkpoint."""
+    return tags.latest_tag(storage_for(checkpoint_dir_str)) is not None
+
+
+logger = get_logger()
+_warned_dcp = False
+
+
+def _check_nxd_save_options(use_zero1_dcp: bool, avoid_saving_lower_precision_weights: bool) -> None:
+    """NxD's two ZeRO-1 save options: refused together (as NxD does); DCP is not written (one warning)."""
+    global _warned_dcp
+    if use_zero1_dcp and avoid_saving_lower_precision_weights:
+        raise ValueError(
+            "use_zero1_dcp and avoid_saving_lower_precision_weights cannot be combined (NxD refuses it too); "
+            "pass at most one of them"
+        )
+    if use_zero1_dcp and not _warned_dcp:
+        _warned_dcp = True
+        logger.warning(
+            "use_zero1_dcp=True: nxd_ckpt writes ZeRO-1 optimizer state as NxD's per-rank files "
+            "(optim/dp_rank_XX_tp_rank_XX_pp_rank_XX.pt), not torch Distributed Checkpoint files"
+        )
 
 
 def list_checkpoint_tags(checkpoint_dir: str | os.PathLike[str]) -> list[str]:

@@ -30,14 +30,19 @@ def implied_state_files(ckpt: Checkpoint) -> list[str]:
     if lay.tp is None or lay.pp is None:
         return []
     present = {sf.path for sf in ckpt.state_files()}
-    grid = [(tp, pp) for pp in range(lay.pp) for tp in range(lay.tp)]
+    eps: list[int | None] = list(range(lay.ep)) if lay.ep > 1 else [None]  # EP ranks are in model file names
+    grid = [(tp, pp, ep) for pp in range(lay.pp) for tp in range(lay.tp) for ep in eps]
     tag = ckpt.tag
     out: list[str] = []
-    if any(layout.model_file(tag, tp, pp) in present for tp, pp in grid):
-        out += [layout.model_file(tag, tp, pp) for tp, pp in grid]
-    if any(layout.optim_file(tag, dp, tp, pp) in present for dp in range(lay.dp or 1) for tp, pp in grid):
-        dps = range(lay.dp or 1) if lay.zero1 else range(1)
-        out += [layout.optim_file(tag, dp, tp, pp) for dp in dps for tp, pp in grid]
+    if any(layout.model_file(tag, tp, pp, ep) in present for tp, pp, ep in grid):
+        out += [layout.model_file(tag, tp, pp, ep) for tp, pp, ep in grid]
+    if lay.zero1:  # ZeRO-1 shards are named without the EP rank (their DP rank already tells them apart)
+        zgrid = {(tp, pp) for tp, pp, _ in grid}
+        if any(layout.optim_file(tag, dp, tp, pp) in present for dp in range(lay.dp or 1) for tp, pp in zgrid):
+            dps = range(lay.dp or 1)
+            out += [layout.optim_file(tag, dp, tp, pp) for dp in dps for tp, pp in sorted(zgrid, key=lambda c: c[::-1])]
+    elif any(layout.optim_file(tag, 0, tp, pp, ep) in present for tp, pp, ep in grid):
+        out += [layout.optim_file(tag, 0, tp, pp, ep) for tp, pp, ep in grid]
     return out
 
 

@@ -91,12 +91,14 @@ class Layout:
     xser: bool
     world_size: int | None = None
     items: tuple[str, ...] | None = None
+    ep: int = 1
+    """Expert-parallel size (model files named ``..._ep_rank_XX_...`` when above 1)."""
 
     def describe(self) -> str:
         def size(v: int | None) -> str:
             return "?" if v is None else str(v)
 
-        text = f"DP={size(self.dp)} TP={size(self.tp)} PP={size(self.pp)}"
+        text = f"DP={size(self.dp)} TP={size(self.tp)} PP={size(self.pp)}" + (f" EP={self.ep}" if self.ep > 1 else "")
         return text + (", ZeRO-1" if self.zero1 else "") + (", xser" if self.xser else "")
 
     def to_json(self) -> dict[str, Any]:
@@ -108,6 +110,7 @@ class Layout:
             "xser": self.xser,
             "world_size": self.world_size,
             "items": list(self.items) if self.items is not None else None,
+            **({"ep": self.ep} if self.ep > 1 else {}),
         }
 
 
@@ -213,7 +216,10 @@ class Checkpoint:
         dp = saved.get("dp") or (max(optim_dps) + 1 if zero1 and optim_dps else None)
         xser_files = any(s.encoding == "xser" for s in self.state_files())
         items = tuple(meta["items"]) if isinstance(meta.get("items"), list) else None
+        eps = [e for d in names.values() for n in d if (e := layout.parse_expert_rank(n)) is not None]
+        ep = int(saved.get("ep") or (max(eps) + 1 if eps else 1))
         return Layout(
+            ep=ep,
             tp=tp,
             pp=pp,
             dp=dp,

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from . import adapters, integrity, layout, plan, staging, statefile, tags, xla, zero1_io
+from . import adapters, integrity, layout, plan, staging, statefile, tags, tree, xla, zero1_io
 from . import rank_state as rank_states
 from .commit import CommitBarrier
 from .dist import Coordinator, format_exception
@@ -185,8 +185,17 @@ class CheckpointManager:
     ) -> SaveReport:
         call_start = time.perf_counter()
         layout.validate_tag(tag)
-        if num_kept_ckpts is not None and (not isinstance(num_kept_ckpts, int) or num_kept_ckpts < 1):
-            raise ValueError(f"num_kept_ckpts must be None or an integer >= 1, got {num_kept_ckpts!r}")
+        if num_kept_ckpts is not None and (
+            isinstance(num_kept_ckpts, bool)
+            or not isinstance(num_kept_ckpts, int)
+            or num_kept_ckpts < -1
+            or num_kept_ckpts == 0
+        ):
+            raise ValueError(
+                f"num_kept_ckpts must be None or -1 (keep all, as in NxD) or an integer >= 1, got {num_kept_ckpts!r}"
+            )
+        if num_kept_ckpts == -1:  # NxD's "keep all" (its examples' --num_kept_checkpoint default)
+            num_kept_ckpts = None
         if not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be an integer >= 1, got {num_workers!r}")
         self.check_for_errors()
@@ -222,7 +231,7 @@ class CheckpointManager:
             topo,
             tag,
             model=adapters.model_state(model) if model is not None else None,
-            optimizer=adapters.optimizer_state(optimizer) if optimizer is not None else None,
+            optimizer=tree.nxd_containers(adapters.optimizer_state(optimizer)) if optimizer is not None else None,
             scheduler=adapters.scheduler_state(scheduler) if scheduler is not None else None,
             user_content=user_content,
             zero1=zero1,
@@ -537,6 +546,12 @@ class CheckpointManager:
                     ep = topo.ep_rank if topo.expert_parallel else None
                     path = layout.optim_file(resolved, 0, topo.tp_rank, topo.pp_rank, ep)
                 reshard, saved_dp = zero1_io.reshard_source(info, topo)
+                if reshard and topo.expert_parallel:
+                    raise LayoutMismatchError(
+                        f"checkpoint {storage.url}/{resolved} holds ZeRO-1 state for {saved_dp or 'full'} shards but "
+                        f"this job runs {topo.describe()}: re-sharding ZeRO-1 state under expert parallelism (expert "
+                        "parameters shard over expert-data-parallel groups) is not supported; use the saved DP size"
+                    )
                 if reshard:  # ZeRO-1 saved with another DP size (or full): read only the rows this shard covers
                     state = zero1_io.load_resharded_state(storage, resolved, saved_dp, topo, trusted=allow_pickle)
                 else:
@@ -633,6 +648,15 @@ def _read(
     storage: Storage, path: str, info: dict, allow_pickle: bool, replicas: statefile.ReplicaGroup | None = None
 ) -> Any:
     if not storage.exists(path):
+        tag_dir, _, rest = path.partition("/")
+        if rest.startswith(layout.OPTIM_DIR + "/") and storage.exists(
+            layout.tag_path(tag_dir, layout.OPTIM_DIR, ".metadata")
+        ):
+            raise FormatError(
+                f"{storage.url}/{tag_dir}/{layout.OPTIM_DIR} holds ZeRO-1 state in torch Distributed Checkpoint format "
+                "(NxD's use_zero1_dcp=True), which nxd_ckpt does not read; load the model without the optimizer, or "
+                "re-save the optimizer state with use_zero1_dcp=False"
+            )
         raise FormatError(
             f"checkpoint file {storage.url}/{path} is missing; the checkpoint is damaged or was saved "
             "without this state (load without it, or pick another tag)"
@@ -664,9 +688,17 @@ def describe_checkpoint(storage: Storage, tag: str) -> dict:
     zero1_full = bool(meta.get("zero1_full", bool(full_coords) and not optim_coords))
     zero1 = meta.get("zero1", any(c[0] > 0 for c in optim_coords)) or zero1_full
     dp_saved = meta.get("zero1_dp_size") or (max(c[0] for c in optim_coords) + 1 if zero1 and optim_coords else None)
+    expert_ranks = [
+        e
+        for sub in (layout.MODEL_DIR, layout.OPTIM_DIR)
+        for n in storage.list_dir(layout.tag_path(tag, sub))
+        if (e := layout.parse_expert_rank(n)) is not None
+    ]
+    ep = int(meta.get("layout", {}).get("ep") or (max(expert_ranks) + 1 if expert_ranks else 1))
     return {
         "tp": tp,
         "pp": pp,
+        "ep": ep,
         "zero1": bool(zero1),
         "zero1_dp_size": dp_saved,
         "zero1_full": zero1_full,
@@ -677,6 +709,11 @@ def describe_checkpoint(storage: Storage, tag: str) -> dict:
 def _check_layout(info: dict, topo: Topology, url: str, tag: str) -> None:
     if info["tp"] is None:
         return
+    if info.get("ep", 1) != topo.ep_size:
+        raise LayoutMismatchError(
+            f"checkpoint {url}/{tag} was saved with expert parallelism EP={info.get('ep', 1)} but this job runs "
+            f"{topo.describe()}; load it with the same EP size (experts are not re-sharded)"
+        )
     if (info["tp"], info["pp"]) != (topo.tp_size, topo.pp_size):
         raise LayoutMismatchError(
             f"checkpoint {url}/{tag} was saved with TP={info['tp']} PP={info['pp']} but this job runs "

@@ -353,12 +353,26 @@ def _read_header(storage: Storage, path: str, trusted: bool) -> _Header:
                 numel *= int(d)
             sizes.append(numel * torch.empty((), dtype=entry["dtype"]).element_size())
         else:
-            tensor_path = layout.xser_tensor_file(path, tid)
+            tensor_path = _tensor_file(storage, path, tid, info)
             try:
                 sizes.append(storage.size(tensor_path))
             except OSError as e:
                 raise _missing_tensor(storage, path, tid) from e
     return _Header(ref_data, info, tids, sizes)
+
+
+def _tensor_file(storage: Storage, path: str, tid: int, info: dict[int, dict[str, Any]] | None) -> str:
+    """Where tensor ``tid`` of ``path`` is read from: its own ``.tensors`` folder, except for a non-expert tensor
+    of an expert-parallel file that NxD wrote only into the ``ep_rank_00`` file's folder (NxD's loader reads
+    non-expert tensors from there)."""
+    own = layout.xser_tensor_file(path, tid)
+    shared = layout.shared_tensors_file(path)
+    if shared == path:
+        return own
+    entry = info.get(tid) if info is not None else None
+    if isinstance(entry, dict) and not entry.get("expert_model_parallel", False) and not storage.exists(own):
+        return layout.xser_tensor_file(shared, tid)
+    return own
 
 
 def _missing_tensor(storage: Storage, path: str, tid: int) -> FormatError:
@@ -372,7 +386,7 @@ def _read_tensors(
     storage: Storage, path: str, tids: list[int], info: dict[int, dict[str, Any]] | None, threads: int | None
 ) -> dict[int, torch.Tensor]:
     def read_one(tid: int) -> torch.Tensor:
-        tensor_path = layout.xser_tensor_file(path, tid)
+        tensor_path = _tensor_file(storage, path, tid, info)
         what = f"{storage.url}/{tensor_path}"
         try:
             if storage.whole_file_reads:

@@ -85,7 +85,13 @@ def latest_tag(storage: Storage) -> str | None:
 
 
 def resolve_tag(storage: Storage, tag: str | None) -> str:
-    """The tag to load: ``tag`` itself (which must be complete) or, for None, the latest complete one."""
+    """The tag to load: ``tag`` itself or, for None, the latest complete one.
+
+    A named tag must be complete, or carry no marker at all while holding state files (NxD's
+    ``checkpoint_converter.py`` writes ``pretrained_weight/model/...`` that way and NxD loads it): such a tag
+    loads with a warning that its completeness cannot be checked. A tag with ``checkpoint`` but no ``done`` is
+    an interrupted save and is refused.
+    """
     if tag is None:
         latest = latest_tag(storage)
         if latest is None:
@@ -96,11 +102,30 @@ def resolve_tag(storage: Storage, tag: str | None) -> str:
     layout.validate_tag(tag)
     if storage.exists(layout.tag_path(tag, layout.DONE_MARKER)):
         return tag
+    if not storage.exists(layout.tag_path(tag, layout.CHECKPOINT_MARKER)) and _holds_state(storage, tag):
+        logger.warning(
+            "checkpoint tag %r in %s has no 'checkpoint'/'done' markers (written outside a save, e.g. by NxD's "
+            "checkpoint_converter.py); loading it as NxD does, but its completeness cannot be checked",
+            tag,
+            storage.url,
+        )
+        return tag
     complete = [t.name for t in list_tags(storage)]
     state = "is incomplete (no 'done' marker: the save was interrupted)" if storage.exists(tag) else "does not exist"
     raise CheckpointNotFoundError(
         f"checkpoint tag {tag!r} in {storage.url} {state}; complete tags: {', '.join(complete) or 'none'}"
     )
+
+
+def _holds_state(storage: Storage, tag: str) -> bool:
+    """Whether a tag directory holds any state file NxD's load_checkpoint reads."""
+    for sub in (layout.MODEL_DIR, layout.OPTIM_DIR):
+        if any(
+            layout.parse_state_file_name(n) or layout.parse_full_optim_file_name(n)
+            for n in storage.list_dir(layout.tag_path(tag, sub))
+        ):
+            return True
+    return any(storage.exists(layout.tag_path(tag, f)) for f in (layout.SCHEDULER_FILE, layout.USER_CONTENT_FILE))
 
 
 def tags_to_delete(tags: list[TagInfo], keep: int, protect: set[str] = frozenset()) -> list[str]:

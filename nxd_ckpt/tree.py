@@ -7,11 +7,21 @@ from typing import Any
 
 import torch
 
+EXPERT_ATTR = "expert_model_parallel"
+"""NxD's mark on expert-parallel parameters and tensors (recorded per tensor in xser info files)."""
+
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """A copy of ``obj`` with every tensor replaced by ``fn(tensor)``; containers are rebuilt, leaves kept."""
     if isinstance(obj, torch.Tensor):
-        return fn(obj)
+        mapped = fn(obj)
+        if (
+            isinstance(mapped, torch.Tensor)
+            and mapped is not obj
+            and (hasattr(obj, EXPERT_ATTR) or hasattr(mapped, EXPERT_ATTR))
+        ):  # copies keep NxD's expert-parallel mark (reused buffers are re-marked each time)
+            setattr(mapped, EXPERT_ATTR, bool(getattr(obj, EXPERT_ATTR, False)))
+        return mapped
     if isinstance(obj, dict):
         out = obj.__class__() if type(obj) is not dict else {}
         for k, v in obj.items():
@@ -40,3 +50,28 @@ def iter_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor
 def tensor_bytes(obj: Any) -> int:
     """Total bytes of tensor data in ``obj`` (a shared tensor counts each time it appears)."""
     return sum(t.numel() * t.element_size() for _, t in iter_tensors(obj))
+
+
+def nxd_containers(obj: Any, _memo: dict[int, Any] | None = None) -> Any:
+    """``obj`` with its containers as NxD's save path writes them (torch_xla's structure rewrite): every dict
+    (OrderedDict too) becomes a plain dict and every list or tuple (``torch.Size`` and named tuples too) a list.
+    Tensors and other leaves are kept, not copied; a container reached twice is rebuilt once.
+
+    NxD's tools compare such values with lists (its ZeRO-1 converter asserts ``list(shape) == shape_info[i]``),
+    which a tuple or ``torch.Size`` fails.
+    """
+    memo = {} if _memo is None else _memo
+    if isinstance(obj, torch.Tensor) or not isinstance(obj, (dict, list, tuple)):
+        return obj
+    if id(obj) in memo:
+        return memo[id(obj)]
+    if isinstance(obj, dict):
+        out: Any = {}
+        memo[id(obj)] = out
+        for k, v in obj.items():
+            out[k] = nxd_containers(v, memo)
+        return out
+    out = []
+    memo[id(obj)] = out
+    out.extend(nxd_containers(v, memo) for v in obj)
+    return out

@@ -162,13 +162,17 @@ class _Verifier:
         items = set(meta.get("items") or [])
         tp, pp = int(meta["layout"]["tp"]), int(meta["layout"]["pp"])
         dps = range(int(meta.get("zero1_dp_size") or 1)) if meta.get("zero1") else range(1)
+        ep_size = int(meta["layout"].get("ep") or 1)
+        eps: list[int | None] = list(range(ep_size)) if ep_size > 1 else [None]
         out = []
         for t in range(tp):
             for p in range(pp):
                 if "model" in items:
-                    out.append(f"{layout.MODEL_DIR}/{layout.state_file_name(0, t, p)}")
-                if "optimizer" in items:
+                    out += [f"{layout.MODEL_DIR}/{layout.state_file_name(0, t, p, e)}" for e in eps]
+                if "optimizer" in items and meta.get("zero1"):  # ZeRO-1 shard names carry no EP rank
                     out += [f"{layout.OPTIM_DIR}/{layout.state_file_name(d, t, p)}" for d in dps]
+                elif "optimizer" in items:
+                    out += [f"{layout.OPTIM_DIR}/{layout.state_file_name(0, t, p, e)}" for e in eps]
         if "scheduler" in items:
             out.append(layout.SCHEDULER_FILE)
         if "user_content" in items:

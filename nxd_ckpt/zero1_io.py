@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch._weights_only_unpickler as _weights_only
 
-from . import layout, statefile, zero1
+from . import layout, statefile, tree, zero1
 from .errors import FormatError, UnsafeCheckpointError
 from .serialization import plain, xser
 from .storage import LocalStorage, Storage
@@ -416,18 +416,10 @@ def _copy_small_tensors(src: Any, dst: Any, skip: set[EntryPath], path: EntryPat
 def skeleton(small_state: dict, slots: dict[EntryPath, tuple[torch.dtype, tuple[int, ...]]]) -> dict:
     """``small_state`` with each shard slot set to an uninitialised tensor of the given dtype and shape (its
     pages are never touched: only reserved address space until a writer fills the file)."""
-    out = _copy_containers(small_state)
+    out = tree.nxd_containers(small_state)  # NxD's containers: lists for shape_info, plain dicts
     for path, (dtype, shape) in slots.items():
         zero1.set_path(out, path, torch.empty(shape, dtype=dtype))
     return out
-
-
-def _copy_containers(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return obj.__class__((k, _copy_containers(v)) for k, v in obj.items())
-    if isinstance(obj, list):
-        return [_copy_containers(v) for v in obj]
-    return obj
 
 
 def reshard_source(info: dict, topo: Topology) -> tuple[bool, int | None]:

@@ -27,6 +27,7 @@ import torch
 import torch._weights_only_unpickler as _weights_only
 
 from ..errors import FormatError
+from ..tree import EXPERT_ATTR
 from . import inmemory, plain, tensorfile
 
 XSER_MODULE = "torch_xla.utils.serialization"
@@ -153,7 +154,7 @@ def make_info(tensors: list[torch.Tensor]) -> dict[int, dict[str, Any]]:
         tid: {
             "dtype": t.dtype,
             "shape": t.shape,
-            "expert_model_parallel": bool(getattr(t, "expert_model_parallel", False)),
+            "expert_model_parallel": bool(getattr(t, EXPERT_ATTR, False)),
         }
         for tid, t in enumerate(tensors)
     }

@@ -304,6 +304,14 @@ def _inspect_input(storage: LocalStorage, tag: str, *, trusted: bool) -> _InputL
             src_dp = int(recorded)  # the highest shards are missing: reported below by name
     if meta and "layout" in meta:
         tp, pp = max(tp, int(meta["layout"]["tp"])), max(pp, int(meta["layout"]["pp"]))
+    model_names = storage.list_dir(layout.tag_path(tag, layout.MODEL_DIR))
+    ep = int(((meta or {}).get("layout") or {}).get("ep") or 1)
+    if ep > 1 or any(layout.parse_expert_rank(n) is not None for n in model_names):
+        raise FormatError(
+            f"{tag_dir} was saved with expert parallelism: its expert parameters' ZeRO-1 state is sharded over "
+            "expert-data-parallel groups, not over DP, and converting it is not supported (NxD's converter does not "
+            "handle it either); resume it with the same parallel sizes"
+        )
     expected = [p for pp_ in range(pp) for tp_ in range(tp) for p in source_paths(tag, tp_, pp_, src_dp)]
     check_present(storage, expected)
     first = ShardFile(storage, expected[0], trusted=trusted)  # raises if it is not a ZeRO-1 state
