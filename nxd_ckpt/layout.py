@@ -19,6 +19,8 @@ METADATA_FILE = "nxd_ckpt.json"
 """nxd_ckpt's own per-tag metadata (layout, order, format); NxD ignores it."""
 EXTRAS_DIR = "nxd_ckpt"
 """Per-rank extras nxd_ckpt adds (manifests, per-rank state): a folder NxD never looks into."""
+DCP_METADATA_FILE = ".metadata"
+"""torch Distributed Checkpoint's index, found in ``<tag>/optim`` when NxD saved ZeRO-1 state with use_zero1_dcp."""
 XSER_TENSORS_SUFFIX = ".tensors"
 XSER_INFO_SUFFIX = ".info.pt"
 

@@ -533,8 +533,7 @@ class CheckpointManager:
 
         def read_and_apply() -> Any:
             if model is not None:
-                ep = topo.ep_rank if topo.expert_parallel else None
-                path = layout.model_file(resolved, topo.tp_rank, topo.pp_rank, ep)
+                path = layout.model_file(resolved, topo.tp_rank, topo.pp_rank, topo.file_ep_rank)
                 state = _read(storage, path, info, allow_pickle, replicas)
                 adapters.load_model_state(
                     model, state, strict=strict, source=f"{storage.url}/{path}", device=target_device
@@ -543,8 +542,7 @@ class CheckpointManager:
                 if info["zero1"]:
                     path = layout.optim_file(resolved, topo.zero1_rank, topo.tp_rank, topo.pp_rank)
                 else:
-                    ep = topo.ep_rank if topo.expert_parallel else None
-                    path = layout.optim_file(resolved, 0, topo.tp_rank, topo.pp_rank, ep)
+                    path = layout.optim_file(resolved, 0, topo.tp_rank, topo.pp_rank, topo.file_ep_rank)
                 reshard, saved_dp = zero1_io.reshard_source(info, topo)
                 if reshard and topo.expert_parallel:
                     raise LayoutMismatchError(
@@ -650,7 +648,7 @@ def _read(
     if not storage.exists(path):
         tag_dir, _, rest = path.partition("/")
         if rest.startswith(layout.OPTIM_DIR + "/") and storage.exists(
-            layout.tag_path(tag_dir, layout.OPTIM_DIR, ".metadata")
+            layout.tag_path(tag_dir, layout.OPTIM_DIR, layout.DCP_METADATA_FILE)
         ):
             raise FormatError(
                 f"{storage.url}/{tag_dir}/{layout.OPTIM_DIR} holds ZeRO-1 state in torch Distributed Checkpoint format "

@@ -41,7 +41,7 @@ def plan_save(
     writes: list[StateWrite] = []
     replicas = tuple(topo.replica_ranks())
     writes_replicated = topo.replica_rank == 0 or spread_replicated
-    ep = topo.ep_rank if topo.expert_parallel else None
+    ep = topo.file_ep_rank
     if model is not None and writes_replicated:
         writes.append(StateWrite("model", layout.model_file(tag, topo.tp_rank, topo.pp_rank, ep), model, replicas))
     if optimizer is not None:

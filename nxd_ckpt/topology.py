@@ -366,6 +366,11 @@ class Topology:
         return self.ep_size > 1
 
     @property
+    def file_ep_rank(self) -> int | None:
+        """The EP rank as NxD's file names carry it: only with expert parallelism."""
+        return self.ep_rank if self.ep_size > 1 else None
+
+    @property
     def is_master(self) -> bool:
         return self.rank == 0
 
