@@ -51,12 +51,26 @@ def _read(storage, path):
     return statefile.read_state_file(storage, path, trusted=False)
 
 
-def _round_trip(tmp_path, groups: dict, *, zero1: bool, use_xser: bool, list_indexed: bool = False) -> None:
-    mod = fake_nxd.install(**groups, list_indexed_dp_pp=list_indexed)
-    try:
+def _literal_coords(groups: dict) -> tuple[int, int, int, int]:
+    """(tp, dp, tp size, dp size) of this rank from literal group lists (sorted positions)."""
+    rank = dist.get_rank()
+    tp_group = next(g for g in groups["tp"] if rank in g)
+    dp_group = next(g for g in groups["dp"] if rank in g)
+    return sorted(tp_group).index(rank), sorted(dp_group).index(rank), len(tp_group), len(dp_group)
+
+
+def _round_trip(
+    tmp_path, groups: dict, *, zero1: bool, use_xser: bool, list_indexed: bool = False, own_tp: int = 0
+) -> None:
+    if own_tp:  # nxd_ckpt's own initialize_model_parallel must build these very groups
+        nxd.initialize_model_parallel(tensor_model_parallel_size=own_tp)
+        tp, dp, tp_size, dp_size = _literal_coords(groups)
+    else:
+        mod = fake_nxd.install(**groups, list_indexed_dp_pp=list_indexed)
         tp, dp = mod.get_tensor_model_parallel_rank(), mod.get_data_parallel_rank()
         tp_size = mod.get_tensor_model_parallel_size()
         dp_size = mod.get_data_parallel_size()
+    try:
         shard = _full_weight().chunk(tp_size)[tp].clone()
         model = {"w": shard, "b": torch.full((2,), float(tp))}
         optimizer = _zero1_state(tp, dp) if zero1 else {"state": {"m": shard * 2}, "param_groups": [{"lr": 1.0}]}
@@ -97,6 +111,11 @@ def _round_trip(tmp_path, groups: dict, *, zero1: bool, use_xser: bool, list_ind
 @run_with_ranks(8, timeout=300)
 def test_trn1_tp4_8_ranks_plain_zero1(tmp_path):
     _round_trip(tmp_path, TRN1_8, zero1=True, use_xser=False)
+
+
+@run_with_ranks(8, timeout=300, env={"NXD_CKPT_PLATFORM": "trn1", "LOCAL_WORLD_SIZE": "8"})
+def test_own_initialize_model_parallel_trn1_tp4_plain_zero1(tmp_path):
+    _round_trip(tmp_path, TRN1_8, zero1=True, use_xser=False, own_tp=4)
 
 
 @run_with_ranks(8, timeout=300)
