@@ -10,6 +10,7 @@ ascending-descending ring for large worlds. No torch.distributed here.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Literal
@@ -397,9 +398,18 @@ class Topology:
         """Global ranks with the same (TP, PP, CP) coordinate as ``rank`` (its DP group), in DP-rank order."""
         return self.group_ranks("dp", rank)
 
-    def _same(self, rank: int, kinds: tuple[str, ...]) -> list[int]:
-        key = tuple(self._position[k][rank] for k in kinds)
-        return [m for m in range(self.world_size) if tuple(self._position[k][m] for k in kinds) == key]
+    @functools.cached_property
+    def _by_tp_pp(self) -> dict[tuple[int, int], list[int]]:
+        """Ranks per (PP, TP) coordinate, ordered (DP, CP): model replicas without EP, and ZeRO-1 groups with CP."""
+        out: dict[tuple[int, int], list[int]] = {}
+        for m in range(self.world_size):
+            out.setdefault((self._position["pp"][m], self._position["tp"][m]), []).append(m)
+        for members in out.values():
+            members.sort(key=lambda m: (self._position["dp"][m], self._position["cp"][m]))
+        return out
+
+    def _tp_pp_peers(self, rank: int) -> list[int]:
+        return list(self._by_tp_pp[(self._position["pp"][rank], self._position["tp"][rank])])
 
     def replica_ranks(self, rank: int | None = None) -> list[int]:
         """Ranks holding the same model file as ``rank``: same TP, PP (and EP) rank, i.e. its DP and CP replicas
@@ -408,8 +418,7 @@ class Topology:
         r = self.rank if rank is None else rank
         if self.ep_size > 1:
             return self.group_ranks("edp", r)
-        members = self._same(r, ("pp", "tp"))
-        return sorted(members, key=lambda m: (self._position["dp"][m], self._position["cp"][m]))
+        return self._tp_pp_peers(r)
 
     def replica_groups(self) -> list[list[int]]:
         """Every model replica group (see ``replica_ranks``), in one order every rank agrees on."""
@@ -433,8 +442,7 @@ class Topology:
         r = self.rank if rank is None else rank
         if self.cp_size == 1:
             return self.dp_group_ranks(r)
-        members = self._same(r, ("pp", "tp"))
-        return sorted(members, key=lambda m: (self._position["dp"][m], self._position["cp"][m]))
+        return self._tp_pp_peers(r)
 
     @property
     def zero1_size(self) -> int:
