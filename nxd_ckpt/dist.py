@@ -8,7 +8,6 @@ exchange here is of Python objects or CPU tensors over a gloo group. When the de
 from __future__ import annotations
 
 import datetime
-import os
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -158,4 +157,6 @@ def format_exception(e: BaseException) -> str:
 
 def store_timeout() -> datetime.timedelta:
     """How long commit steps wait for other ranks (NXD_CKPT_COMMIT_TIMEOUT_S, default 30 minutes)."""
-    return datetime.timedelta(seconds=float(os.environ.get("NXD_CKPT_COMMIT_TIMEOUT_S", "1800")))
+    from . import knobs
+
+    return datetime.timedelta(seconds=knobs.commit_timeout_s())

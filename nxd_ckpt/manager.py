@@ -22,8 +22,6 @@ background is raised, once and chained, by the next ``save``/``load``/``finalize
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import time
@@ -45,6 +43,8 @@ from .errors import (
     LayoutMismatchError,
     RemoteRankError,
 )
+from .format.describe import TagDescription, describe
+from .format.metadata import FORMAT_VERSION, TagMetadata, metadata_path, write_metadata
 from .parallel_state import current_topology
 from .storage import Storage, storage_for
 from .topology import Topology
@@ -52,7 +52,7 @@ from .writer import AsyncWriter
 
 logger = logging.getLogger("nxd_ckpt")
 
-FORMAT_VERSION = 1
+__all__ = ["FORMAT_VERSION", "CheckpointManager", "SaveReport", "describe_checkpoint"]
 
 
 @dataclass
@@ -311,7 +311,7 @@ class CheckpointManager:
                 return 0.0
             replacing = storage.exists(layout.tag_path(tag, layout.DONE_MARKER))
             storage.delete(layout.tag_path(tag, layout.DONE_MARKER))
-            storage.delete(layout.tag_path(tag, layout.METADATA_FILE))
+            storage.delete(metadata_path(tag))
             integrity.remove_manifests(storage, tag)  # stale ones (e.g. another world size) would fail verify
             storage.write_bytes(layout.tag_path(tag, layout.CHECKPOINT_MARKER), b"1")
             if replacing:  # make the removal of the old 'done' durable before files are rewritten; a new
@@ -352,8 +352,7 @@ class CheckpointManager:
 
         def write_files() -> None:
             # All of this rank's files are fsynced together at the end (one flush, not one per state file).
-            deferred = getattr(ctx.storage, "deferred_fsync", None)
-            with deferred() if callable(deferred) else contextlib.nullcontext():
+            with ctx.storage.durability_batch():
                 written = write_all()
             ctx.storage.sync_dirs({p.rsplit("/", 1)[0] for p in written})
             ctx.storage.write_manifest()  # before arriving: 'done' implies every rank's manifest exists
@@ -444,19 +443,20 @@ class CheckpointManager:
 
     def _write_done(self, ctx: _SaveContext, world_size: int) -> None:
         topo = ctx.topology
-        metadata = {
-            "format": "nxd_ckpt",
-            "format_version": FORMAT_VERSION,
-            "tag": ctx.tag,
-            "created_at": ctx.created_at,
-            "layout": {"tp": topo.tp_size, "pp": topo.pp_size, "dp": topo.dp_size, "world_size": world_size},
-            "zero1": ctx.zero1,
-            "zero1_dp_size": topo.dp_size if ctx.zero1 else None,
-            "xser": ctx.use_xser,
-            "items": list(ctx.items),
-            "torch_version": torch.__version__,
-        }
-        ctx.storage.write_bytes(layout.tag_path(ctx.tag, layout.METADATA_FILE), json.dumps(metadata, indent=1).encode())
+        metadata = TagMetadata(
+            tag=ctx.tag,
+            created_at=ctx.created_at,
+            tp=topo.tp_size,
+            pp=topo.pp_size,
+            dp=topo.dp_size,
+            world_size=world_size,
+            zero1=ctx.zero1,
+            zero1_dp_size=topo.dp_size if ctx.zero1 else None,
+            xser=ctx.use_xser,
+            items=ctx.items,
+            torch_version=torch.__version__,
+        )
+        write_metadata(ctx.storage, metadata)
         ctx.storage.write_manifest()  # rank 0's manifest again, now listing the metadata file too
         ctx.storage.sync_dirs([ctx.tag, ""])  # the tag's entries are durable before 'done' can be
         ctx.storage.write_bytes(layout.tag_path(ctx.tag, layout.DONE_MARKER), b"1")
@@ -496,9 +496,9 @@ class CheckpointManager:
         topo = current_topology()
         storage = storage_for(checkpoint_dir)
 
-        def resolve() -> tuple[str, dict]:
+        def resolve() -> tuple[str, TagDescription]:
             resolved = tags.resolve_tag(storage, tag)
-            return resolved, describe_checkpoint(storage, resolved)
+            return resolved, describe(storage, resolved)
 
         resolved, info = coord.broadcast_object(
             coord.run_all(resolve if coord.rank == 0 else lambda: None, "resolving")
@@ -523,13 +523,13 @@ class CheckpointManager:
                     model, state, strict=strict, source=f"{storage.url}/{path}", device=target_device
                 )
             if optimizer is not None:
-                dp = topo.dp_rank if info["zero1"] else 0
+                dp = topo.dp_rank if info.zero1 else 0
                 path = layout.optim_file(resolved, dp, topo.tp_rank, topo.pp_rank)
                 reshard, saved_dp = zero1_io.reshard_source(info, topo)
                 if reshard:  # ZeRO-1 saved with another DP size (or full): read only the rows this shard covers
                     state = zero1_io.load_resharded_state(storage, resolved, saved_dp, topo, trusted=allow_pickle)
                 else:
-                    state = _read(storage, path, info, allow_pickle, None if info["zero1"] else replicas)
+                    state = _read(storage, path, info, allow_pickle, None if info.zero1 else replicas)
                 adapters.load_optimizer_state(optimizer, state, source=f"{storage.url}/{path}", device=target_device)
             if scheduler is not None:
                 path = layout.tag_path(resolved, layout.SCHEDULER_FILE)
@@ -619,7 +619,11 @@ def _loaded_bytes(*targets: Any) -> int:
 
 
 def _read(
-    storage: Storage, path: str, info: dict, allow_pickle: bool, replicas: statefile.ReplicaGroup | None = None
+    storage: Storage,
+    path: str,
+    info: TagDescription,
+    allow_pickle: bool,
+    replicas: statefile.ReplicaGroup | None = None,
 ) -> Any:
     if not storage.exists(path):
         raise FormatError(
@@ -629,45 +633,16 @@ def _read(
     return statefile.read_state_file(storage, path, trusted=allow_pickle, group=replicas)
 
 
-def describe_checkpoint(storage: Storage, tag: str) -> dict:
-    """Layout facts of a saved tag: from nxd_ckpt's metadata, else inferred from NxD's file names."""
-    meta = tags.read_metadata(storage, tag) or {}
-    model_coords = [
-        c for n in storage.list_dir(layout.tag_path(tag, layout.MODEL_DIR)) if (c := layout.parse_state_file_name(n))
-    ]
-    optim_coords = [
-        c for n in storage.list_dir(layout.tag_path(tag, layout.OPTIM_DIR)) if (c := layout.parse_state_file_name(n))
-    ]
-    coords = model_coords + optim_coords
-    if "layout" in meta:
-        tp, pp = meta["layout"]["tp"], meta["layout"]["pp"]
-    elif coords:
-        tp, pp = max(c[1] for c in coords) + 1, max(c[2] for c in coords) + 1
-    else:
-        tp = pp = None
-    full_coords = [  # ZeRO-1 optimizer states merged by the offline converter (optim/full_*.pt)
-        c
-        for n in storage.list_dir(layout.tag_path(tag, layout.OPTIM_DIR))
-        if (c := layout.parse_full_optim_file_name(n))
-    ]
-    zero1_full = bool(meta.get("zero1_full", bool(full_coords) and not optim_coords))
-    zero1 = meta.get("zero1", any(c[0] > 0 for c in optim_coords)) or zero1_full
-    dp_saved = meta.get("zero1_dp_size") or (max(c[0] for c in optim_coords) + 1 if zero1 and optim_coords else None)
-    return {
-        "tp": tp,
-        "pp": pp,
-        "zero1": bool(zero1),
-        "zero1_dp_size": dp_saved,
-        "zero1_full": zero1_full,
-        "metadata": meta or None,
-    }
+def describe_checkpoint(storage: Storage, tag: str) -> TagDescription:
+    """Layout facts of a saved tag (kept for callers of the old name): ``format.describe.describe``."""
+    return describe(storage, tag)
 
 
-def _check_layout(info: dict, topo: Topology, url: str, tag: str) -> None:
-    if info["tp"] is None:
+def _check_layout(info: TagDescription, topo: Topology, url: str, tag: str) -> None:
+    if info.tp is None:
         return
-    if (info["tp"], info["pp"]) != (topo.tp_size, topo.pp_size):
+    if (info.tp, info.pp) != (topo.tp_size, topo.pp_size):
         raise LayoutMismatchError(
-            f"checkpoint {url}/{tag} was saved with TP={info['tp']} PP={info['pp']} but this job runs "
+            f"checkpoint {url}/{tag} was saved with TP={info.tp} PP={info.pp} but this job runs "
             f"{topo.describe()}; load it with the same TP and PP sizes (DP may differ)"
         )

@@ -13,8 +13,6 @@ then copies the others' shares from memory, which measured faster than a loopbac
 
 from __future__ import annotations
 
-import contextlib
-import os
 import pickle
 import socket
 from collections.abc import Callable, Sequence
@@ -24,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import layout
+from . import knobs, layout
 from .dist import Coordinator, format_exception
 from .errors import FormatError, StorageError
 from .serialization import plain, xser
@@ -44,20 +42,17 @@ def inline_below_bytes() -> int:
     torch_xla's own ``save`` keeps every CPU tensor there, and every xser reader handles that; one file per
     0-d ``step`` or 4 KiB LayerNorm vector would cost a file creation and a flush each. 0 = a file per tensor.
     """
-    return max(0, int(os.environ.get("NXD_CKPT_XSER_INLINE_BYTES", str(64 << 10))))
+    return knobs.xser_inline_bytes()
 
 
 def replica_reads_mode() -> str:
     """How replicas on one host share a read: ``auto`` (page cache where possible) or ``broadcast``."""
-    mode = os.environ.get("NXD_CKPT_REPLICA_READS", "auto").strip().lower() or "auto"
-    if mode not in ("auto", "broadcast"):
-        raise ValueError(f"NXD_CKPT_REPLICA_READS must be 'auto' or 'broadcast', got {mode!r}")
-    return mode
+    return knobs.replica_reads()
 
 
 def io_threads() -> int:
     """Threads per rank for tensor-file I/O (NXD_CKPT_IO_THREADS, default 4)."""
-    return max(1, int(os.environ.get("NXD_CKPT_IO_THREADS", "4")))
+    return knobs.io_threads()
 
 
 @dataclass(frozen=True)
@@ -174,8 +169,7 @@ def write_state_file(
         tensor_path = layout.xser_tensor_file(path, tid)
         jobs.append((tensor_path, _tensor_writer(storage, tensor_path, tensors[tid], host)))
     # One fsync per tensor file would cost a cache flush each: local storage syncs them together at the end.
-    deferred = getattr(storage, "deferred_fsync", None)
-    with deferred() if callable(deferred) else contextlib.nullcontext():
+    with storage.durability_batch():
         _run_parallel(jobs, threads, f"writing {storage.url}/{path}")
     inline = xser.inline_nbytes(ref_data) if index == 0 else 0
     return WrittenFiles([p for p, _ in jobs], inline + sum(sizes[tid] for tid in share))
