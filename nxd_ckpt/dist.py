@@ -24,6 +24,17 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def local_store(timeout_s: float) -> Any:
+    """A c10d TCPStore served by this process on 127.0.0.1 (any free port): for tests that run ranks as threads."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def group_identity() -> tuple[bool, int | None]:
+    """Identifies the current default process group (a new ``init_process_group`` gives a new identity)."""
+    initialized = is_distributed()
+    return initialized, id(dist.group.WORLD) if initialized else None
+
+
 class Coordinator:
     """Rank-aware helper for collective checkpoint steps; a world of one when torch.distributed is not up.
 

@@ -26,6 +26,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,7 @@ import torch
 from . import adapters, integrity, layout, plan, staging, statefile, tags, xla, zero1_io
 from . import rank_state as rank_states
 from .commit import CommitBarrier
-from .dist import Coordinator, format_exception
+from .dist import Coordinator, format_exception, group_identity
 from .errors import (
     CheckpointError,
     FormatError,
@@ -113,14 +114,24 @@ class _SaveContext:
     use_xser: bool
     num_kept_ckpts: int | None
     items: tuple[str, ...]
-    state_files: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    """Model/optimizer files this rank writes -> the ranks holding that state (xser spreads the work over them)."""
 
 
 class CheckpointManager:
     """Per-process owner of everything a save or load needs between calls. One per process is typical."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        coordinator: Coordinator | None = None,
+        topology: Topology | Callable[[], Topology] | None = None,
+        storage: Callable[[Any], Storage] | None = None,
+    ) -> None:
+        """Defaults: a Coordinator over torch.distributed (re-made when the process group changes), the parallel
+        state's topology at each call, and ``storage_for`` of the checkpoint directory. Inject others to run the
+        manager's policies without processes (``nxd_ckpt.testing.threadworld``) or on another backend."""
+        self._injected_coordinator = coordinator
+        self._topology_source = topology
+        self._storage_for = storage or storage_for
         self._coordinator: Coordinator | None = None
         self._coordinator_key: tuple | None = None
         self._session: str | None = None
@@ -130,17 +141,22 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------- plumbing
     def coordinator(self) -> Coordinator:
-        """The coordinator for the current process group (re-created if the group changed)."""
-        import torch.distributed as dist
-
-        key = (dist.is_initialized(), id(dist.group.WORLD) if dist.is_initialized() else None)
+        """The coordinator for the current process group (re-created if the group changed), or the injected one."""
+        key = self._injected_coordinator if self._injected_coordinator is not None else group_identity()
         if self._coordinator is None or key != self._coordinator_key:
-            self._coordinator = Coordinator()
+            self._coordinator = self._injected_coordinator or Coordinator()
             self._coordinator_key = key
             session = uuid.uuid4().hex[:12] if self._coordinator.rank == 0 else None
             self._session = self._coordinator.broadcast_object(session)
             self._seq = 0
         return self._coordinator
+
+    def topology(self) -> Topology:
+        """The layout of this job: the injected topology, else the parallel state's (read at each call)."""
+        source = self._topology_source
+        if source is None:
+            return current_topology()
+        return source() if callable(source) else source
 
     def _writer(self) -> AsyncWriter:
         if self._async_writer is None:
@@ -196,8 +212,8 @@ class CheckpointManager:
         coord = self.coordinator()
         if waited >= 0.001 and coord.rank == 0:
             logger.info("save of %s waited %.2f s for the previous save to finish writing", tag, waited)
-        topo = current_topology()
-        storage = storage_for(checkpoint_dir)
+        topo = self.topology()
+        storage = self._storage_for(checkpoint_dir)
         zero1 = bool(zero1_optimizer) or adapters.is_zero1_optimizer(optimizer)
         items = tuple(
             name
@@ -226,33 +242,32 @@ class CheckpointManager:
             scheduler=adapters.scheduler_state(scheduler) if scheduler is not None else None,
             user_content=user_content,
             zero1=zero1,
-            spread_replicated=use_xser,
+            use_xser=use_xser,
         )
-        ctx.state_files.update({w.path: w.replicas for w in writes if w.kind in ("model", "optimizer")})
         lease: staging.StagedState | None = None
         fetcher: staging.HostFetcher | None = None
         if async_save:  # a training-safe copy in reused host buffers, handed back once the files are durable
             try:
-                needed = {id(t) for t in self._tensors_to_write(writes, ctx, coord.rank)}
+                needed = {id(t) for t in plan.tensors_to_write(writes, coord.rank)}
                 lease = self._staging_pool.stage([w.state for w in writes], needed=needed)
             except BaseException as e:
                 # Tell rank 0's commit that this rank will never write, instead of letting it wait until timeout.
                 barrier = CommitBarrier(coord.store, str(self._session), ctx.seq, coord.rank, coord.world_size)
                 barrier.arrive(f"rank {coord.rank} could not stage its state: {format_exception(e)}")
                 raise
-            staged = [(w.path, state) for w, state in zip(writes, lease.trees, strict=True)]
+            staged = [w.with_state(state) for w, state in zip(writes, lease.trees, strict=True)]
             report.staging_allocated_bytes = lease.allocated_bytes
         else:
             # Device tensors are copied to the host by a thread running ahead of the writers (one sync for all).
-            staged = [(w.path, w.state) for w in writes]
+            staged = list(writes)
             if any(staging.has_device_tensors(w.state) for w in writes):
                 try:
-                    fetcher = staging.HostFetcher(self._tensors_to_write(writes, ctx, coord.rank))
+                    fetcher = staging.HostFetcher(plan.tensors_to_write(writes, coord.rank))
                 except BaseException as e:  # as for async staging: rank 0's commit must not wait for this rank
                     barrier = CommitBarrier(coord.store, str(self._session), ctx.seq, coord.rank, coord.world_size)
                     barrier.arrive(f"rank {coord.rank} could not copy its state to the host: {format_exception(e)}")
                     raise
-        staged += rank_files
+        staged += [plan.StateWrite("rank_state", path, state, (coord.rank,)) for path, state in rank_files]
         report.staging_s = time.perf_counter() - stage_start
 
         def write_and_commit() -> None:
@@ -278,20 +293,6 @@ class CheckpointManager:
             report.blocked_s = time.perf_counter() - call_start
             self._log_save(report, coord)
         return report
-
-    @staticmethod
-    def _tensors_to_write(writes: list[plan.StateWrite], ctx: _SaveContext, rank: int) -> list[torch.Tensor]:
-        """The tensors this rank's writers will read, in order: with xser, only its share of replicated files."""
-        return [
-            t
-            for w in writes
-            for t in statefile.tensors_to_write(
-                w.state,
-                xser_encoding=ctx.use_xser and w.path in ctx.state_files,
-                replicas=ctx.state_files.get(w.path),
-                rank=rank,
-            )
-        ]
 
     def _begin(
         self,
@@ -336,7 +337,7 @@ class CheckpointManager:
         self,
         ctx: _SaveContext,
         coord: Coordinator,
-        staged: list[tuple[str, Any]],
+        staged: list[plan.StateWrite],
         report: SaveReport,
         waves: int | None,
         lease: staging.StagedState | None = None,
@@ -360,14 +361,14 @@ class CheckpointManager:
 
         def write_all() -> list[str]:
             written: list[str] = []
-            for path, state in staged:
-                if path in ctx.state_files:
+            for w in staged:
+                if w.is_state_file:
                     done = statefile.write_state_file(
                         ctx.storage,
-                        path,
-                        state,
-                        xser_encoding=ctx.use_xser,
-                        replicas=ctx.state_files[path],
+                        w.path,
+                        w.state,
+                        xser_encoding=w.xser,
+                        replicas=w.replicas,
                         rank=coord.rank,
                         host=fetcher.host if fetcher is not None else None,
                     )
@@ -375,9 +376,9 @@ class CheckpointManager:
                     report.bytes_written += done.nbytes
                     continue
                 written += statefile.write_plain(
-                    ctx.storage, path, state, host=fetcher.host if fetcher is not None else None
+                    ctx.storage, w.path, w.state, host=fetcher.host if fetcher is not None else None
                 )
-                report.bytes_written += sum(t.numel() * t.element_size() for t in _tensors(state))
+                report.bytes_written += sum(t.numel() * t.element_size() for t in _tensors(w.state))
             return written
 
         if waves is not None and coord.distributed and waves < ctx.topology.local_world_size:
@@ -485,7 +486,17 @@ class CheckpointManager:
         fallback_to_verified: bool = False,
     ) -> Any:
         if fallback_to_verified and tag is None:
-            options = {k: v for k, v in locals().items() if k not in ("self", "checkpoint_dir", "tag")}
+            options = dict(
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                num_workers=num_workers,
+                strict=strict,
+                allow_pickle=allow_pickle,
+                rank_state=rank_state,
+                skip_rank_state=skip_rank_state,
+                device=device,
+            )
             return self._load_newest_verified(checkpoint_dir, options)
         call_start = time.perf_counter()
         target_device = xla.resolve_device(device)  # before any collective: a missing torch_xla fails fast
@@ -493,8 +504,8 @@ class CheckpointManager:
         self.wait_pending()
         self.check_for_errors()
         coord = self.coordinator()
-        topo = current_topology()
-        storage = storage_for(checkpoint_dir)
+        topo = self.topology()
+        storage = self._storage_for(checkpoint_dir)
 
         def resolve() -> tuple[str, TagDescription]:
             resolved = tags.resolve_tag(storage, tag)
@@ -563,9 +574,9 @@ class CheckpointManager:
         A tag is skipped when any rank found one of its files damaged or missing (FormatError, which includes
         IntegrityError); every other error is raised. All ranks agree on each attempt's outcome.
         """
-        options = {**options, "fallback_to_verified": False, "verify": True}
+        options = {**options, "verify": True}  # each candidate is one verified load of a named tag
         coord = self.coordinator()
-        storage = storage_for(checkpoint_dir)
+        storage = self._storage_for(checkpoint_dir)
 
         def newest_first() -> list[str]:
             return [t.name for t in reversed(tags.list_tags(storage))]

@@ -22,14 +22,14 @@ from typing import Any
 
 import torch
 
-from . import knobs, layout
+from . import knobs, layout, plan
 from .dist import Coordinator, format_exception
 from .errors import FormatError, StorageError
 from .serialization import plain, xser
 from .serialization.inmemory import BufferReader, allocate
 from .storage import Storage
 from .topology import Topology
-from .tree import iter_tensors, map_tensors, tensor_bytes
+from .tree import map_tensors, tensor_bytes
 
 PACK_BELOW_BYTES = 1 << 20
 """Tensors smaller than this are broadcast packed together (one collective per ``PACK_BYTES``), not one by one."""
@@ -101,35 +101,15 @@ def _load_small(storage: Storage, path: str, load: Callable[[Any], Any]) -> Any:
 # ----------------------------------------------------------------------------------------------- writing
 
 
-def balance(sizes: Sequence[int], parts: int) -> list[list[int]]:
-    """Indices of ``sizes`` split into ``parts`` bins of about equal total: largest first, each onto the
-    lightest bin (ties to the lower index and bin), so every replica computes the same split."""
-    bins: list[list[int]] = [[] for _ in range(parts)]
-    loads = [0] * parts
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        target = min(range(parts), key=lambda b: (loads[b], b))
-        bins[target].append(i)
-        loads[target] += sizes[i]
-    return [sorted(b) for b in bins]
-
-
-def _xser_share(tensors: list[torch.Tensor], replicas: tuple[int, ...], rank: int) -> list[int]:
-    """The tids this rank writes, in the order it writes them (largest first)."""
-    sizes = [xser.tensor_nbytes(t) for t in tensors]
-    share = balance(sizes, len(replicas))[replicas.index(rank)]
-    return sorted(share, key=lambda i: -sizes[i])
+balance = plan.balance  # kept for callers of the old name: the split is decided in plan.py
 
 
 def tensors_to_write(
     state: Any, *, xser_encoding: bool = False, replicas: Sequence[int] | None = None, rank: int = 0
 ) -> list[torch.Tensor]:
-    """The tensors ``write_state_file`` will need from ``state`` on this rank, in about the order it needs them
-    (so device-to-host copies can run ahead of the writes). Other replicas' xser shares are not needed."""
-    if not xser_encoding:
-        return list({id(t): t for _, t in iter_tensors(state)}.values())
-    inline, files = xser.classify(state, inline_below=inline_below_bytes())
-    replicas = tuple(replicas) if replicas else (rank,)
-    return inline + [files[tid] for tid in _xser_share(files, replicas, rank)]
+    """The tensors ``write_state_file`` will need from ``state`` on this rank (``plan.tensors_of_write``)."""
+    write = plan.StateWrite("state", "", state, tuple(replicas) if replicas else (rank,), xser_encoding)
+    return plan.tensors_of_write(write, rank)
 
 
 def write_state_file(
@@ -158,7 +138,7 @@ def write_state_file(
     ref_data, tensors = xser.encode(state, inline_below=inline_below_bytes(), host=host)
     sizes = [xser.tensor_nbytes(t) for t in tensors]
     index = replicas.index(rank)
-    share = _xser_share(tensors, replicas, rank)
+    share = plan.xser_share(tensors, replicas, rank)
     jobs: list[tuple[str, Callable[[], None]]] = []
     if index == 0:
         jobs.append((path, lambda: _write(storage, path, lambda f: xser.save_ref(ref_data, f))))
