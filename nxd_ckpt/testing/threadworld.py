@@ -1,7 +1,7 @@
 """A world of ranks as threads of one process, for single-process tests of the manager's policies.
 
-``ThreadWorld(n)`` hands out ``n`` coordinators (``ThreadCoordinator``) whose collectives meet at a
-``threading.Barrier`` instead of torch.distributed, and whose ``store`` is a real c10d TCPStore on 127.0.0.1
+``ThreadWorld(n)`` hands out ``n`` coordinators (``ThreadCoordinator``) whose collectives meet at
+a condition variable instead of torch.distributed, and whose ``store`` is a real c10d TCPStore on 127.0.0.1
 shared by all of them, so the commit protocol (``commit.CommitBarrier``) runs exactly as in a job. Inject one
 per thread into ``CheckpointManager(coordinator=..., topology=...)`` and call ``run(fn)``.
 DP replica subgroups are not modelled: use layouts without DP replicas for loads (save paths need none).
