@@ -113,6 +113,9 @@ class ReadProgressStorage(DelegatingStorage):
 
     read_buffer = Storage.read_buffer  # through open_read above, so whole-file reads are counted too
 
+    def local_path(self, path: str) -> str | None:
+        return None  # every read goes through this wrapper, to be counted
+
 
 # ---------------------------------------------------------------------------------------------- helpers
 
@@ -309,28 +312,26 @@ def _show_object(ckpt: Checkpoint, path: str, as_json: bool) -> int:
 
 
 def _verify_one(ckpt: Checkpoint, quick: bool, progress: bool) -> dict[str, Any]:
-    """Checksums/CRCs and listed files (``verification.verify``, unless ``quick``) plus structure checks."""
+    """``verification.verify`` (the same checks and verdict as ``nxd_ckpt.verify``), or with ``quick`` only the
+    structure checks that read no data (``completeness.check_structure``)."""
     url = ckpt.storage.url
-    problems: list[str] = []
     result: dict[str, Any] = {"tag": ckpt.tag, "files_checked": 0, "bytes_checked": 0, "manifests": 0, "notes": []}
-    if not quick:
+    if quick:
+        problems = [f"{url}/{p.path}: {p.message}" for p in completeness.check_structure(ckpt)]
+    else:
         total = sum(size for _, size in ckpt.files())
         bar = progress_bar(total, f"verify {ckpt.tag}", progress)
         try:
             report = verification.verify(ReadProgressStorage(ckpt.storage, bar.update), ckpt.tag)
         finally:
             bar.close()
-        problems += report.problems
+        problems = list(report.problems)
         result.update(
             files_checked=report.files_checked,
             bytes_checked=report.bytes_checked,
             manifests=report.manifests,
             notes=list(report.notes),
         )
-    for p in completeness.check_structure(ckpt):
-        where = f"{url}/{p.path}"
-        if not any(where in known for known in problems):  # verification named this file already
-            problems.append(f"{where}: {p.message}")
     result.update(ok=not problems, problems=problems)
     return result
 

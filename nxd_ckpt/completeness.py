@@ -1,9 +1,10 @@
-"""Structure checks that need no manifest: the state files an NxD layout implies, each one's pickled structure,
+"""Structure checks that need no manifest: the state files a tag's layout implies, each one's pickled structure,
 and, for xser, a tensor file for every reference.
 
-``nxd_ckpt.verification.verify`` checks bytes (recorded checksums, zip CRCs) and the files nxd_ckpt's metadata
-lists; these checks add what the files themselves imply, so a checkpoint written by NxD (no metadata, no
-manifests) is checked for completeness too. Reading structure only touches pickles, never tensor data.
+The files a tag must hold come from ``format.describe.expected_files`` (the one owner, also used by ``verify``
+and the loader), so a checkpoint written by NxD (no metadata, no manifests) is checked for completeness too.
+Reading structure only touches pickles, never tensor data. ``nxd_ckpt.verify`` runs ``check_readable``;
+``nxd-ckpt verify --quick`` runs ``check_structure`` alone.
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import layout
-from .errors import CheckpointError
+from .errors import CheckpointError, UnsafeCheckpointError
+from .format.describe import expected_files
 from .inspect import Checkpoint
+
+__all__ = ["Checkpoint", "Problem", "check_readable", "check_structure", "implied_state_files"]
 
 
 @dataclass(frozen=True)
@@ -24,26 +28,9 @@ class Problem:
 
 
 def implied_state_files(ckpt: Checkpoint) -> list[str]:
-    """State files the layout needs, inferred from the file names present (every (TP, PP) coordinate of the
-    grid they span; every DP rank for ZeRO-1). Paths are relative to the checkpoint directory."""
-    lay = ckpt.layout()
-    if lay.tp is None or lay.pp is None:
-        return []
-    present = {sf.path for sf in ckpt.state_files()}
-    eps: list[int | None] = list(range(lay.ep)) if lay.ep > 1 else [None]  # EP ranks are in model file names
-    grid = [(tp, pp, ep) for pp in range(lay.pp) for tp in range(lay.tp) for ep in eps]
-    tag = ckpt.tag
-    out: list[str] = []
-    if any(layout.model_file(tag, tp, pp, ep) in present for tp, pp, ep in grid):
-        out += [layout.model_file(tag, tp, pp, ep) for tp, pp, ep in grid]
-    if lay.zero1:  # ZeRO-1 shards are named without the EP rank (their DP rank already tells them apart)
-        zgrid = {(tp, pp) for tp, pp, _ in grid}
-        if any(layout.optim_file(tag, dp, tp, pp) in present for dp in range(lay.dp or 1) for tp, pp in zgrid):
-            dps = range(lay.dp or 1)
-            out += [layout.optim_file(tag, dp, tp, pp) for dp in dps for tp, pp in sorted(zgrid, key=lambda c: c[::-1])]
-    elif any(layout.optim_file(tag, 0, tp, pp, ep) in present for tp, pp, ep in grid):
-        out += [layout.optim_file(tag, 0, tp, pp, ep) for tp, pp, ep in grid]
-    return out
+    """State files the tag's layout needs (``format.describe.expected_files``), relative to the checkpoint
+    directory."""
+    return [layout.tag_path(ckpt.tag, *rel.split("/")) for rel in expected_files(ckpt.description())]
 
 
 def check_structure(ckpt: Checkpoint) -> list[Problem]:
@@ -53,13 +40,20 @@ def check_structure(ckpt: Checkpoint) -> list[Problem]:
     if not ckpt.complete:
         done = layout.tag_path(ckpt.tag, layout.DONE_MARKER)
         problems.append(Problem(done, "missing: the save did not finish (or the tag was being deleted)"))
-    present = {sf.path for sf in ckpt.state_files()}
     for path in implied_state_files(ckpt):
-        if path not in present:
-            problems.append(Problem(path, "missing: the other state files of this tag imply it"))
+        if not ckpt.storage.exists(path):
+            problems.append(Problem(path, "missing: the layout of this tag implies it"))
+    return problems + check_readable(ckpt)
+
+
+def check_readable(ckpt: Checkpoint) -> list[Problem]:
+    """State files whose structure cannot be read, and xser references without their tensor file."""
+    problems: list[Problem] = []
     for sf in ckpt.state_files():
         try:
             objects = ckpt.objects(sf)
+        except UnsafeCheckpointError:
+            continue  # refused for safety, not damaged (verify notes the classes it would need)
         except (CheckpointError, KeyError, OSError) as e:
             problems.append(Problem(sf.path, f"unreadable: {_without_location(str(e), ckpt, sf.path)}"))
             continue

@@ -8,7 +8,6 @@ exchange here is of Python objects or CPU tensors over a gloo group. When the de
 from __future__ import annotations
 
 import datetime
-import os
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -23,6 +22,17 @@ T = TypeVar("T")
 
 def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def local_store(timeout_s: float) -> Any:
+    """A c10d TCPStore served by this process on 127.0.0.1 (any free port): for tests that run ranks as threads."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def group_identity() -> tuple[bool, int | None]:
+    """Identifies the current default process group (a new ``init_process_group`` gives a new identity)."""
+    initialized = is_distributed()
+    return initialized, id(dist.group.WORLD) if initialized else None
 
 
 class Coordinator:
@@ -158,4 +168,6 @@ def format_exception(e: BaseException) -> str:
 
 def store_timeout() -> datetime.timedelta:
     """How long commit steps wait for other ranks (NXD_CKPT_COMMIT_TIMEOUT_S, default 30 minutes)."""
-    return datetime.timedelta(seconds=float(os.environ.get("NXD_CKPT_COMMIT_TIMEOUT_S", "1800")))
+    from . import knobs
+
+    return datetime.timedelta(seconds=knobs.commit_timeout_s())

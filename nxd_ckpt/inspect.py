@@ -30,9 +30,10 @@ import torch
 
 from . import layout, statefile, tags
 from .errors import CheckpointNotFoundError, FormatError
+from .format.describe import TagDescription, describe, layout_text
 from .serialization import xser
 from .serialization.structure import RECORD_ATTR, load_structure, torch_load
-from .storage import LocalStorage, Storage, storage_for
+from .storage import Storage, storage_for
 from .tree import map_tensors
 
 __all__ = ["Checkpoint", "Layout", "ObjectInfo", "StateFile", "open_checkpoint"]
@@ -93,13 +94,25 @@ class Layout:
     items: tuple[str, ...] | None = None
     ep: int = 1
     """Expert-parallel size (model files named ``..._ep_rank_XX_...`` when above 1)."""
+    zero1_full: bool = False
+    """The ZeRO-1 state is merged into ``optim/full_*`` files (convert-zero1 --convert_to_full): any DP loads it."""
+
+    @classmethod
+    def from_description(cls, desc: TagDescription) -> Layout:
+        return cls(
+            tp=desc.tp,
+            pp=desc.pp,
+            dp=desc.dp,
+            zero1=desc.zero1,
+            xser=desc.xser,
+            world_size=desc.world_size,
+            items=desc.items,
+            zero1_full=desc.zero1_full,
+            ep=desc.ep,
+        )
 
     def describe(self) -> str:
-        def size(v: int | None) -> str:
-            return "?" if v is None else str(v)
-
-        text = f"DP={size(self.dp)} TP={size(self.tp)} PP={size(self.pp)}" + (f" EP={self.ep}" if self.ep > 1 else "")
-        return text + (", ZeRO-1" if self.zero1 else "") + (", xser" if self.xser else "")
+        return layout_text(self.dp, self.tp, self.pp, self.zero1, self.zero1_full, self.xser, self.ep)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -107,6 +120,7 @@ class Layout:
             "tp": self.tp,
             "pp": self.pp,
             "zero1": self.zero1,
+            "zero1_full": self.zero1_full,
             "xser": self.xser,
             "world_size": self.world_size,
             "items": list(self.items) if self.items is not None else None,
@@ -164,6 +178,7 @@ class Checkpoint:
         self._xser_refs: dict[str, Any] = {}
         self._xser_infos: dict[str, dict[int, dict[str, Any]] | None] = {}
         self._structures: dict[str, Any] = {}
+        self._description: TagDescription | None = None
 
     @property
     def url(self) -> str:
@@ -175,8 +190,10 @@ class Checkpoint:
 
     @property
     def metadata(self) -> dict | None:
-        """nxd_ckpt's ``nxd_ckpt.json`` of this tag (None for NxD-written tags)."""
-        return tags.read_metadata(self.storage, self.tag)
+        """nxd_ckpt's ``nxd_ckpt.json`` of this tag as a dict (None for NxD-written tags); typed:
+        ``description().metadata``."""
+        meta = self.description().metadata
+        return meta.to_dict() if meta is not None else None
 
     def files(self) -> list[tuple[str, int]]:
         """Every file of the tag as (path relative to the tag directory, size in bytes), sorted."""
@@ -200,34 +217,15 @@ class Checkpoint:
             self._state_files = found
         return list(self._state_files)
 
+    def description(self) -> TagDescription:
+        """The saved layout (``format.describe``: the loader, ``verify`` and the tools ask the same function)."""
+        if self._description is None:
+            self._description = describe(self.storage, self.tag)
+        return self._description
+
     def layout(self) -> Layout:
         """The saved layout: from ``nxd_ckpt.json``, else inferred from NxD's file names."""
-        meta = self.metadata or {}
-        saved = meta.get("layout") or {}
-        names = {
-            layout.MODEL_DIR: self.storage.list_dir(layout.tag_path(self.tag, layout.MODEL_DIR)),
-            layout.OPTIM_DIR: self.storage.list_dir(layout.tag_path(self.tag, layout.OPTIM_DIR)),
-        }
-        coords = [c for d in names.values() for n in d if (c := layout.parse_state_file_name(n))]
-        optim_dps = [c[0] for n in names[layout.OPTIM_DIR] if (c := layout.parse_state_file_name(n))]
-        zero1 = bool(meta["zero1"]) if "zero1" in meta else any(dp > 0 for dp in optim_dps)
-        tp = saved.get("tp") or (max(c[1] for c in coords) + 1 if coords else None)
-        pp = saved.get("pp") or (max(c[2] for c in coords) + 1 if coords else None)
-        dp = saved.get("dp") or (max(optim_dps) + 1 if zero1 and optim_dps else None)
-        xser_files = any(s.encoding == "xser" for s in self.state_files())
-        items = tuple(meta["items"]) if isinstance(meta.get("items"), list) else None
-        eps = [e for d in names.values() for n in d if (e := layout.parse_expert_rank(n)) is not None]
-        ep = int(saved.get("ep") or (max(eps) + 1 if eps else 1))
-        return Layout(
-            ep=ep,
-            tp=tp,
-            pp=pp,
-            dp=dp,
-            zero1=zero1,
-            xser=bool(meta.get("xser")) or xser_files,
-            world_size=saved.get("world_size"),
-            items=items,
-        )
+        return Layout.from_description(self.description())
 
     # ------------------------------------------------------------------------------------------ manifest
     def objects(self, state_file: StateFile | str | None = None) -> list[ObjectInfo]:
@@ -533,7 +531,7 @@ class _PartialReadStream:
     _cm: Any = field(default=None, repr=False)
 
     def __enter__(self) -> Any:
-        if isinstance(self.storage, LocalStorage):
+        if not self.storage.ranged_reads:
             self._cm = self.storage.open_read(self.path)
             return self._cm.__enter__()
         return _RangeReader(self.storage, self.path)  # unbuffered: torch reads ~20 small ranges, not the data

@@ -15,150 +15,56 @@ Tags without manifests (written by NxD, or by nxd_ckpt before manifests existed)
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import numpy as np
 
 from . import layout
-from .errors import IntegrityError, StorageError
-from .hashing import Hasher, hash_bytes
-from .storage import DelegatingStorage, Storage, check_relative_path
-from .storage.base import Allocator, read_whole
-
-ALGORITHM = "xxh3_64"
-MANIFEST_FORMAT = "nxd_ckpt.manifest"
-MANIFEST_VERSION = 1
-MANIFEST_PREFIX = "manifest_rank_"
-_CHUNK = 8 << 20
-_RESTORE_HINT = (
-    "the file changed after it was written (disk or transfer corruption, truncation, or tampering); restore it "
-    "from a copy or load another tag (load_checkpoint(..., fallback_to_verified=True) picks the newest intact one)"
+from .errors import StorageError
+from .format.manifests import (
+    ALGORITHM,
+    MANIFEST_FORMAT,
+    MANIFEST_PREFIX,
+    MANIFEST_VERSION,
+    FileRecord,
+    check_record,
+    hash_stream,
+    manifest_bytes,
+    manifest_paths,
+    new_hasher,
+    parse_manifest,
+    read_index,
+    read_manifests,
 )
+from .hashing import hash_bytes
+from .storage import DelegatingStorage, Storage
+from .storage.base import Allocator, read_whole
+from .verification import VerifyReport
+from .verification import verify as verify_report
 
-
-@dataclass(frozen=True)
-class FileRecord:
-    """Size and xxh3_64 digest (hex) of one file, and the rank whose manifest lists it."""
-
-    size: int
-    digest: str
-    rank: int = -1
-
-
-def new_hasher() -> Any:
-    return Hasher()
-
-
-def hash_stream(f: BinaryIO) -> tuple[int, str]:
-    """(size, digest) of a readable stream from its current position to the end."""
-    hasher = new_hasher()
-    size = 0
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    while True:
-        n = f.readinto(buf) if hasattr(f, "readinto") else _read_into(f, buf)
-        if not n:
-            break
-        hasher.update(view[:n])
-        size += n
-    return size, hasher.hexdigest()
-
-
-def _read_into(f: BinaryIO, buf: bytearray) -> int:
-    data = f.read(len(buf))
-    buf[: len(data)] = data
-    return len(data)
-
-
-# --------------------------------------------------------------------------------------------------- manifests
-def _canonical(body: dict) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-
-
-def manifest_bytes(tag: str, rank: int, records: dict[str, FileRecord]) -> bytes:
-    """A manifest: the files (paths within the tag) with size and digest, sealed by a checksum of its body."""
-    body = {
-        "format": MANIFEST_FORMAT,
-        "format_version": MANIFEST_VERSION,
-        "algorithm": ALGORITHM,
-        "tag": tag,
-        "rank": rank,
-        "files": {path: [rec.size, rec.digest] for path, rec in sorted(records.items())},
-    }
-    head = {k: v for k, v in body.items() if k != "files"}
-    head["checksum"] = hash_bytes(_canonical(body))[1]
-    lines = [f"{json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
-    files = ",\n".join(f"  {json.dumps(p)}: {json.dumps(v)}" for p, v in body["files"].items())
-    return ("{\n" + "\n".join(lines) + '\n"files": {\n' + files + "\n}\n}\n").encode()
-
-
-def parse_manifest(data: bytes, where: str) -> tuple[int, dict[str, FileRecord]]:
-    """(rank, records) of a manifest file; IntegrityError naming ``where`` if it is damaged."""
-    try:
-        doc = json.loads(data)
-        if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
-            raise ValueError("not an nxd_ckpt manifest")
-        checksum = doc.pop("checksum", None)
-        if checksum != hash_bytes(_canonical(doc))[1]:
-            raise ValueError("its own checksum does not match its content")
-        if doc.get("algorithm") != ALGORITHM:
-            raise ValueError(f"unknown checksum algorithm {doc.get('algorithm')!r}")
-        rank = int(doc["rank"])
-        records = {check_relative_path(str(p)): FileRecord(int(s), str(d), rank) for p, (s, d) in doc["files"].items()}
-    except (ValueError, KeyError, TypeError) as e:  # InvalidTagError (a path leaving the tag) is a ValueError
-        raise IntegrityError(f"manifest {where} is damaged ({e}); {_RESTORE_HINT}") from e
-    return rank, records
-
-
-def manifest_paths(storage: Storage, tag: str) -> list[str]:
-    """The manifest files of a tag (empty for tags written without manifests)."""
-    extras = layout.tag_path(tag, layout.EXTRAS_DIR)
-    names = storage.list_dir(extras)
-    return [f"{extras}/{n}" for n in names if n.startswith(MANIFEST_PREFIX) and n.endswith(".json")]
-
-
-def read_index(storage: Storage, tag: str) -> dict[str, FileRecord]:
-    """Every manifest of ``tag`` merged: {path within the tag: record} (empty for tags without manifests).
-
-    Also checks that no rank's manifest is missing and that the metadata file (which the load path trusts for
-    the layout) matches its record. Raises IntegrityError naming the damaged or missing file.
-    """
-    index: dict[str, FileRecord] = {}
-    ranks: set[int] = set()
-    for path in manifest_paths(storage, tag):
-        rank, records = parse_manifest(storage.read_bytes(path), f"{storage.url}/{path}")
-        ranks.add(rank)
-        index.update(records)
-    meta_rec = index.get(layout.METADATA_FILE)
-    if meta_rec is not None:
-        meta_path = layout.tag_path(tag, layout.METADATA_FILE)
-        data = storage.read_bytes(meta_path)
-        check_record(storage.url, tag, meta_path, meta_rec, *hash_bytes(data))
-        world = json.loads(data).get("layout", {}).get("world_size")
-        missing = sorted(set(range(world)) - ranks) if isinstance(world, int) else []
-        if missing:
-            raise IntegrityError(
-                f"{storage.url}/{layout.manifest_file(tag, missing[0])} is missing ({len(missing)} of {world} "
-                f"ranks' manifests are): the files those ranks wrote cannot be checked; {_RESTORE_HINT}"
-            )
-    return index
-
-
-def check_record(url: str, tag: str, path: str, rec: FileRecord, size: int, digest: str) -> None:
-    """Raise IntegrityError naming ``url/path`` unless ``size`` and ``digest`` match the record."""
-    if size == rec.size and digest == rec.digest:
-        return
-    what = (
-        f"has {size} bytes but {rec.size} were written"
-        if size != rec.size
-        else f"has {ALGORITHM} checksum {digest} but {rec.digest} was recorded when it was written"
-    )
-    manifest = layout.manifest_file(tag, rec.rank) if rec.rank >= 0 else "its manifest"
-    raise IntegrityError(f"{url}/{path} is corrupt: it {what} (see {manifest}); {_RESTORE_HINT}")
+# The manifest format (records, sealing, parsing, the one reader) lives in format/manifests.py; these names are
+# re-exported for callers of this module.
+__all__ = [
+    "ALGORITHM",
+    "MANIFEST_FORMAT",
+    "MANIFEST_PREFIX",
+    "MANIFEST_VERSION",
+    "ChecksummingStorage",
+    "FileRecord",
+    "VerifyingStorage",
+    "check_record",
+    "hash_stream",
+    "manifest_bytes",
+    "manifest_paths",
+    "new_hasher",
+    "parse_manifest",
+    "read_index",
+    "read_manifests",
+    "remove_manifests",
+    "verify",
+]
 
 
 def remove_manifests(storage: Storage, tag: str) -> None:
@@ -257,6 +163,12 @@ class ChecksummingStorage(DelegatingStorage):
         self.inner.write_bytes(path, data)
         self._record(path, FileRecord(*hash_bytes(data), self.rank))
 
+    def write_from_local_file(self, path: str, local_file: str) -> None:
+        with open(local_file, "rb") as f:
+            rec = FileRecord(*hash_stream(f), self.rank)
+        self.inner.write_from_local_file(path, local_file)
+        self._record(path, rec)
+
     def _record(self, path: str, rec: FileRecord) -> None:
         if path.startswith(self.tag + "/"):
             with self._lock:
@@ -320,6 +232,10 @@ class VerifyingStorage(DelegatingStorage):
             return None
         return self.index().get(path[len(self.tag) + 1 :])
 
+    def local_path(self, path: str) -> str | None:
+        """None for files this storage checks: reading them directly would skip the check."""
+        return None if self.record_for(path) is not None else self.inner.local_path(path)
+
     def _check(self, path: str, rec: FileRecord, size: int, digest: str) -> None:
         check_record(self.url, self.tag, path, rec, size, digest)
         with self._lock:
@@ -360,12 +276,10 @@ class VerifyingStorage(DelegatingStorage):
         return data
 
 
-def verify(checkpoint_dir: Any, tag: str | None = None) -> Any:
+def verify(checkpoint_dir: Any, tag: str | None = None) -> VerifyReport:
     """``nxd_ckpt.verify`` that raises IntegrityError (listing every problem, each naming its file) on failure.
 
     Returns:
         The VerifyReport of a checkpoint that passed.
     """
-    from .verification import verify as verify_report  # imported here: verification builds on this module
-
     return verify_report(checkpoint_dir, tag).raise_if_failed()

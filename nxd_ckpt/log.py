@@ -13,6 +13,8 @@ import logging
 import os
 import sys
 
+from . import knobs
+
 LOGGER_NAME = "nxd_ckpt"
 ALL_RANKS_ENV = "NXD_CKPT_LOG_ALL_RANKS"
 
@@ -35,7 +37,7 @@ class MasterOnlyFilter(logging.Filter):
     """Drops records below WARNING on ranks other than 0 (unless NXD_CKPT_LOG_ALL_RANKS is set)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.WARNING or os.environ.get(ALL_RANKS_ENV, "") not in ("", "0"):
+        if record.levelno >= logging.WARNING or knobs.log_all_ranks():
             return True
         try:
             return process_rank() == 0

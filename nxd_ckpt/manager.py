@@ -22,12 +22,11 @@ background is raised, once and chained, by the next ``save``/``load``/``finalize
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +36,7 @@ import torch
 from . import adapters, integrity, layout, plan, staging, statefile, tags, tree, xla, zero1_io
 from . import rank_state as rank_states
 from .commit import CommitBarrier
-from .dist import Coordinator, format_exception
+from .dist import Coordinator, format_exception, group_identity
 from .errors import (
     CheckpointError,
     FormatError,
@@ -45,6 +44,8 @@ from .errors import (
     LayoutMismatchError,
     RemoteRankError,
 )
+from .format.describe import TagDescription, describe
+from .format.metadata import FORMAT_VERSION, TagMetadata, metadata_path, write_metadata
 from .parallel_state import current_topology
 from .storage import Storage, storage_for
 from .topology import Topology
@@ -52,7 +53,7 @@ from .writer import AsyncWriter
 
 logger = logging.getLogger("nxd_ckpt")
 
-FORMAT_VERSION = 1
+__all__ = ["FORMAT_VERSION", "CheckpointManager", "SaveReport", "describe_checkpoint"]
 
 
 @dataclass
@@ -113,14 +114,24 @@ class _SaveContext:
     use_xser: bool
     num_kept_ckpts: int | None
     items: tuple[str, ...]
-    state_files: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    """Model/optimizer files this rank writes -> the ranks holding that state (xser spreads the work over them)."""
 
 
 class CheckpointManager:
     """Per-process owner of everything a save or load needs between calls. One per process is typical."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        coordinator: Coordinator | None = None,
+        topology: Topology | Callable[[], Topology] | None = None,
+        storage: Callable[[Any], Storage] | None = None,
+    ) -> None:
+        """Defaults: a Coordinator over torch.distributed (re-made when the process group changes), the parallel
+        state's topology at each call, and ``storage_for`` of the checkpoint directory. Inject others to run the
+        manager's policies without processes (``nxd_ckpt.testing.threadworld``) or on another backend."""
+        self._injected_coordinator = coordinator
+        self._topology_source = topology
+        self._storage_for = storage or storage_for
         self._coordinator: Coordinator | None = None
         self._coordinator_key: tuple | None = None
         self._session: str | None = None
@@ -130,17 +141,22 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------- plumbing
     def coordinator(self) -> Coordinator:
-        """The coordinator for the current process group (re-created if the group changed)."""
-        import torch.distributed as dist
-
-        key = (dist.is_initialized(), id(dist.group.WORLD) if dist.is_initialized() else None)
+        """The coordinator for the current process group (re-created if the group changed), or the injected one."""
+        key = self._injected_coordinator if self._injected_coordinator is not None else group_identity()
         if self._coordinator is None or key != self._coordinator_key:
-            self._coordinator = Coordinator()
+            self._coordinator = self._injected_coordinator or Coordinator()
             self._coordinator_key = key
             session = uuid.uuid4().hex[:12] if self._coordinator.rank == 0 else None
             self._session = self._coordinator.broadcast_object(session)
             self._seq = 0
         return self._coordinator
+
+    def topology(self) -> Topology:
+        """The layout of this job: the injected topology, else the parallel state's (read at each call)."""
+        source = self._topology_source
+        if source is None:
+            return current_topology()
+        return source() if callable(source) else source
 
     def _writer(self) -> AsyncWriter:
         if self._async_writer is None:
@@ -205,8 +221,8 @@ class CheckpointManager:
         coord = self.coordinator()
         if waited >= 0.001 and coord.rank == 0:
             logger.info("save of %s waited %.2f s for the previous save to finish writing", tag, waited)
-        topo = coord.run_all(current_topology, "reading the parallel layout")
-        storage = storage_for(checkpoint_dir)
+        topo = coord.run_all(self.topology, "reading the parallel layout")
+        storage = self._storage_for(checkpoint_dir)
         zero1 = bool(zero1_optimizer) or adapters.is_zero1_optimizer(optimizer)
         items = tuple(
             name
@@ -235,33 +251,32 @@ class CheckpointManager:
             scheduler=adapters.scheduler_state(scheduler) if scheduler is not None else None,
             user_content=user_content,
             zero1=zero1,
-            spread_replicated=use_xser,
+            use_xser=use_xser,
         )
-        ctx.state_files.update({w.path: w.replicas for w in writes if w.kind in ("model", "optimizer")})
         lease: staging.StagedState | None = None
         fetcher: staging.HostFetcher | None = None
         if async_save:  # a training-safe copy in reused host buffers, handed back once the files are durable
             try:
-                needed = {id(t) for t in self._tensors_to_write(writes, ctx, coord.rank)}
+                needed = {id(t) for t in plan.tensors_to_write(writes, coord.rank)}
                 lease = self._staging_pool.stage([w.state for w in writes], needed=needed)
             except BaseException as e:
                 # Tell rank 0's commit that this rank will never write, instead of letting it wait until timeout.
                 barrier = CommitBarrier(coord.store, str(self._session), ctx.seq, coord.rank, coord.world_size)
                 barrier.arrive(f"rank {coord.rank} could not stage its state: {format_exception(e)}")
                 raise
-            staged = [(w.path, state) for w, state in zip(writes, lease.trees, strict=True)]
+            staged = [w.with_state(state) for w, state in zip(writes, lease.trees, strict=True)]
             report.staging_allocated_bytes = lease.allocated_bytes
         else:
             # Device tensors are copied to the host by a thread running ahead of the writers (one sync for all).
-            staged = [(w.path, w.state) for w in writes]
+            staged = list(writes)
             if any(staging.has_device_tensors(w.state) for w in writes):
                 try:
-                    fetcher = staging.HostFetcher(self._tensors_to_write(writes, ctx, coord.rank))
+                    fetcher = staging.HostFetcher(plan.tensors_to_write(writes, coord.rank))
                 except BaseException as e:  # as for async staging: rank 0's commit must not wait for this rank
                     barrier = CommitBarrier(coord.store, str(self._session), ctx.seq, coord.rank, coord.world_size)
                     barrier.arrive(f"rank {coord.rank} could not copy its state to the host: {format_exception(e)}")
                     raise
-        staged += rank_files
+        staged += [plan.StateWrite("rank_state", path, state, (coord.rank,)) for path, state in rank_files]
         report.staging_s = time.perf_counter() - stage_start
 
         def write_and_commit() -> None:
@@ -288,20 +303,6 @@ class CheckpointManager:
             self._log_save(report, coord)
         return report
 
-    @staticmethod
-    def _tensors_to_write(writes: list[plan.StateWrite], ctx: _SaveContext, rank: int) -> list[torch.Tensor]:
-        """The tensors this rank's writers will read, in order: with xser, only its share of replicated files."""
-        return [
-            t
-            for w in writes
-            for t in statefile.tensors_to_write(
-                w.state,
-                xser_encoding=ctx.use_xser and w.path in ctx.state_files,
-                replicas=ctx.state_files.get(w.path),
-                rank=rank,
-            )
-        ]
-
     def _begin(
         self,
         coord: Coordinator,
@@ -320,7 +321,7 @@ class CheckpointManager:
                 return 0.0
             replacing = storage.exists(layout.tag_path(tag, layout.DONE_MARKER))
             storage.delete(layout.tag_path(tag, layout.DONE_MARKER))
-            storage.delete(layout.tag_path(tag, layout.METADATA_FILE))
+            storage.delete(metadata_path(tag))
             integrity.remove_manifests(storage, tag)  # stale ones (e.g. another world size) would fail verify
             storage.write_bytes(layout.tag_path(tag, layout.CHECKPOINT_MARKER), b"1")
             if replacing:  # make the removal of the old 'done' durable before files are rewritten; a new
@@ -345,7 +346,7 @@ class CheckpointManager:
         self,
         ctx: _SaveContext,
         coord: Coordinator,
-        staged: list[tuple[str, Any]],
+        staged: list[plan.StateWrite],
         report: SaveReport,
         waves: int | None,
         lease: staging.StagedState | None = None,
@@ -361,8 +362,7 @@ class CheckpointManager:
 
         def write_files() -> None:
             # All of this rank's files are fsynced together at the end (one flush, not one per state file).
-            deferred = getattr(ctx.storage, "deferred_fsync", None)
-            with deferred() if callable(deferred) else contextlib.nullcontext():
+            with ctx.storage.durability_batch():
                 written = write_all()
             ctx.storage.sync_dirs({p.rsplit("/", 1)[0] for p in written})
             ctx.storage.write_manifest()  # before arriving: 'done' implies every rank's manifest exists
@@ -370,14 +370,14 @@ class CheckpointManager:
 
         def write_all() -> list[str]:
             written: list[str] = []
-            for path, state in staged:
-                if path in ctx.state_files:
+            for w in staged:
+                if w.is_state_file:
                     done = statefile.write_state_file(
                         ctx.storage,
-                        path,
-                        state,
-                        xser_encoding=ctx.use_xser,
-                        replicas=ctx.state_files[path],
+                        w.path,
+                        w.state,
+                        xser_encoding=w.xser,
+                        replicas=w.replicas,
                         rank=coord.rank,
                         host=fetcher.host if fetcher is not None else None,
                     )
@@ -385,9 +385,9 @@ class CheckpointManager:
                     report.bytes_written += done.nbytes
                     continue
                 written += statefile.write_plain(
-                    ctx.storage, path, state, host=fetcher.host if fetcher is not None else None
+                    ctx.storage, w.path, w.state, host=fetcher.host if fetcher is not None else None
                 )
-                report.bytes_written += sum(t.numel() * t.element_size() for t in _tensors(state))
+                report.bytes_written += sum(t.numel() * t.element_size() for t in _tensors(w.state))
             return written
 
         if waves is not None and coord.distributed and waves < ctx.topology.local_world_size:
@@ -453,26 +453,22 @@ class CheckpointManager:
 
     def _write_done(self, ctx: _SaveContext, world_size: int) -> None:
         topo = ctx.topology
-        metadata = {
-            "format": "nxd_ckpt",
-            "format_version": FORMAT_VERSION,
-            "tag": ctx.tag,
-            "created_at": ctx.created_at,
-            "layout": {
-                "tp": topo.tp_size,
-                "pp": topo.pp_size,
-                "dp": topo.dp_size,
-                "cp": topo.cp_size,
-                "ep": topo.ep_size,
-                "world_size": world_size,
-            },
-            "zero1": ctx.zero1,
-            "zero1_dp_size": topo.zero1_size if ctx.zero1 else None,
-            "xser": ctx.use_xser,
-            "items": list(ctx.items),
-            "torch_version": torch.__version__,
-        }
-        ctx.storage.write_bytes(layout.tag_path(ctx.tag, layout.METADATA_FILE), json.dumps(metadata, indent=1).encode())
+        metadata = TagMetadata(
+            tag=ctx.tag,
+            created_at=ctx.created_at,
+            tp=topo.tp_size,
+            pp=topo.pp_size,
+            dp=topo.dp_size,
+            cp=topo.cp_size,
+            ep=topo.ep_size,
+            world_size=world_size,
+            zero1=ctx.zero1,
+            zero1_dp_size=topo.zero1_size if ctx.zero1 else None,
+            xser=ctx.use_xser,
+            items=ctx.items,
+            torch_version=torch.__version__,
+        )
+        write_metadata(ctx.storage, metadata)
         ctx.storage.write_manifest()  # rank 0's manifest again, now listing the metadata file too
         ctx.storage.sync_dirs([ctx.tag, ""])  # the tag's entries are durable before 'done' can be
         ctx.storage.write_bytes(layout.tag_path(ctx.tag, layout.DONE_MARKER), b"1")
@@ -501,7 +497,17 @@ class CheckpointManager:
         fallback_to_verified: bool = False,
     ) -> Any:
         if fallback_to_verified and tag is None:
-            options = {k: v for k, v in locals().items() if k not in ("self", "checkpoint_dir", "tag")}
+            options = dict(
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                num_workers=num_workers,
+                strict=strict,
+                allow_pickle=allow_pickle,
+                rank_state=rank_state,
+                skip_rank_state=skip_rank_state,
+                device=device,
+            )
             return self._load_newest_verified(checkpoint_dir, options)
         call_start = time.perf_counter()
         target_device = xla.resolve_device(device)  # before any collective: a missing torch_xla fails fast
@@ -509,12 +515,12 @@ class CheckpointManager:
         self.wait_pending()
         self.check_for_errors()
         coord = self.coordinator()
-        topo = coord.run_all(current_topology, "reading the parallel layout")
-        storage = storage_for(checkpoint_dir)
+        topo = coord.run_all(self.topology, "reading the parallel layout")
+        storage = self._storage_for(checkpoint_dir)
 
-        def resolve() -> tuple[str, dict]:
+        def resolve() -> tuple[str, TagDescription]:
             resolved = tags.resolve_tag(storage, tag)
-            return resolved, describe_checkpoint(storage, resolved)
+            return resolved, describe(storage, resolved)
 
         resolved, info = coord.broadcast_object(
             coord.run_all(resolve if coord.rank == 0 else lambda: None, "resolving")
@@ -539,7 +545,7 @@ class CheckpointManager:
                     model, state, strict=strict, source=f"{storage.url}/{path}", device=target_device
                 )
             if optimizer is not None:
-                if info["zero1"]:
+                if info.zero1:
                     path = layout.optim_file(resolved, topo.zero1_rank, topo.tp_rank, topo.pp_rank)
                 else:
                     path = layout.optim_file(resolved, 0, topo.tp_rank, topo.pp_rank, topo.file_ep_rank)
@@ -553,7 +559,7 @@ class CheckpointManager:
                 if reshard:  # ZeRO-1 saved with another DP size (or full): read only the rows this shard covers
                     state = zero1_io.load_resharded_state(storage, resolved, saved_dp, topo, trusted=allow_pickle)
                 else:
-                    state = _read(storage, path, info, allow_pickle, None if info["zero1"] else replicas)
+                    state = _read(storage, path, info, allow_pickle, None if info.zero1 else replicas)
                 adapters.load_optimizer_state(optimizer, state, source=f"{storage.url}/{path}", device=target_device)
             if scheduler is not None:
                 path = layout.tag_path(resolved, layout.SCHEDULER_FILE)
@@ -587,9 +593,9 @@ class CheckpointManager:
         A tag is skipped when any rank found one of its files damaged or missing (FormatError, which includes
         IntegrityError); every other error is raised. All ranks agree on each attempt's outcome.
         """
-        options = {**options, "fallback_to_verified": False, "verify": True}
+        options = {**options, "verify": True}  # each candidate is one verified load of a named tag
         coord = self.coordinator()
-        storage = storage_for(checkpoint_dir)
+        storage = self._storage_for(checkpoint_dir)
 
         def newest_first() -> list[str]:
             return [t.name for t in reversed(tags.list_tags(storage))]
@@ -643,7 +649,11 @@ def _loaded_bytes(*targets: Any) -> int:
 
 
 def _read(
-    storage: Storage, path: str, info: dict, allow_pickle: bool, replicas: statefile.ReplicaGroup | None = None
+    storage: Storage,
+    path: str,
+    info: TagDescription,
+    allow_pickle: bool,
+    replicas: statefile.ReplicaGroup | None = None,
 ) -> Any:
     if not storage.exists(path):
         tag_dir, _, rest = path.partition("/")
@@ -662,58 +672,21 @@ def _read(
     return statefile.read_state_file(storage, path, trusted=allow_pickle, group=replicas)
 
 
-def describe_checkpoint(storage: Storage, tag: str) -> dict:
-    """Layout facts of a saved tag: from nxd_ckpt's metadata, else inferred from NxD's file names."""
-    meta = tags.read_metadata(storage, tag) or {}
-    model_coords = [
-        c for n in storage.list_dir(layout.tag_path(tag, layout.MODEL_DIR)) if (c := layout.parse_state_file_name(n))
-    ]
-    optim_coords = [
-        c for n in storage.list_dir(layout.tag_path(tag, layout.OPTIM_DIR)) if (c := layout.parse_state_file_name(n))
-    ]
-    coords = model_coords + optim_coords
-    if "layout" in meta:
-        tp, pp = meta["layout"]["tp"], meta["layout"]["pp"]
-    elif coords:
-        tp, pp = max(c[1] for c in coords) + 1, max(c[2] for c in coords) + 1
-    else:
-        tp = pp = None
-    full_coords = [  # ZeRO-1 optimizer states merged by the offline converter (optim/full_*.pt)
-        c
-        for n in storage.list_dir(layout.tag_path(tag, layout.OPTIM_DIR))
-        if (c := layout.parse_full_optim_file_name(n))
-    ]
-    zero1_full = bool(meta.get("zero1_full", bool(full_coords) and not optim_coords))
-    zero1 = meta.get("zero1", any(c[0] > 0 for c in optim_coords)) or zero1_full
-    dp_saved = meta.get("zero1_dp_size") or (max(c[0] for c in optim_coords) + 1 if zero1 and optim_coords else None)
-    expert_ranks = [
-        e
-        for sub in (layout.MODEL_DIR, layout.OPTIM_DIR)
-        for n in storage.list_dir(layout.tag_path(tag, sub))
-        if (e := layout.parse_expert_rank(n)) is not None
-    ]
-    ep = int(meta.get("layout", {}).get("ep") or (max(expert_ranks) + 1 if expert_ranks else 1))
-    return {
-        "tp": tp,
-        "pp": pp,
-        "ep": ep,
-        "zero1": bool(zero1),
-        "zero1_dp_size": dp_saved,
-        "zero1_full": zero1_full,
-        "metadata": meta or None,
-    }
+def describe_checkpoint(storage: Storage, tag: str) -> TagDescription:
+    """Layout facts of a saved tag (kept for callers of the old name): ``format.describe.describe``."""
+    return describe(storage, tag)
 
 
-def _check_layout(info: dict, topo: Topology, url: str, tag: str) -> None:
-    if info["tp"] is None:
+def _check_layout(info: TagDescription, topo: Topology, url: str, tag: str) -> None:
+    if info.tp is None:
         return
-    if info.get("ep", 1) != topo.ep_size:
+    if info.ep != topo.ep_size:
         raise LayoutMismatchError(
-            f"checkpoint {url}/{tag} was saved with expert parallelism EP={info.get('ep', 1)} but this job runs "
+            f"checkpoint {url}/{tag} was saved with expert parallelism EP={info.ep} but this job runs "
             f"{topo.describe()}; load it with the same EP size (experts are not re-sharded)"
         )
-    if (info["tp"], info["pp"]) != (topo.tp_size, topo.pp_size):
+    if (info.tp, info.pp) != (topo.tp_size, topo.pp_size):
         raise LayoutMismatchError(
-            f"checkpoint {url}/{tag} was saved with TP={info['tp']} PP={info['pp']} but this job runs "
+            f"checkpoint {url}/{tag} was saved with TP={info.tp} PP={info.pp} but this job runs "
             f"{topo.describe()}; load it with the same TP and PP sizes (DP may differ)"
         )

@@ -1,12 +1,28 @@
-"""Which state files each rank writes: NxD's replication patterns as a pure function of the layout."""
+"""Which state files each rank writes, and which tensors each write needs: decided once, as pure functions over
+frozen plan items (NxD's replication patterns as a function of the layout).
+
+``plan_save`` says which files this rank writes (model and replicated optimizer by DP rank 0 of each (TP, PP)
+coordinate, or spread over the DP replicas for xser; ZeRO-1 shards by every rank; scheduler and user content by
+the master). ``xser_share`` says which tensor files of a replicated xser state file this rank writes, and
+``tensors_to_write`` which tensors this rank's writers will read (so staging copies only those). The writer
+(``statefile.write_state_file``) and the manager both ask these, so they cannot disagree.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
-from . import layout
+import torch
+
+from . import knobs, layout
+from .serialization import xser
 from .topology import Topology
+from .tree import iter_tensors
+
+STATE_KINDS = ("model", "optimizer")
+"""Kinds whose files are state files (plain or xser, possibly spread over replicas); the rest are plain."""
 
 
 @dataclass(frozen=True)
@@ -18,6 +34,16 @@ class StateWrite:
     path: str
     state: Any
     replicas: tuple[int, ...]
+    xser: bool = False
+    """Written in the xser encoding (model and optimizer of an xser save); else one ``torch.save`` file."""
+
+    @property
+    def is_state_file(self) -> bool:
+        return self.kind in STATE_KINDS
+
+    def with_state(self, state: Any) -> StateWrite:
+        """The same write of another copy of the state (e.g. the staged host copy)."""
+        return replace(self, state=state)
 
 
 def plan_save(
@@ -30,27 +56,31 @@ def plan_save(
     user_content: Any = None,
     zero1: bool = False,
     spread_replicated: bool = False,
+    use_xser: bool | None = None,
 ) -> list[StateWrite]:
     """The files this rank writes: model and replicated optimizer by the first of each (TP, PP[, EP])
     coordinate's replicas (DP and CP ranks; expert-DP ranks with EP), ZeRO-1 optimizer shards by every rank,
     scheduler and user content by the master (global rank 0).
 
-    With ``spread_replicated`` (xser, where a file is many tensor files) every DP replica gets the replicated
-    files too, and the encoding writes only its share of them (see ``statefile.write_state_file``).
+    With ``use_xser`` (default: ``spread_replicated``) model and optimizer files are xser, and every DP replica
+    gets the replicated files too: each writes only its share of the tensor files (``xser_share``).
     """
+    xser_files = spread_replicated if use_xser is None else use_xser
+    spread = spread_replicated or xser_files
     writes: list[StateWrite] = []
     replicas = tuple(topo.replica_ranks())
-    writes_replicated = topo.replica_rank == 0 or spread_replicated
+    writes_replicated = topo.replica_rank == 0 or spread
     ep = topo.file_ep_rank
     if model is not None and writes_replicated:
-        writes.append(StateWrite("model", layout.model_file(tag, topo.tp_rank, topo.pp_rank, ep), model, replicas))
+        path = layout.model_file(tag, topo.tp_rank, topo.pp_rank, ep)
+        writes.append(StateWrite("model", path, model, replicas, xser_files))
     if optimizer is not None:
         if zero1:
             path = layout.optim_file(tag, topo.zero1_rank, topo.tp_rank, topo.pp_rank)
-            writes.append(StateWrite("optimizer", path, optimizer, (topo.rank,)))
+            writes.append(StateWrite("optimizer", path, optimizer, (topo.rank,), xser_files))
         elif writes_replicated:
             path = layout.optim_file(tag, 0, topo.tp_rank, topo.pp_rank, ep)
-            writes.append(StateWrite("optimizer", path, optimizer, replicas))
+            writes.append(StateWrite("optimizer", path, optimizer, replicas, xser_files))
     if topo.is_master:
         if scheduler is not None:
             writes.append(StateWrite("scheduler", layout.tag_path(tag, layout.SCHEDULER_FILE), scheduler, (0,)))
@@ -58,3 +88,40 @@ def plan_save(
             path = layout.tag_path(tag, layout.USER_CONTENT_FILE)
             writes.append(StateWrite("user_content", path, user_content, (0,)))
     return writes
+
+
+def balance(sizes: Sequence[int], parts: int) -> list[list[int]]:
+    """Indices of ``sizes`` split into ``parts`` bins of about equal total: largest first, each onto the
+    lightest bin (ties to the lower index and bin), so every replica computes the same split."""
+    bins: list[list[int]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        target = min(range(parts), key=lambda b: (loads[b], b))
+        bins[target].append(i)
+        loads[target] += sizes[i]
+    return [sorted(b) for b in bins]
+
+
+def xser_share(tensors: Sequence[torch.Tensor], replicas: Sequence[int], rank: int) -> list[int]:
+    """The tids of an xser state file's tensor files that ``rank`` writes, in the order it writes them
+    (largest first); the replicas split the files by ``balance``."""
+    replicas = tuple(replicas) if replicas else (rank,)
+    if rank not in replicas:
+        raise ValueError(f"rank {rank} is not one of the replicas {replicas} of this state file")
+    sizes = [xser.tensor_nbytes(t) for t in tensors]
+    share = balance(sizes, len(replicas))[replicas.index(rank)]
+    return sorted(share, key=lambda i: -sizes[i])
+
+
+def tensors_of_write(write: StateWrite, rank: int) -> list[torch.Tensor]:
+    """The tensors the writer of ``write`` reads on ``rank``, in about the order it reads them: all of them for
+    a plain file; for xser, the ones inlined in the reference file and this rank's share of the tensor files."""
+    if not write.xser:
+        return list({id(t): t for _, t in iter_tensors(write.state)}.values())
+    inline, files = xser.classify(write.state, inline_below=knobs.xser_inline_bytes())
+    return inline + [files[tid] for tid in xser_share(files, write.replicas, rank)]
+
+
+def tensors_to_write(writes: Sequence[StateWrite], rank: int) -> list[torch.Tensor]:
+    """The tensors this rank's writers will read for all of ``writes``, in order (staging copies only these)."""
+    return [t for w in writes for t in tensors_of_write(w, rank)]

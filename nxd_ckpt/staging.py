@@ -14,7 +14,6 @@ into a caller's buffer), so those are used as the snapshot directly instead of b
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Collection, Sequence
@@ -23,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import xla
+from . import knobs, xla
 from .tree import iter_tensors, map_tensors
 
 
@@ -76,7 +75,7 @@ class HostFetcher:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         if background is None:
-            background = os.environ.get(TRANSFER_THREAD_ENV, "1").strip() not in ("0", "false", "no")
+            background = knobs.xla_transfer_thread()
         if self._xla:
             xla.sync(self._xla)  # one execution for all of them, before returning to the caller
             if background:

@@ -13,8 +13,6 @@ then copies the others' shares from memory, which measured faster than a loopbac
 
 from __future__ import annotations
 
-import contextlib
-import os
 import pickle
 import socket
 from collections.abc import Callable, Sequence
@@ -24,14 +22,14 @@ from typing import Any
 
 import torch
 
-from . import layout
+from . import knobs, layout, plan
 from .dist import Coordinator, format_exception
 from .errors import FormatError, StorageError
 from .serialization import plain, xser
 from .serialization.inmemory import BufferReader, allocate
 from .storage import Storage
 from .topology import Topology
-from .tree import iter_tensors, map_tensors, tensor_bytes
+from .tree import map_tensors, tensor_bytes
 
 PACK_BELOW_BYTES = 1 << 20
 """Tensors smaller than this are broadcast packed together (one collective per ``PACK_BYTES``), not one by one."""
@@ -44,20 +42,17 @@ def inline_below_bytes() -> int:
     torch_xla's own ``save`` keeps every CPU tensor there, and every xser reader handles that; one file per
     0-d ``step`` or 4 KiB LayerNorm vector would cost a file creation and a flush each. 0 = a file per tensor.
     """
-    return max(0, int(os.environ.get("NXD_CKPT_XSER_INLINE_BYTES", str(64 << 10))))
+    return knobs.xser_inline_bytes()
 
 
 def replica_reads_mode() -> str:
     """How replicas on one host share a read: ``auto`` (page cache where possible) or ``broadcast``."""
-    mode = os.environ.get("NXD_CKPT_REPLICA_READS", "auto").strip().lower() or "auto"
-    if mode not in ("auto", "broadcast"):
-        raise ValueError(f"NXD_CKPT_REPLICA_READS must be 'auto' or 'broadcast', got {mode!r}")
-    return mode
+    return knobs.replica_reads()
 
 
 def io_threads() -> int:
     """Threads per rank for tensor-file I/O (NXD_CKPT_IO_THREADS, default 4)."""
-    return max(1, int(os.environ.get("NXD_CKPT_IO_THREADS", "4")))
+    return knobs.io_threads()
 
 
 @dataclass(frozen=True)
@@ -106,35 +101,15 @@ def _load_small(storage: Storage, path: str, load: Callable[[Any], Any]) -> Any:
 # ----------------------------------------------------------------------------------------------- writing
 
 
-def balance(sizes: Sequence[int], parts: int) -> list[list[int]]:
-    """Indices of ``sizes`` split into ``parts`` bins of about equal total: largest first, each onto the
-    lightest bin (ties to the lower index and bin), so every replica computes the same split."""
-    bins: list[list[int]] = [[] for _ in range(parts)]
-    loads = [0] * parts
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        target = min(range(parts), key=lambda b: (loads[b], b))
-        bins[target].append(i)
-        loads[target] += sizes[i]
-    return [sorted(b) for b in bins]
-
-
-def _xser_share(tensors: list[torch.Tensor], replicas: tuple[int, ...], rank: int) -> list[int]:
-    """The tids this rank writes, in the order it writes them (largest first)."""
-    sizes = [xser.tensor_nbytes(t) for t in tensors]
-    share = balance(sizes, len(replicas))[replicas.index(rank)]
-    return sorted(share, key=lambda i: -sizes[i])
+balance = plan.balance  # kept for callers of the old name: the split is decided in plan.py
 
 
 def tensors_to_write(
     state: Any, *, xser_encoding: bool = False, replicas: Sequence[int] | None = None, rank: int = 0
 ) -> list[torch.Tensor]:
-    """The tensors ``write_state_file`` will need from ``state`` on this rank, in about the order it needs them
-    (so device-to-host copies can run ahead of the writes). Other replicas' xser shares are not needed."""
-    if not xser_encoding:
-        return list({id(t): t for _, t in iter_tensors(state)}.values())
-    inline, files = xser.classify(state, inline_below=inline_below_bytes())
-    replicas = tuple(replicas) if replicas else (rank,)
-    return inline + [files[tid] for tid in _xser_share(files, replicas, rank)]
+    """The tensors ``write_state_file`` will need from ``state`` on this rank (``plan.tensors_of_write``)."""
+    write = plan.StateWrite("state", "", state, tuple(replicas) if replicas else (rank,), xser_encoding)
+    return plan.tensors_of_write(write, rank)
 
 
 def write_state_file(
@@ -163,7 +138,7 @@ def write_state_file(
     ref_data, tensors = xser.encode(state, inline_below=inline_below_bytes(), host=host)
     sizes = [xser.tensor_nbytes(t) for t in tensors]
     index = replicas.index(rank)
-    share = _xser_share(tensors, replicas, rank)
+    share = plan.xser_share(tensors, replicas, rank)
     jobs: list[tuple[str, Callable[[], None]]] = []
     if index == 0:
         jobs.append((path, lambda: _write(storage, path, lambda f: xser.save_ref(ref_data, f))))
@@ -174,8 +149,7 @@ def write_state_file(
         tensor_path = layout.xser_tensor_file(path, tid)
         jobs.append((tensor_path, _tensor_writer(storage, tensor_path, tensors[tid], host)))
     # One fsync per tensor file would cost a cache flush each: local storage syncs them together at the end.
-    deferred = getattr(storage, "deferred_fsync", None)
-    with deferred() if callable(deferred) else contextlib.nullcontext():
+    with storage.durability_batch():
         _run_parallel(jobs, threads, f"writing {storage.url}/{path}")
     inline = xser.inline_nbytes(ref_data) if index == 0 else 0
     return WrittenFiles([p for p, _ in jobs], inline + sum(sizes[tid] for tid in share))

@@ -8,13 +8,14 @@ that looks complete.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass
 
 from . import layout
 from .errors import CheckpointNotFoundError, FormatError
+from .format.metadata import TagMetadata
+from .format.metadata import read_metadata as _read_tag_metadata
 from .storage import Storage
 
 logger = logging.getLogger("nxd_ckpt")
@@ -27,7 +28,7 @@ class TagInfo:
     name: str
     complete: bool
     order_time: float
-    metadata: dict | None
+    metadata: TagMetadata | None
 
     @property
     def sort_key(self) -> tuple:
@@ -38,15 +39,10 @@ def _natural_key(name: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
 
 
-def read_metadata(storage: Storage, tag: str) -> dict | None:
-    """nxd_ckpt's metadata of a tag, or None for tags written by NxD (or unfinished ones)."""
-    path = layout.tag_path(tag, layout.METADATA_FILE)
-    if not storage.exists(path):
-        return None
-    try:
-        return json.loads(storage.read_bytes(path))
-    except ValueError as e:
-        raise FormatError(f"{storage.url}/{path} is not valid JSON: {e}") from e
+def read_metadata(storage: Storage, tag: str) -> TagMetadata | None:
+    """nxd_ckpt's metadata of a tag, or None for tags written by NxD (or unfinished ones); FormatError if damaged.
+    (``format.metadata.read_metadata``, the one reader of ``nxd_ckpt.json``.)"""
+    return _read_tag_metadata(storage, tag)
 
 
 def _tag_info(storage: Storage, name: str) -> TagInfo | None:
@@ -63,8 +59,8 @@ def _tag_info(storage: Storage, name: str) -> TagInfo | None:
         meta = read_metadata(storage, name)
     except FormatError:
         logger.warning("ignoring unreadable metadata of tag %s in %s", name, storage.url)
-    if meta is not None and "created_at" in meta:
-        order_time = float(meta["created_at"])
+    if meta is not None and meta.created_at is not None:
+        order_time = meta.created_at
     else:
         marker = layout.DONE_MARKER if complete else layout.CHECKPOINT_MARKER
         order_time = storage.mtime(layout.tag_path(name, marker))

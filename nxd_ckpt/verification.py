@@ -1,10 +1,13 @@
 """``verify(checkpoint_dir, tag=None)``: check a whole checkpoint on storage without loading it into a model.
 
-Checks that the tag is complete (``done``), that every file the layout needs is present, and, for tags with
-manifests, that every listed file has the size and xxh3_64 checksum recorded when it was written (and that
-every rank's manifest is there). Files no manifest covers (checkpoints written by NxD) are parsed instead:
+Checks that the tag is complete (``done``), that every file its layout needs is present
+(``format.describe.expected_files``, from the metadata or, for NxD-written tags, from the file names), and, for
+tags with manifests, that every listed file has the size and xxh3_64 checksum recorded when it was written (and
+that every rank's manifest is there). Files no manifest covers (checkpoints written by NxD) are parsed instead:
 ``torch.save`` archives have their zip CRCs checked and their pickle walked opcode by opcode, which reads the
-structure and the class names it would import without executing anything. Nothing from the checkpoint runs.
+structure and the class names it would import without executing anything. Last, every state file's structure
+is read (``completeness.check_readable``) and xser references are matched with their tensor files. Nothing from
+the checkpoint runs. ``nxd-ckpt verify`` calls this same function, so both give the same verdict.
 """
 
 from __future__ import annotations
@@ -16,8 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from . import integrity, layout, tags
+from . import completeness, layout, tags
 from .errors import CheckpointError, CheckpointNotFoundError, FormatError, IntegrityError
+from .format import manifests
+from .format.describe import describe, expected_files
+from .format.metadata import TagMetadata, read_metadata
 from .serialization.pickle_scan import allowed_globals, scan_torch_file
 from .storage import Storage, storage_for
 
@@ -98,13 +104,18 @@ class _Verifier:
         if not report.complete:
             self.problem(f"{self.url} has no 'done' marker: its save did not finish (or it was being deleted)")
         meta = self._metadata()
-        index = self._manifests(meta)
-        for rel in self._expected_files(meta):
+        found = manifests.read_manifests(self.storage, self.tag, check_metadata=False)
+        self.report.problems += [str(e) for e in found.problems]
+        self.report.manifests = len(found.ranks)
+        index = found.index
+        desc = describe(self.storage, self.tag, metadata=meta)
+        why = "the checkpoint's metadata says it was saved" if meta is not None else "the other state files imply it"
+        for rel in expected_files(desc):
             if not self.storage.exists(f"{self.tag}/{rel}"):
-                self.problem(f"{self.url}/{rel} is missing (the checkpoint's metadata says it was saved)")
+                self.problem(f"{self.url}/{rel} is missing ({why})")
         for rel, rec in sorted(index.items()):
             self._guarded(rel, lambda rel=rel, rec=rec: self._check_listed(rel, rec))
-        manifest_names = {p.rsplit("/", 1)[1] for p in integrity.manifest_paths(self.storage, self.tag)}
+        manifest_names = {p.rsplit("/", 1)[1] for p in manifests.manifest_paths(self.storage, self.tag)}
         for path in self.storage.walk_files(self.tag):
             rel = path[len(self.tag) + 1 :]
             if rel in index or rel in _MARKERS or ".tmp-" in rel:
@@ -114,6 +125,10 @@ class _Verifier:
             if index:
                 report.notes.append(f"{self.url}/{rel} is not listed in any manifest; checked its structure only")
             self._guarded(rel, lambda rel=rel: self._check_unlisted(rel))
+        for p in completeness.check_readable(completeness.Checkpoint(self.storage, self.tag)):
+            where = f"{self.storage.url}/{p.path}"
+            if not any(where in known for known in report.problems):  # a check above named this file already
+                self.problem(f"{where}: {p.message}")
 
     def _guarded(self, rel: str, check: Callable[[], None]) -> None:
         """Run one file's check; an unreadable file is a problem naming it, not a crash of the whole verify."""
@@ -122,78 +137,28 @@ class _Verifier:
         except (CheckpointError, OSError) as e:
             self.problem(f"{self.url}/{rel} cannot be read: {e}")
 
-    def _metadata(self) -> dict | None:
-        path = layout.tag_path(self.tag, layout.METADATA_FILE)
-        if not self.storage.exists(path):
-            return None
+    def _metadata(self) -> TagMetadata | None:
         try:
-            meta = json.loads(self.storage.read_bytes(path))
-            return meta if isinstance(meta, dict) else None
-        except ValueError as e:
-            self.problem(f"{self.storage.url}/{path} is not valid JSON ({e})")
+            return read_metadata(self.storage, self.tag)
+        except FormatError as e:
+            self.problem(str(e))
             return None
 
-    def _manifests(self, meta: dict | None) -> dict[str, integrity.FileRecord]:
-        index: dict[str, integrity.FileRecord] = {}
-        paths = integrity.manifest_paths(self.storage, self.tag)
-        ranks: set[int] = set()
-        for path in paths:
-            try:
-                rank, records = integrity.parse_manifest(self.storage.read_bytes(path), f"{self.storage.url}/{path}")
-            except IntegrityError as e:
-                self.problem(str(e))
-                continue
-            ranks.add(rank)
-            index.update(records)
-        self.report.manifests = len(ranks)
-        world = (meta or {}).get("layout", {}).get("world_size")
-        if paths and isinstance(world, int):
-            for rank in sorted(set(range(world)) - ranks):
-                self.problem(
-                    f"{self.storage.url}/{layout.manifest_file(self.tag, rank)} is missing or damaged: the files "
-                    f"rank {rank} wrote cannot be checked"
-                )
-        return index
-
-    def _expected_files(self, meta: dict | None) -> list[str]:
-        """State files the metadata says were saved, relative to the tag."""
-        if not meta or "layout" not in meta:
-            return []
-        items = set(meta.get("items") or [])
-        tp, pp = int(meta["layout"]["tp"]), int(meta["layout"]["pp"])
-        dps = range(int(meta.get("zero1_dp_size") or 1)) if meta.get("zero1") else range(1)
-        ep_size = int(meta["layout"].get("ep") or 1)
-        eps: list[int | None] = list(range(ep_size)) if ep_size > 1 else [None]
-        out = []
-        for t in range(tp):
-            for p in range(pp):
-                if "model" in items:
-                    out += [f"{layout.MODEL_DIR}/{layout.state_file_name(0, t, p, e)}" for e in eps]
-                if "optimizer" in items and meta.get("zero1"):  # ZeRO-1 shard names carry no EP rank
-                    out += [f"{layout.OPTIM_DIR}/{layout.state_file_name(d, t, p)}" for d in dps]
-                elif "optimizer" in items:
-                    out += [f"{layout.OPTIM_DIR}/{layout.state_file_name(0, t, p, e)}" for e in eps]
-        if "scheduler" in items:
-            out.append(layout.SCHEDULER_FILE)
-        if "user_content" in items:
-            out.append(layout.USER_CONTENT_FILE)
-        return out
-
-    def _check_listed(self, rel: str, rec: integrity.FileRecord) -> None:
+    def _check_listed(self, rel: str, rec: manifests.FileRecord) -> None:
         path = f"{self.tag}/{rel}"
         where = f"{self.url}/{rel}"
         if not self.storage.exists(path):
             self.problem(f"{where} is missing (listed in {layout.manifest_file(self.tag, rec.rank)})")
             return
         with self.storage.open_read(path) as f:
-            size, digest = integrity.hash_stream(f)
+            size, digest = manifests.hash_stream(f)
             self.report.files_checked += 1
             self.report.bytes_checked += size
             if size != rec.size:
                 self.problem(f"{where} is corrupt: it has {size} bytes but {rec.size} were written")
             elif digest != rec.digest:
                 self.problem(
-                    f"{where} is corrupt: its {integrity.ALGORITHM} checksum {digest} != recorded {rec.digest}"
+                    f"{where} is corrupt: its {manifests.ALGORITHM} checksum {digest} != recorded {rec.digest}"
                 )
             elif rel.endswith(".pt"):
                 f.seek(0)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import sys
 from collections.abc import Iterator, Sequence
 from types import ModuleType
@@ -73,16 +72,9 @@ def is_xla(t: torch.Tensor) -> bool:
 
 def batch_bytes_from_env() -> int:
     """The transfer batch budget in bytes (NXD_CKPT_XLA_TRANSFER_BATCH_BYTES, default 256 MiB)."""
-    raw = os.environ.get(BATCH_BYTES_ENV)
-    if raw is None:
-        return DEFAULT_BATCH_BYTES
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{BATCH_BYTES_ENV}={raw!r} must be a positive integer number of bytes")
-    return value
+    from . import knobs
+
+    return knobs.xla_transfer_batch_bytes()
 
 
 def plan_batches(sizes: Sequence[int], budget: int) -> list[list[int]]:

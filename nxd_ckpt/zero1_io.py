@@ -12,32 +12,26 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import io
 import mmap
 import os
-import pickle
 import sys
-import threading
-import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-import torch._weights_only_unpickler as _weights_only
 
 from . import layout, statefile, tree, zero1
-from .errors import FormatError, UnsafeCheckpointError
-from .serialization import plain, xser
-from .storage import LocalStorage, Storage
+from .errors import FormatError
+from .format.describe import TagDescription
+from .serialization import torchzip, xser
+from .storage import Storage
+from .storage.local import publish, temp_name
 from .topology import Topology
 from .zero1 import EntryPath
 
 _PAGE = mmap.PAGESIZE
 _MADV_DONTNEED = 4
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-_UNPICKLE_LOCK = threading.Lock()
-"""Held around safe (weights-only) unpickling: ``torch.serialization.safe_globals`` sets a process-wide list and
-restores it on exit, so two threads inside it at once can leave one of them without the allow-list."""
 
 
 def release_pages(tensor: torch.Tensor) -> None:
@@ -69,29 +63,13 @@ def map_torch_file(local_path: str, *, shared: bool = False, trusted: bool = Fal
         size = os.fstat(f.fileno()).st_size
         whole = torch.UntypedStorage.from_file(local_path, shared, size)
 
-        def persistent_load(saved_id: Any) -> Any:
-            _, storage_type, key, _, numel = saved_id
-            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
-            nbytes = int(numel) * torch._utils._element_size(dtype)
+        def source(key: str, dtype: torch.dtype, nbytes: int) -> torch.UntypedStorage:
             offset = reader.get_record_offset(f"data/{key}")
             if offset + nbytes > size:
                 raise FormatError(f"{what} is truncated: tensor data {key} ends past the end of the file")
-            return torch.storage.TypedStorage(wrap_storage=whole[offset : offset + nbytes], dtype=dtype, _internal=True)
+            return whole[offset : offset + nbytes]
 
-        try:
-            if trusted:
-                unpickler: Any = pickle.Unpickler(io.BytesIO(pickled), encoding="utf-8")
-                unpickler.persistent_load = persistent_load
-                return unpickler.load()
-            with _UNPICKLE_LOCK, torch.serialization.safe_globals(list(plain._extra_safe_globals)):
-                unpickler = _weights_only.Unpickler(io.BytesIO(pickled), encoding="utf-8")
-                unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
-                return unpickler.load()
-        except pickle.UnpicklingError as e:
-            raise UnsafeCheckpointError(
-                f"{what} holds pickled objects that are not tensors or plain values ({str(e).splitlines()[0]}); "
-                "if you trust this checkpoint, allow pickles (allow_pickle=True / --allow_pickle)"
-            ) from e
+        return torchzip.load_records(pickled, source, what=what, trusted=trusted)
 
 
 class ShardFile:
@@ -106,21 +84,21 @@ class ShardFile:
         self.mapped = False
         self.info: dict[int, dict[str, Any]] | None = None
         if self.is_xser:
-            with storage.open_read(path) as f, _UNPICKLE_LOCK:
+            with storage.open_read(path) as f:
                 self.structure = xser.load_ref(f, what=self.what, trusted=trusted)
             info_path = layout.xser_info_file(path)
             if storage.exists(info_path):
-                with storage.open_read(info_path) as f, _UNPICKLE_LOCK:
+                with storage.open_read(info_path) as f:
                     self.info = xser.load_info(f, what=f"{storage.url}/{info_path}")
         else:
             state = None
-            root = _mappable_root(storage, path)
-            if root is not None:
-                state = map_torch_file(os.path.join(root, path), trusted=trusted, what=self.what)
+            # memory-mapped where the storage allows reading the file directly (local disk, no checksum to check)
+            local = storage.local_path(path)
+            if local is not None:
+                state = map_torch_file(local, trusted=trusted, what=self.what)
                 self.mapped = state is not None
             if state is None:
-                with _UNPICKLE_LOCK:
-                    state = statefile.read_plain(storage, path, trusted=trusted)
+                state = statefile.read_plain(storage, path, trusted=trusted)
             self.structure = state
         if not zero1.is_zero1_state(self.structure):
             keys = sorted(map(str, self.structure)) if isinstance(self.structure, dict) else None
@@ -217,18 +195,6 @@ class ShardFile:
             return obj
 
         return walk(self.structure, ())
-
-
-def _mappable_root(storage: Storage, path: str) -> str | None:
-    """The local directory behind ``storage`` if ``path`` can be memory-mapped: local disk, and not a file the
-    storage verifies against a checksum (a checked read has to read the whole file anyway)."""
-    record_for = getattr(storage, "record_for", None)
-    if callable(record_for) and record_for(path) is not None:
-        return None
-    inner = storage
-    while not isinstance(inner, LocalStorage) and getattr(inner, "inner", None) is not None:
-        inner = inner.inner
-    return inner.root if isinstance(inner, LocalStorage) else None
 
 
 def _fmt(path: EntryPath) -> str:
@@ -330,9 +296,9 @@ class PlainShardWriter:
 
     def __init__(self, final_path: str, skeleton: Any, slots: Iterable[EntryPath]) -> None:
         self.final_path = final_path
-        directory, name = os.path.split(final_path)
+        directory = os.path.dirname(final_path)
         os.makedirs(directory, exist_ok=True)
-        self.tmp_path = os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+        self.tmp_path = temp_name(final_path)
         with torch.serialization.skip_data():
             torch.save(skeleton, self.tmp_path)
         mapped = map_torch_file(self.tmp_path, shared=True, what=self.tmp_path)
@@ -349,12 +315,7 @@ class PlainShardWriter:
 
     def commit(self) -> None:
         self.state = None
-        fd = os.open(self.tmp_path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(self.tmp_path, self.final_path)
+        publish(self.tmp_path, self.final_path)
 
     def abort(self) -> None:
         self.state = None
@@ -422,12 +383,12 @@ def skeleton(small_state: dict, slots: dict[EntryPath, tuple[torch.dtype, tuple[
     return out
 
 
-def reshard_source(info: dict, topo: Topology) -> tuple[bool, int | None]:
+def reshard_source(info: TagDescription, topo: Topology) -> tuple[bool, int | None]:
     """(whether this rank must re-shard, the checkpoint's ZeRO-1 DP size or None for full files), from the
-    facts ``manager.describe_checkpoint`` gathered: re-shard when the saved DP size differs from the current."""
-    if not info.get("zero1"):
+    tag's ``format.describe`` description: re-shard when the saved DP size differs from the current."""
+    if not info.zero1:
         return False, None
-    if info.get("zero1_full"):
+    if info.zero1_full:
         return True, None
-    saved = info.get("zero1_dp_size")
+    saved = info.zero1_dp_size
     return (saved is not None and int(saved) != topo.zero1_size), saved

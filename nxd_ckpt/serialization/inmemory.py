@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import io
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import FormatError
-
-UnpicklerFactory = Callable[[io.BytesIO], Any]
+from . import torchzip
 
 
 def allocate(size: int) -> np.ndarray:
@@ -59,38 +57,25 @@ class BufferReader(io.RawIOBase):
         return self._pos
 
 
-def load_zero_copy(buffer: np.ndarray, what: str, make_unpickler: UnpicklerFactory) -> Any:
-    """Unpickle a ``torch.save`` zip held in ``buffer`` with its storages as CPU views of ``buffer``.
+def load_zero_copy(buffer: np.ndarray, what: str) -> Any:
+    """Safely unpickle a ``torch.save`` zip held in ``buffer`` with its storages as CPU views of ``buffer``
+    (``torchzip``'s reader, allow-listed classes only).
 
-    ``make_unpickler`` builds the unpickler for the ``data.pkl`` record. Raises FormatError for a damaged or
-    truncated file; other exceptions mean a layout this reader does not handle (callers fall back to torch.load).
+    Raises FormatError for a damaged or truncated file; other exceptions mean a layout this reader does not
+    handle (callers fall back to torch.load, which words them).
     """
-    try:
-        reader = torch._C.PyTorchFileReader(BufferReader(buffer))
-        pickled = reader.get_record("data.pkl")
-    except RuntimeError as e:
-        raise FormatError(f"{what} is truncated or not a torch.save file: {str(e).splitlines()[0]}") from e
+    reader, pickled = torchzip.open_zip(BufferReader(buffer), what)
     if reader.has_record("byteorder") and bytes(reader.get_record("byteorder")).decode() != sys.byteorder:
         raise NotImplementedError("byte-swapped file")  # torch.load swaps it
-    loaded: dict[str, Any] = {}
 
-    def persistent_load(saved_id: Any) -> Any:
-        typename, storage_type, key, _, numel = saved_id
-        if typename not in ("storage", b"storage"):
-            raise NotImplementedError(f"persistent id {typename!r}")
-        key = key.decode() if isinstance(key, bytes) else str(key)
-        if key not in loaded:
-            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
-            element = torch._utils._element_size(dtype)
-            untyped = _storage_view(buffer, reader.get_record_offset(f"data/{key}"), int(numel) * element, element)
-            if untyped is None:
-                raise FormatError(f"{what} is truncated: tensor data record data/{key} runs past the end of the file")
-            loaded[key] = torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
-        return loaded[key]
+    def source(key: str, dtype: torch.dtype, nbytes: int) -> torch.UntypedStorage:
+        element = torch._utils._element_size(dtype)
+        untyped = _storage_view(buffer, reader.get_record_offset(f"data/{key}"), nbytes, element)
+        if untyped is None:
+            raise FormatError(f"{what} is truncated: tensor data record data/{key} runs past the end of the file")
+        return untyped
 
-    unpickler = make_unpickler(io.BytesIO(pickled))
-    unpickler.persistent_load = persistent_load
-    return unpickler.load()
+    return torchzip.load_records(pickled, source, what=what, trusted=False, word_errors=False)
 
 
 def _storage_view(buffer: np.ndarray, offset: int, nbytes: int, element: int) -> torch.UntypedStorage | None:

@@ -13,25 +13,12 @@ import zipfile
 from typing import BinaryIO
 
 from ..errors import FormatError
+from .torchzip import allowed_global_names
 
 
 def allowed_globals() -> set[str]:
-    """Names of the classes and functions safe loading accepts (torch's weights_only set plus registered ones)."""
-    from . import plain
-
-    names: set[str] = set()
-    try:
-        from torch import _weights_only_unpickler
-
-        names |= set(_weights_only_unpickler._get_allowed_globals())
-    except (ImportError, AttributeError):  # private torch API; the note is informational only
-        pass
-    import torch
-
-    for obj in [*torch.serialization.get_safe_globals(), *plain._extra_safe_globals]:
-        obj = obj[0] if isinstance(obj, tuple) else obj
-        names.add(f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', getattr(obj, '__name__', obj))}")
-    return names
+    """Names of the classes and functions safe loading accepts (``torchzip.allowed_global_names``)."""
+    return allowed_global_names()
 
 
 def scan_torch_file(f: BinaryIO, check_crc: bool = True) -> set[str]:

@@ -6,27 +6,17 @@ checkpoint runs; ``trusted=True`` is the explicit opt-in for files holding arbit
 
 from __future__ import annotations
 
-import io
-import pickle
-import re
-from collections.abc import Iterable
 from typing import IO, Any
 
 import numpy as np
 import torch
 import torch._weights_only_unpickler
 
-from ..errors import FormatError, UnsafeCheckpointError
-from . import inmemory
+from . import inmemory, torchzip
+from .pickle_scan import scan_torch_file
+from .torchzip import register_safe_globals
 
-_extra_safe_globals: list[Any] = []
-
-
-def register_safe_globals(objs: Iterable[Any]) -> None:
-    """Allow more classes in safe loading (for format classes such as xser's TensorReference)."""
-    for obj in objs:
-        if obj not in _extra_safe_globals:
-            _extra_safe_globals.append(obj)
+__all__ = ["load", "load_buffer", "register_safe_globals", "save"]
 
 
 def save(obj: Any, f: IO[bytes]) -> None:
@@ -42,22 +32,7 @@ def load(f: IO[bytes], *, what: str, trusted: bool = False) -> Any:
         what: the file's name, used in error messages.
         trusted: allow arbitrary pickled objects (runs code from the file); off by default.
     """
-    try:
-        if trusted:
-            return torch.load(f, map_location="cpu", weights_only=False)
-        with torch.serialization.safe_globals(list(_extra_safe_globals)):
-            return torch.load(f, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if trusted or ("weights_only" not in str(e) and "Unsupported global" not in str(e)):
-            raise FormatError(f"{what} is not a readable torch.save file: {_first_line(e)}") from e
-        name = _unsafe_names(f, str(e))
-        raise UnsafeCheckpointError(
-            f"{what} holds a pickled {name}, which is not on the safe-loading allow-list; loading it would run code "
-            "from the checkpoint. If you trust this checkpoint, pass allow_pickle=True to load_checkpoint (or "
-            "trusted=True to the reader)."
-        ) from e
-    except (RuntimeError, EOFError, ValueError, OSError) as e:
-        raise FormatError(f"{what} is truncated or not a torch.save file: {_first_line(e)}") from e
+    return torchzip.torch_load(f, what, trusted, name_unsafe=lambda msg: _unsafe_names(f, msg), map_location="cpu")
 
 
 def load_buffer(buffer: np.ndarray, *, what: str, trusted: bool = False) -> Any:
@@ -68,30 +43,20 @@ def load_buffer(buffer: np.ndarray, *, what: str, trusted: bool = False) -> Any:
     """
     if not trusted:
         try:
-            with torch.serialization.safe_globals(list(_extra_safe_globals)):
-                return inmemory.load_zero_copy(buffer, what, _weights_only_unpickler)
+            return inmemory.load_zero_copy(buffer, what)
         except Exception:  # torch.load below gives the proper error, or handles what this reader does not
             pass
     return load(inmemory.BufferReader(buffer), what=what, trusted=trusted)
 
 
-def _weights_only_unpickler(data: io.BytesIO) -> Any:
-    return torch._weights_only_unpickler.Unpickler(data, encoding="utf-8")
-
-
 def _unsafe_names(f: IO[bytes], message: str) -> str:
-    """The names of the globals the file's pickle imports that safe loading refuses, read without running it."""
-    from .pickle_scan import allowed_globals, scan_torch_file
-
+    """The names of the globals the file's pickle imports that safe loading refuses, read without running it
+    ("" when they cannot be read: torch's message names one)."""
     try:
         f.seek(0)
-        names = sorted(scan_torch_file(f, check_crc=False) - allowed_globals())
+        return ", ".join(sorted(scan_torch_file(f, check_crc=False) - torchzip.allowed_global_names()))
     except Exception:  # a damaged file: fall back to what torch's message says
-        names = []
-    if names:
-        return ", ".join(names)
-    found = re.search(r"GLOBAL ([\w.]+)", message)
-    return found.group(1) if found else "object that is not a tensor or plain Python value"
+        return ""
 
 
 def _first_line(e: BaseException) -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import copyreg
 import ctypes
-import io
 import pickle
 import sys
 import types
@@ -24,11 +23,10 @@ from typing import IO, Any
 
 import numpy as np
 import torch
-import torch._weights_only_unpickler as _weights_only
 
 from ..errors import FormatError
 from ..tree import EXPERT_ATTR
-from . import inmemory, plain, tensorfile
+from . import inmemory, plain, tensorfile, torchzip
 
 XSER_MODULE = "torch_xla.utils.serialization"
 _REF_NAME = "TensorReference"
@@ -56,7 +54,7 @@ def _reference(tid: int) -> TensorReference:
 
 # Pickled and allow-listed under torch_xla's name, so files match torch_xla's byte for byte in that respect.
 TensorReference.__module__ = XSER_MODULE
-plain.register_safe_globals([TensorReference])
+torchzip.register_safe_globals([TensorReference])
 
 
 def reference_class() -> type:
@@ -312,7 +310,7 @@ def load_tensor_buffer(buffer: np.ndarray, *, what: str) -> torch.Tensor:
     to ``torch.load`` over the buffer.
     """
     try:
-        result = inmemory.load_zero_copy(buffer, what, _tensor_unpickler)
+        result = inmemory.load_zero_copy(buffer, what)
     except FormatError:
         raise
     except Exception:  # an unexpected layout: let torch.load decide (and report) instead
@@ -322,30 +320,18 @@ def load_tensor_buffer(buffer: np.ndarray, *, what: str) -> torch.Tensor:
     return result
 
 
-def _tensor_unpickler(data: io.BytesIO) -> Any:
-    return _weights_only.Unpickler(data, encoding="utf-8")
-
-
 def _load_tensor_direct(f: IO[bytes], what: str) -> Any:
-    try:
-        reader = torch._C.PyTorchFileReader(f)
-        pickled = reader.get_record("data.pkl")
-    except RuntimeError as e:
-        raise FormatError(f"{what} is truncated or not a torch.save file: {str(e).splitlines()[0]}") from e
+    """``torchzip``'s reader with each storage read by one ``readinto`` into fresh tensor memory."""
+    reader, pickled = torchzip.open_zip(f, what)
 
-    def persistent_load(saved_id: Any) -> Any:
-        _, storage_type, key, _, numel = saved_id
-        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
-        nbytes = int(numel) * torch._utils._element_size(dtype)
+    def source(key: str, dtype: torch.dtype, nbytes: int) -> torch.UntypedStorage:
         buffer = torch.empty(nbytes, dtype=torch.uint8)
         if nbytes:
             f.seek(reader.get_record_offset(f"data/{key}"))
             _read_exactly(f, buffer, what)
-        return torch.storage.TypedStorage(wrap_storage=buffer.untyped_storage(), dtype=dtype, _internal=True)
+        return buffer.untyped_storage()
 
-    unpickler = _weights_only.Unpickler(io.BytesIO(pickled), encoding="utf-8")
-    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
-    return unpickler.load()
+    return torchzip.load_records(pickled, source, what=what, trusted=False, word_errors=False)
 
 
 def _read_exactly(f: IO[bytes], buffer: torch.Tensor, what: str) -> None:

@@ -1,5 +1,12 @@
 """The storage interface: bytes and "/"-separated relative paths only, no torch, no serialization.
 
+What a backend can do beyond the abstract methods is said by explicit capabilities on ``Storage``
+(``durability_batch``, ``local_path``, ``ranged_reads``, ``write_from_local_file``, ``host_page_cache``,
+``whole_file_reads``), never found out with ``getattr``/``isinstance`` or by unwrapping. Wrappers derive from
+``DelegatingStorage``, which forwards every one of them by name (no ``__getattr__``), so a capability added
+here reaches the backend through every wrapper, or is consciously overridden by one
+(``tests/unit/test_storage_capabilities.py`` checks both).
+
 Paths are relative to the storage root (the checkpoint directory). Strings rather than ``Path`` objects, because
 ``s3://bucket/prefix`` must not be mangled. Retention, tag resolution and the commit protocol are built on this
 surface without knowing which backend answers.
@@ -8,6 +15,8 @@ surface without knowing which backend answers.
 from __future__ import annotations
 
 import abc
+import contextlib
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import BinaryIO
@@ -46,6 +55,24 @@ class Storage(abc.ABC):
     host_page_cache: bool = False
     """Whether reads go through this host's page cache (a local or POSIX filesystem), so replicas on one host
     can share a read: the first reader brings a file in from the device, the others copy it from memory."""
+    ranged_reads: bool = False
+    """Whether ``read_bytes(path, offset, length)`` fetches just that range while ``open_read`` fetches the whole
+    file (S3): readers that need a few parts of a big file should then read ranges."""
+
+    def durability_batch(self) -> AbstractContextManager[None]:
+        """Files written inside the block are made durable together when it ends (one flush for many files,
+        in parallel) instead of one by one; nothing to batch where each write is durable on its own (S3)."""
+        return contextlib.nullcontext()
+
+    def local_path(self, path: str) -> str | None:
+        """Where ``path`` lives on this host's filesystem, when it may be read there directly (memory-mapped)
+        instead of through ``open_read``; None on remote storage, and in wrappers that must see every byte."""
+        return None
+
+    def write_from_local_file(self, path: str, local_file: str) -> None:
+        """Write ``path`` with the content of an existing local file (S3: one upload straight from the file)."""
+        with open(local_file, "rb") as src, self.open_write(path) as dst:
+            shutil.copyfileobj(src, dst, 8 << 20)
 
     @abc.abstractmethod
     def open_write(self, path: str) -> AbstractContextManager[BinaryIO]:
@@ -160,20 +187,37 @@ def read_fully(f: BinaryIO, view: memoryview) -> int:
 
 
 class DelegatingStorage(Storage):
-    """Forwards everything to ``inner``; wrappers (checksums, verification, progress) override what they change."""
+    """Forwards every method and capability of ``Storage`` to ``inner`` explicitly; wrappers (checksums,
+    verification, progress) override what they change. Backend-specific attributes are not forwarded: ask a
+    capability instead."""
 
     def __init__(self, inner: Storage) -> None:
         self.inner = inner
         self.url = inner.url
 
-    def __getattr__(self, name: str) -> object:  # backend-specific attributes (e.g. LocalStorage.root)
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
     @property  # type: ignore[override]
     def host_page_cache(self) -> bool:
         return self.inner.host_page_cache
+
+    @property  # type: ignore[override]
+    def ranged_reads(self) -> bool:
+        return self.inner.ranged_reads
+
+    @property  # type: ignore[override]
+    def whole_file_reads(self) -> bool:
+        return self.inner.whole_file_reads
+
+    def durability_batch(self) -> AbstractContextManager[None]:
+        return self.inner.durability_batch()
+
+    def local_path(self, path: str) -> str | None:
+        return self.inner.local_path(path)
+
+    def write_from_local_file(self, path: str, local_file: str) -> None:
+        self.inner.write_from_local_file(path, local_file)
+
+    def write_bytes(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        self.inner.write_bytes(path, data)
 
     def open_write(self, path: str) -> AbstractContextManager[BinaryIO]:
         return self.inner.open_write(path)

@@ -22,6 +22,8 @@ import threading
 
 import numpy as np
 
+from .. import knobs
+
 CHUNK_BYTES = 16 << 20
 BLOCK_BYTES = 4096
 """O_DIRECT alignment of lengths and offsets (a multiple of every common logical block size)."""
@@ -34,7 +36,7 @@ _POOL_LIMIT = 16
 
 
 def enabled() -> bool:
-    return os.environ.get("NXD_CKPT_DIRECT_IO", "1") not in ("0", "false", "no", "")
+    return knobs.direct_io()
 
 
 class _BufferPool:

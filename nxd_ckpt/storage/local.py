@@ -9,6 +9,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from typing import BinaryIO
 
 from ..errors import StorageError
@@ -57,6 +58,12 @@ class LocalStorage(Storage):
             with ThreadPoolExecutor(max_workers=min(threads, len(paths)), thread_name_prefix="nxd_fsync") as pool:
                 list(pool.map(_fsync_path, paths))
 
+    def durability_batch(self) -> AbstractContextManager[None]:
+        return self.deferred_fsync()
+
+    def local_path(self, path: str) -> str | None:
+        return self._abs(path)
+
     def _abs(self, path: str) -> str:
         check_relative_path(path)
         full = os.path.normpath(os.path.join(self.root, path)) if path else self.root
@@ -68,7 +75,7 @@ class LocalStorage(Storage):
     def open_write(self, path: str) -> Iterator[BinaryIO]:
         final = self._abs(path)
         directory = os.path.dirname(final)
-        tmp = os.path.join(directory, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex[:12]}")
+        tmp = temp_name(final)
         try:
             os.makedirs(directory, exist_ok=True)
             if direct.enabled():  # large files bypass the page cache (see direct.py)
@@ -177,3 +184,34 @@ def _fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def temp_name(final: str) -> str:
+    """A hidden name next to ``final`` for a file being written (``.<name>.tmp-<random>``; readers skip it)."""
+    directory, name = os.path.split(final)
+    return os.path.join(directory, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+
+
+def publish(tmp: str, final: str) -> None:
+    """Make ``tmp`` durable (fsync) and rename it to ``final``; the directory entry is the caller's to sync."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+
+
+@contextlib.contextmanager
+def atomic_file(final: str) -> Iterator[str]:
+    """A temporary path to write ``final`` through: on success it is fsynced and renamed into place, on an
+    error removed, so ``final`` is never seen half-written (tools writing outside a Storage use this)."""
+    os.makedirs(os.path.dirname(final) or ".", exist_ok=True)
+    tmp = temp_name(final)
+    try:
+        yield tmp
+        publish(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, TypeVar, cast
 
+from .. import knobs
 from ..errors import StorageError
 from .base import Storage, check_relative_path
 
@@ -193,7 +194,7 @@ class S3Storage(Storage):
     ) -> None:
         self.bucket, self.prefix = parse_s3_url(url)
         self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
-        self.endpoint_url = endpoint_url or os.environ.get(ENDPOINT_ENV) or None
+        self.endpoint_url = endpoint_url or knobs.s3_endpoint_url()
         self.region_name = region_name
         self.part_size = int(part_size)
         self.max_concurrency = int(max_concurrency)
@@ -359,6 +360,14 @@ class S3Storage(Storage):
             self._upload(path, buf, buf.tell())
         finally:
             buf.close()
+
+    ranged_reads = True  # read_bytes(offset, length) is one ranged GET; open_read downloads the whole object
+
+    def write_from_local_file(self, path: str, local_file: str) -> None:
+        """Upload a local file as it is (multipart past ``part_size``), without buffering it again."""
+        self._key(path)
+        with open(local_file, "rb") as f:
+            self._upload(path, f, os.fstat(f.fileno()).st_size)
 
     def write_bytes(self, path: str, data: bytes | bytearray | memoryview) -> None:
         """Write a whole small file with one PUT (multipart if it is large)."""

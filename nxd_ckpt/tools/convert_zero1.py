@@ -7,31 +7,33 @@ peak is about one parameter's optimizer state instead of the whole merged state 
 
 Input and output are tag directories. The output is a complete checkpoint that ``load_checkpoint`` can use
 directly: model files (xser ``.tensors`` included), scheduler, user content and per-rank extras are copied,
-``nxd_ckpt.json`` records the new ZeRO-1 DP size, every file is checksummed into manifests (so the converted tag
-loads verified), and ``done`` is written last, so an interrupted run never leaves something that looks
-complete. xser in gives xser out; plain in gives plain out.
+``nxd_ckpt.json`` records the new ZeRO-1 layout (``format.metadata``), every file is checksummed into one
+manifest (so the converted tag loads verified and passes ``verify``), and ``done`` is written last, so an
+interrupted run never leaves something that looks complete. xser in gives xser out; plain in gives plain out.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from .. import integrity, layout, zero1
+from .. import layout, zero1
 from ..errors import CheckpointError, FormatError
-from ..storage import LocalStorage
+from ..format import manifests
+from ..format.describe import TagDescription, describe
+from ..format.metadata import TagMetadata, write_metadata
+from ..storage import LocalStorage, storage_for
+from ..storage.local import atomic_file
 from ..zero1_io import (
     PlainShardWriter,
     ShardFile,
@@ -83,7 +85,7 @@ class _InputLayout:
     tp: int
     pp: int
     xser: bool
-    metadata: dict | None
+    description: TagDescription
 
 
 # --------------------------------------------------------------------------------------------- public API
@@ -207,7 +209,9 @@ def convert_zero1(
 
 
 def _is_remote(path: str | os.PathLike[str]) -> bool:
-    return os.fspath(path).startswith("s3://")
+    """Whether the tag directory is on storage this host cannot read as files (the storage says: S3 and any
+    other backend without local paths)."""
+    return storage_for(os.fspath(path)).local_path("") is None
 
 
 def _split_url(url: str, role: str) -> tuple[str, str]:
@@ -227,8 +231,6 @@ def _convert_through_local_copy(input_dir: str, output_dir: str, options: dict) 
     the same bounded-memory code, then upload the output with ``done`` last. Scratch space is local disk, so
     host memory stays at about one parameter's optimizer state whatever the size of the tag."""
     import tempfile
-
-    from ..storage import storage_for
 
     in_root, in_tag = _split_url(input_dir, "input")
     out_root, out_tag = _split_url(output_dir, "output")
@@ -257,8 +259,7 @@ def _convert_through_local_copy(input_dir: str, output_dir: str, options: dict) 
         out_files = LocalStorage(os.path.join(scratch, "out")).walk_files(out_tag)
         done_path = layout.tag_path(out_tag, layout.DONE_MARKER)
         for path in [p for p in out_files if p != done_path] + [done_path]:
-            with open(os.path.join(scratch, "out", *path.split("/")), "rb") as src, out_storage.open_write(path) as dst:
-                shutil.copyfileobj(src, dst, 8 << 20)
+            out_storage.write_from_local_file(path, os.path.join(scratch, "out", *path.split("/")))
     report.input_dir, report.output_dir = input_dir, output_dir
     return report
 
@@ -274,7 +275,7 @@ def _split_tag_dir(path: str | os.PathLike[str], role: str) -> tuple[str, str]:
 
 
 def _inspect_input(storage: LocalStorage, tag: str, *, trusted: bool) -> _InputLayout:
-    """The input's layout from its optim/ file names (and nxd_ckpt.json when present), all files checked."""
+    """The input's layout (``format.describe``, as the loader sees it), its optimizer files all checked."""
     tag_dir = f"{storage.root}/{tag}"
     if not os.path.isdir(tag_dir):
         raise FormatError(f"input directory {tag_dir} does not exist")
@@ -287,37 +288,26 @@ def _inspect_input(storage: LocalStorage, tag: str, *, trusted: bool) -> _InputL
         raise FormatError(
             f"{tag_dir} is not a ZeRO-1 checkpoint: {tag_dir}/optim has no dp_rank_*/full_* optimizer files"
         )
-    meta = None
-    meta_path = layout.tag_path(tag, layout.METADATA_FILE)
-    if storage.exists(meta_path):
-        try:
-            meta = json.loads(storage.read_bytes(meta_path))
-        except ValueError as e:
-            raise FormatError(f"{storage.url}/{meta_path} is not valid JSON: {e}") from e
-    if fulls:
-        src_dp, tp, pp = None, max(c[0] for c in fulls) + 1, max(c[1] for c in fulls) + 1
-    else:
-        src_dp = max(c[0] for c in shards) + 1
-        tp, pp = max(c[1] for c in shards) + 1, max(c[2] for c in shards) + 1
-        recorded = (meta or {}).get("zero1_dp_size")
-        if recorded and int(recorded) > src_dp:
-            src_dp = int(recorded)  # the highest shards are missing: reported below by name
-    if meta and "layout" in meta:
-        tp, pp = max(tp, int(meta["layout"]["tp"])), max(pp, int(meta["layout"]["pp"]))
-    model_names = storage.list_dir(layout.tag_path(tag, layout.MODEL_DIR))
-    ep = int(((meta or {}).get("layout") or {}).get("ep") or 1)
-    if ep > 1 or any(layout.parse_expert_rank(n) is not None for n in model_names):
+    desc = describe(storage, tag)
+    meta = desc.metadata
+    if meta is not None and not meta.zero1:
+        raise FormatError(f"{tag_dir} was saved with a replicated optimizer (nxd_ckpt.json says zero1=false)")
+    if desc.tp is None or desc.pp is None:
+        raise FormatError(f"{tag_dir} has no state files to tell its TP and PP sizes")
+    if desc.ep > 1:
         raise FormatError(
             f"{tag_dir} was saved with expert parallelism: its expert parameters' ZeRO-1 state is sharded over "
             "expert-data-parallel groups, not over DP, and converting it is not supported (NxD's converter does not "
             "handle it either); resume it with the same parallel sizes"
         )
-    expected = [p for pp_ in range(pp) for tp_ in range(tp) for p in source_paths(tag, tp_, pp_, src_dp)]
+    src_dp: int | None = None
+    if not desc.zero1_full:
+        # NxD-written DP=1 shards look replicated by their names alone; the shard files are checked below
+        src_dp = max(desc.zero1_dp_size or 1, max(c[0] for c in shards) + 1 if shards else 1)
+    expected = [p for pp_ in range(desc.pp) for tp_ in range(desc.tp) for p in source_paths(tag, tp_, pp_, src_dp)]
     check_present(storage, expected)
     first = ShardFile(storage, expected[0], trusted=trusted)  # raises if it is not a ZeRO-1 state
-    if src_dp == 1 and meta is not None and meta.get("zero1") is False:
-        raise FormatError(f"{tag_dir} was saved with a replicated optimizer (nxd_ckpt.json says zero1=false)")
-    return _InputLayout(src_dp, tp, pp, first.is_xser, meta)
+    return _InputLayout(src_dp, desc.tp, desc.pp, first.is_xser or desc.xser, desc)
 
 
 def _holds_checkpoint(out_dir: str) -> bool:
@@ -361,57 +351,50 @@ def _carry_over(in_dir: str, out_dir: str) -> int:
                 continue
             if top == layout.EXTRAS_DIR and name.startswith("manifest_"):
                 continue
-            dst = os.path.join(out_dir, rel)
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            tmp = os.path.join(os.path.dirname(dst), f".{name}.tmp-{uuid.uuid4().hex[:12]}")
-            shutil.copyfile(os.path.join(dirpath, name), tmp)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, dst)
+            with atomic_file(os.path.join(out_dir, rel)) as tmp:
+                shutil.copyfile(os.path.join(dirpath, name), tmp)
             copied += 1
     return copied
 
 
 def _write_manifests(storage: LocalStorage, tag: str) -> None:
-    """Checksum every file of the converted tag into manifests, so loads and ``verify`` check it like a saved one.
-
-    Files are hashed as they are on disk now (read back once). Rank 0's manifest lists them all; the other
-    ranks of the recorded layout get empty ones, because ``read_index`` requires one manifest per rank.
-    """
-    records: dict[str, integrity.FileRecord] = {}
+    """Checksum every file of the converted tag into one manifest, so loads and ``verify`` check it like a saved
+    one. Files are hashed as they are on disk now (read back once); the metadata records ``manifest_ranks=1``
+    (one process wrote the tag), so no rank's manifest is expected beyond rank 0's."""
     extras = layout.tag_path(tag, layout.EXTRAS_DIR) + "/"
-    for path in storage.walk_files(tag):
-        rel = path[len(tag) + 1 :]
-        if rel in (layout.DONE_MARKER, layout.CHECKPOINT_MARKER) or path.startswith(extras):
-            continue
-        with storage.open_read(path) as f:
-            records[rel] = integrity.FileRecord(*integrity.hash_stream(f), 0)
-    world = 1
-    meta_path = layout.tag_path(tag, layout.METADATA_FILE)
-    if storage.exists(meta_path):
-        recorded = json.loads(storage.read_bytes(meta_path)).get("layout", {}).get("world_size")
-        world = recorded if isinstance(recorded, int) and recorded > 0 else 1
-    for rank in range(world):
-        manifest = integrity.manifest_bytes(tag, rank, records if rank == 0 else {})
-        storage.write_bytes(layout.manifest_file(tag, rank), manifest)
+    rels = [
+        path[len(tag) + 1 :]
+        for path in storage.walk_files(tag)
+        if path[len(tag) + 1 :] not in (layout.DONE_MARKER, layout.CHECKPOINT_MARKER) and not path.startswith(extras)
+    ]
+    manifests.write_manifest(storage, tag, 0, manifests.record_files(storage, tag, rels, rank=0))
     storage.sync_dirs({layout.tag_path(tag, layout.EXTRAS_DIR), tag})
 
 
 def _write_metadata(storage: LocalStorage, tag: str, info: _InputLayout, dst_dp: int | None) -> None:
-    """Update the input's nxd_ckpt.json (when it had one) with the new ZeRO-1 layout."""
-    if info.metadata is None:
-        return
-    meta = dict(info.metadata)
-    meta.update(
-        {
-            "tag": tag,
-            "zero1": True,
-            "zero1_dp_size": dst_dp,
-            "zero1_full": dst_dp is None,
-            "converted_from": {"tag": info.metadata.get("tag"), "zero1_dp_size": info.src_dp},
-        }
+    """The output's nxd_ckpt.json: the input's (a fresh one for NxD-written input) with the new ZeRO-1 layout."""
+    desc = info.description
+    base = desc.metadata or TagMetadata(
+        tag=tag,
+        created_at=None,
+        xser=info.xser,
+        items=desc.present_items,
+        torch_version=torch.__version__,
     )
-    storage.write_bytes(layout.tag_path(tag, layout.METADATA_FILE), json.dumps(meta, indent=1).encode())
+    meta = base.with_changes(
+        tag=tag,
+        created_at=time.time() if base.created_at is None else base.created_at,
+        tp=info.tp,
+        pp=info.pp,
+        dp=dst_dp,
+        world_size=None,
+        zero1=True,
+        zero1_dp_size=dst_dp,
+        zero1_full=dst_dp is None,
+        converted_from={"tag": base.tag if desc.metadata is not None else desc.tag, "zero1_dp_size": info.src_dp},
+        manifest_ranks=1,
+    )
+    write_metadata(storage, meta)
 
 
 # --------------------------------------------------------------------------------------------- one coordinate

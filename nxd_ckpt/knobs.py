@@ -1,0 +1,180 @@
+"""Every ``NXD_CKPT_*`` environment variable, read here and nowhere else, with one parsing rule per kind.
+
+- booleans: ``1``/``true``/``yes``/``on`` and ``0``/``false``/``no``/``off`` (any case);
+- integers: decimal (``_`` separators allowed), at least the knob's minimum;
+- durations: seconds, optionally with a unit: ``90``, ``90s``, ``5m``, ``1.5h``; more than 0;
+- choices: one of the listed words (any case).
+
+Unset or empty means the default. Anything else raises ``ValueError`` naming the variable, the value and what
+it accepts, at the call that reads it (knobs are read at each use, so a test or a job can change them).
+The table in docs/api.md lists ``KNOBS`` (``tests/unit/test_knobs.py`` keeps them in step).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_DURATION_RE = re.compile(r"^([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(ms|s|m|h)?$")
+_UNITS = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One environment variable: its name, kind (bool, int, duration, choice, str), default and meaning."""
+
+    name: str
+    kind: str
+    default: object
+    doc: str
+    minimum: int | None = None
+    choices: tuple[str, ...] = ()
+
+
+KNOBS: dict[str, Knob] = {
+    k.name: k
+    for k in (
+        Knob("NXD_CKPT_IO_THREADS", "int", 4, "threads per rank reading and writing xser tensor files", minimum=1),
+        Knob(
+            "NXD_CKPT_XSER_INLINE_BYTES",
+            "int",
+            64 << 10,
+            "xser tensors smaller than this stay inside the reference file (0: a file per tensor)",
+            minimum=0,
+        ),
+        Knob("NXD_CKPT_DIRECT_IO", "bool", True, "0 sends local writes through the page cache instead of O_DIRECT"),
+        Knob(
+            "NXD_CKPT_REPLICA_READS",
+            "choice",
+            "auto",
+            "`broadcast`: DP replicas on one host share xser reads by gloo broadcast instead of the page cache",
+            choices=("auto", "broadcast"),
+        ),
+        Knob(
+            "NXD_CKPT_XLA_TRANSFER_BATCH_BYTES",
+            "int",
+            256 << 20,
+            "bytes per device-to-host (and host-to-device) bulk transfer",
+            minimum=1,
+        ),
+        Knob(
+            "NXD_CKPT_XLA_TRANSFER_THREAD",
+            "bool",
+            True,
+            "0 makes synchronous saves copy device tensors to the host on the calling thread before writing "
+            "(no overlap)",
+        ),
+        Knob(
+            "NXD_CKPT_COMMIT_TIMEOUT_S",
+            "duration",
+            1800.0,
+            "seconds the commit waits for every rank's files before failing the save",
+        ),
+        Knob("NXD_CKPT_LOG_ALL_RANKS", "bool", False, "1 lets every rank log at INFO"),
+        Knob("NXD_CKPT_S3_ENDPOINT_URL", "str", None, "S3 endpoint (MinIO, a proxy); else the AWS default chain"),
+    )
+}
+
+
+def _raw(name: str) -> str | None:
+    if name not in KNOBS:
+        raise KeyError(f"{name} is not an nxd_ckpt knob; known: {', '.join(KNOBS)}")
+    value = os.environ.get(name)
+    return None if value is None or not value.strip() else value.strip()
+
+
+def _bad(name: str, raw: str, accepts: str) -> ValueError:
+    return ValueError(f"environment variable {name}={raw!r} is not valid: {accepts}; unset it for the default")
+
+
+def get_bool(name: str) -> bool:
+    raw = _raw(name)
+    if raw is None:
+        return bool(KNOBS[name].default)
+    if raw.lower() in _TRUE:
+        return True
+    if raw.lower() in _FALSE:
+        return False
+    raise _bad(name, raw, "use 1 or 0 (true/false, yes/no, on/off)")
+
+
+def get_int(name: str) -> int:
+    knob = KNOBS[name]
+    raw = _raw(name)
+    if raw is None:
+        return int(knob.default)  # type: ignore[call-overload]
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or (knob.minimum is not None and value < knob.minimum):
+        at_least = f" >= {knob.minimum}" if knob.minimum is not None else ""
+        raise _bad(name, raw, f"use an integer{at_least}")
+    return value
+
+
+def get_duration(name: str) -> float:
+    """Seconds."""
+    raw = _raw(name)
+    if raw is None:
+        return float(KNOBS[name].default)  # type: ignore[arg-type]
+    m = _DURATION_RE.match(raw.lower())
+    seconds = float(m.group(1)) * _UNITS[m.group(2)] if m else 0.0
+    if seconds <= 0:
+        raise _bad(name, raw, "use a duration > 0 in seconds, optionally with a unit (90, 90s, 5m, 1.5h)")
+    return seconds
+
+
+def get_choice(name: str) -> str:
+    knob = KNOBS[name]
+    raw = _raw(name)
+    if raw is None:
+        return str(knob.default)
+    if raw.lower() not in knob.choices:
+        raise _bad(name, raw, f"use one of {', '.join(knob.choices)}")
+    return raw.lower()
+
+
+def get_str(name: str) -> str | None:
+    raw = _raw(name)
+    return raw if raw is not None else KNOBS[name].default  # type: ignore[return-value]
+
+
+# ----------------------------------------------------------------------------------------------- the knobs
+def io_threads() -> int:
+    return get_int("NXD_CKPT_IO_THREADS")
+
+
+def xser_inline_bytes() -> int:
+    return get_int("NXD_CKPT_XSER_INLINE_BYTES")
+
+
+def direct_io() -> bool:
+    return get_bool("NXD_CKPT_DIRECT_IO")
+
+
+def replica_reads() -> str:
+    return get_choice("NXD_CKPT_REPLICA_READS")
+
+
+def xla_transfer_batch_bytes() -> int:
+    return get_int("NXD_CKPT_XLA_TRANSFER_BATCH_BYTES")
+
+
+def xla_transfer_thread() -> bool:
+    return get_bool("NXD_CKPT_XLA_TRANSFER_THREAD")
+
+
+def commit_timeout_s() -> float:
+    return get_duration("NXD_CKPT_COMMIT_TIMEOUT_S")
+
+
+def log_all_ranks() -> bool:
+    return get_bool("NXD_CKPT_LOG_ALL_RANKS")
+
+
+def s3_endpoint_url() -> str | None:
+    return get_str("NXD_CKPT_S3_ENDPOINT_URL")
