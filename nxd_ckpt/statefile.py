@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import socket
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -246,7 +245,7 @@ def replica_groups(coordinator: Coordinator, topo: Topology) -> ReplicaGroup | N
     every rank, as process-group creation requires."""
     if not coordinator.distributed or topo.dp_size <= 1:
         return None
-    hosts = coordinator.all_gather_object(socket.gethostname())
+    hosts = coordinator.host_names()
     mine = None
     for pp in range(topo.pp_size):
         for tp in range(topo.tp_size):
