@@ -107,7 +107,7 @@ class CommitBarrier:
                 late,
                 f"{self.phase}: waiting for rank 0's outcome",
                 self.timeout_s,
-                log=False,
+                log=self.rank == 1,  # rank 0 is the one awaited here: the next rank says so
                 since=self._arrived_at,
             )
         except CheckpointTimeoutError as e:

@@ -337,14 +337,27 @@ class Coordinator:
         self._step += 1
         prefix = f"{_PREFIX}/{self.session}/{self._step}"
         arrive(store, prefix, self.rank)
-        wait_for(
-            store,
-            lambda: int(store.add(f"{prefix}/n", 0)) >= self.world_size,
-            lambda: missing_ranks(store, prefix, self.world_size),
-            phase,
-            self.timeout_s,
-            log=self.rank == 0,
-        )
+        try:
+            wait_for(
+                store,
+                lambda: int(store.add(f"{prefix}/n", 0)) >= self.world_size,
+                lambda: missing_ranks(store, prefix, self.world_size),
+                phase,
+                self.timeout_s,
+                log=self.rank == 0,
+            )
+        except CheckpointTimeoutError as e:
+            store.set(f"{prefix}/gave_up", str(self.rank).encode())  # for the late ranks: nobody will be there
+            e.origin_rank = self.rank
+            raise
+        if store.check([f"{prefix}/gave_up"]):
+            gave_up = int(store.get(f"{prefix}/gave_up"))
+            raise CheckpointTimeoutError(
+                f"rank {self.rank} reached phase '{phase}' after rank {gave_up} had given up waiting for it "
+                f"(deadline {self.timeout_s:g} s): this rank was too late; see the error on the other ranks",
+                phase=phase,
+                missing_ranks=[self.rank],
+            )
         self._forget(self._step - 2)
 
     def _forget(self, step: int) -> None:
@@ -356,6 +369,7 @@ class Coordinator:
             self.store.delete_key(f"{prefix}/r/{self.rank}")
             if self.rank == 0:
                 self.store.delete_key(f"{prefix}/n")
+                self.store.delete_key(f"{prefix}/gave_up")
 
     # ------------------------------------------------------------------ steps that carry errors
     def master_computes(self, fn: Callable[[], T], phase: str) -> T:

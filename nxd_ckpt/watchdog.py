@@ -87,17 +87,6 @@ class StorageMonitor:
             ops = sorted(self._ops.values(), key=lambda o: o.started)
             idle = now - self._last_progress
             last = self._last_op
-        overdue = [o for o in ops if now - o.started > self.timeout_s]
-        if overdue:
-            op = overdue[0]
-            raise CheckpointTimeoutError(
-                f"{self.phase}: {op.what} {self._name(op.path)} did not finish within {self.timeout_s:g} s "
-                f"({op.moved} bytes moved); the storage is too slow or stuck. Raise NXD_CKPT_TIMEOUT_S or pass a "
-                "larger timeout= if it is only slow",
-                phase=self.phase,
-                path=op.path,
-                bytes_moved=op.moved,
-            )
         if idle > self.stall_s:
             op = ops[0] if ops else last
             where = f"{op.what} {self._name(op.path)} ({op.moved} bytes moved)" if op else "before any storage call"
@@ -108,6 +97,17 @@ class StorageMonitor:
                 phase=self.phase,
                 path=op.path if op else None,
                 bytes_moved=op.moved if op else None,
+            )
+        overdue = [o for o in ops if now - o.started > self.timeout_s]
+        if overdue:
+            op = overdue[0]
+            raise CheckpointTimeoutError(
+                f"{self.phase}: {op.what} {self._name(op.path)} did not finish within {self.timeout_s:g} s "
+                f"({op.moved} bytes moved); the storage is too slow or stuck. Raise NXD_CKPT_TIMEOUT_S or pass a "
+                "larger timeout= if it is only slow",
+                phase=self.phase,
+                path=op.path,
+                bytes_moved=op.moved,
             )
 
     def _name(self, path: str) -> str:
