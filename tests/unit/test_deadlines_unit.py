@@ -215,3 +215,62 @@ def test_a_file_write_that_crawls_past_the_deadline_times_out(tmp_path):
     # The abandoned writer starts no further storage call, and the next save works.
     nxd.save_checkpoint(str(tmp_path), "step_2", model=model, optimizer=opt)
     assert nxd.latest_checkpoint_tag(str(tmp_path)) == "step_2"
+
+
+# ------------------------------------------------------------------------------------------ the commit barrier
+def _stores(world: int) -> list[Any]:
+    """A real TCPStore server on 127.0.0.1 and one client per simulated rank."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    timeout = datetime.timedelta(seconds=30)
+    server = TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+    clients = [TCPStore("127.0.0.1", server.port, world, is_master=False, timeout=timeout) for _ in range(world)]
+    return [server, *clients]
+
+
+def test_commit_barrier_names_the_rank_that_never_arrives(caplog):
+    from nxd_ckpt.commit import CommitBarrier
+
+    _, *clients = stores = _stores(3)
+    barriers = [CommitBarrier(clients[r], "s", 1, r, 3, timeout_s=1.0, tag="step_9") for r in range(3)]
+    outcome: dict[str, BaseException] = {}
+
+    def rank_1() -> None:
+        barriers[1].arrive(None)
+        try:
+            barriers[1].wait_outcome()
+        except BaseException as e:
+            outcome["rank 1"] = e
+
+    thread = threading.Thread(target=rank_1)
+    thread.start()
+    barriers[0].arrive(None)  # rank 2 never arrives (stuck in a write)
+    start = time.monotonic()
+    with caplog.at_level("WARNING", logger="nxd_ckpt"), pytest.raises(CheckpointTimeoutError) as raised:
+        barriers[0].wait_all_arrived()
+    assert time.monotonic() - start < 3
+    assert raised.value.missing_ranks == (2,) and raised.value.phase.startswith("commit of 'step_9'")
+    assert "waiting for rank(s) [2] in phase 'commit of 'step_9'" in caplog.text
+    barriers[0].publish_outcome(RankFailure.of(raised.value, 0, barriers[0].phase))
+    thread.join(10)
+    assert type(outcome["rank 1"]) is CheckpointTimeoutError and outcome["rank 1"].missing_ranks == (2,)
+    del stores
+
+
+def test_commit_barrier_carries_the_failure_type_to_every_rank():
+    from nxd_ckpt.commit import CommitBarrier
+
+    _, *clients = stores = _stores(3)
+    barriers = [CommitBarrier(clients[r], "s", 1, r, 3, timeout_s=10.0, tag="step_9") for r in range(3)]
+    barriers[1].arrive(nxd.UnsafeCheckpointError("refusing class evil.Payload"))
+    barriers[2].arrive(None)
+    barriers[0].arrive(None)
+    failures = barriers[0].wait_all_arrived()
+    assert list(failures) == [1] and failures[1].qualname == "UnsafeCheckpointError"
+    barriers[0].publish_outcome(failures[1])
+    with pytest.raises(nxd.UnsafeCheckpointError, match="rank 1 failed while writing 'step_9': refusing") as raised:
+        barriers[2].wait_outcome()
+    assert raised.value.origin_rank == 1
+    del stores
