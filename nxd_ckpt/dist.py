@@ -44,7 +44,7 @@ TIMEOUT_ENV = "NXD_CKPT_TIMEOUT_S"
 LEGACY_TIMEOUT_ENV = "NXD_CKPT_COMMIT_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 1800.0
 MAX_STALL_S = 300.0
-"""A storage call with no progress for min(deadline, this) is a stall (see ``watchdog.py``)."""
+"""A storage call with no progress for min(deadline / 2, this) is a stall (see ``watchdog.py``)."""
 _MAX_POLL_S = 0.01
 """Longest pause between two polls of the store: a waiting rank learns of the last arrival within 10 ms."""
 _PREFIX = "nxd_ckpt/step"
@@ -105,8 +105,9 @@ def resolve_timeout(timeout: float | None) -> float:
 
 
 def stall_limit_s(timeout_s: float) -> float:
-    """Seconds without storage progress that count as a stall: the deadline, at most 5 minutes."""
-    return min(timeout_s, MAX_STALL_S)
+    """Seconds without storage progress that count as a stall: half the deadline (so a call that stopped moving
+    is told apart from one that only crawls), at most 5 minutes."""
+    return min(timeout_s / 2, MAX_STALL_S)
 
 
 def log_interval_s(timeout_s: float) -> float:

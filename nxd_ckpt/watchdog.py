@@ -114,6 +114,11 @@ class StorageMonitor:
         return f"{self.url}/{path}" if self.url else path
 
 
+PROGRESS_CHUNK_BYTES = 64 << 20
+"""One ``write`` of a large tensor record is passed on in pieces of this size, each reported as progress, so a
+multi-GB record on a slow disk is not mistaken for a stall."""
+
+
 class _CountingStream:
     """A write stream that reports every chunk to the monitor (everything else goes to ``target``)."""
 
@@ -121,9 +126,17 @@ class _CountingStream:
         self._target, self._monitor, self._op = target, monitor, op
 
     def write(self, data: Any) -> int:
-        n = self._target.write(data)
-        self._monitor.moved(self._op, len(memoryview(data).cast("B")) if n is None else n)
-        return n  # type: ignore[no-any-return]
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view) or not view:
+            piece = view[done : done + PROGRESS_CHUNK_BYTES]
+            n = self._target.write(piece)
+            n = len(piece) if n is None else n
+            self._monitor.moved(self._op, n)
+            done += n
+            if n < len(piece) or not view:  # a short write: report it as the stream did
+                break
+        return done
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._target, name)
