@@ -14,6 +14,7 @@ from .errors import (
     AsyncSaveError,
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointTimeoutError,
     DeviceUnavailableError,
     FormatError,
     IntegrityError,
@@ -22,6 +23,7 @@ from .errors import (
     RemoteRankError,
     StateMismatchError,
     StorageError,
+    StorageStallError,
     UnsafeCheckpointError,
 )
 from .inspect import Checkpoint, open_checkpoint
@@ -39,6 +41,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "CheckpointTimeoutError",
     "DeviceUnavailableError",
     "FormatError",
     "IntegrityError",
@@ -48,6 +51,7 @@ __all__ = [
     "SaveReport",
     "StateMismatchError",
     "StorageError",
+    "StorageStallError",
     "Topology",
     "UnsafeCheckpointError",
     "VerifyReport",

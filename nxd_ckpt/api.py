@@ -70,6 +70,8 @@ def save_checkpoint(
     rank_state: Any = None,
     save_rng: bool = False,
     rank_state_mode: str = "per_rank",
+    timeout: float | None = None,
+    on_save_error: str = "raise",
 ) -> SaveReport:
     """Save a checkpoint under ``checkpoint_dir_str/tag`` in NxD's layout; every rank must call it.
 
@@ -90,6 +92,12 @@ def save_checkpoint(
     ``save_rng`` adds this rank's RNG streams; both go to one file per rank (``rank_state_mode="per_rank"``)
     or are gathered into one file by the master (``"gather"``). See docs/exact-resume.md.
 
+    ``timeout`` is the deadline in seconds of every phase of this save (default ``NXD_CKPT_TIMEOUT_S``, 1800):
+    past it every rank raises CheckpointTimeoutError naming the phase and the ranks it waited for.
+    ``on_save_error="warn"`` keeps training going when the save fails (logged on every rank, in the
+    SaveReport's ``error``, or the next SaveReport's ``earlier_failures`` for async saves); the previous
+    complete checkpoint stays the latest. The default ``"raise"`` raises the failure, on every rank.
+
     Returns:
         A SaveReport (bytes, blocked/staging/write time); for async saves ``wait()`` blocks until durable.
     """
@@ -109,6 +117,8 @@ def save_checkpoint(
         rank_state=rank_state,
         save_rng=save_rng,
         rank_state_mode=rank_state_mode,
+        timeout=timeout,
+        on_save_error=on_save_error,
     )
 
 
@@ -128,6 +138,7 @@ def load_checkpoint(
     device: str | torch.device | None = None,
     verify: bool = True,
     fallback_to_verified: bool = False,
+    timeout: float | None = None,
 ) -> Any:
     """Load ``tag`` (default: the latest complete checkpoint) from ``path`` into the given objects; every rank
     must call it. The parameters up to ``use_zero1_dcp`` are NxD's, in NxD's order; ZeRO-1 state is read from
@@ -147,6 +158,7 @@ def load_checkpoint(
     ``verify`` (default on) checks every file read against the checksums recorded when it was written and raises
     IntegrityError naming a damaged file. With ``fallback_to_verified`` and no ``tag``, a latest checkpoint that
     is damaged is skipped (logged as a WARNING) for the newest complete one that verifies.
+    ``timeout`` is the deadline in seconds of each step of the load (default ``NXD_CKPT_TIMEOUT_S``, 1800).
 
     Returns:
         The saved user content, or None if none was saved.
@@ -165,6 +177,7 @@ def load_checkpoint(
         device=device,
         verify=verify,
         fallback_to_verified=fallback_to_verified,
+        timeout=timeout,
     )
 
 

@@ -1,105 +1,142 @@
 """Commit protocol of one save, over the c10d store (no collectives, so it is safe from a writer thread).
 
-Every rank calls ``arrive`` once its files are durable (or with the error that stopped it). Rank 0 waits until
-all ranks arrived, writes ``done`` only if none failed, and publishes the outcome; ranks that must know it
-(a synchronous save) wait for that outcome. Keys are namespaced per save and removed two saves later.
+Every rank calls ``arrive`` once its files are durable (or with the exception that stopped it). Rank 0 waits
+until all ranks arrived, writes ``done`` only if none failed, and publishes the outcome; ranks that must know
+it (a synchronous save) wait for that outcome. Both waits have the save's deadline (``NXD_CKPT_TIMEOUT_S`` or
+``timeout=``, counted from this rank's arrival): while waiting, rank 0 logs which ranks have not arrived, and
+past it the waiting rank raises CheckpointTimeoutError naming them. A failure travels as a ``RankFailure``, so
+every rank raises the same exception type. Keys are namespaced per save and removed two saves later.
 """
 
 from __future__ import annotations
 
+import pickle
 import time
 from typing import Any
 
-from .dist import store_timeout
-from .errors import CheckpointError, RemoteRankError
+from .dist import RankFailure, arrive, missing_ranks, resolve_timeout, wait_for
+from .errors import CheckpointTimeoutError
 
 _PREFIX = "nxd_ckpt/commit"
-_MAX_POLL_S = 0.01
-"""Longest pause between two polls of the store: the commit learns of the last arrival within 10 ms."""
 
 
 class CommitBarrier:
-    """Store-based arrive/outcome barrier for save number ``seq`` (identical on all ranks)."""
+    """Store-based arrive/outcome barrier for save number ``seq`` (identical on all ranks) of ``tag``."""
 
-    def __init__(self, store: Any | None, session: str, seq: int, rank: int, world_size: int) -> None:
+    def __init__(
+        self,
+        store: Any | None,
+        session: str,
+        seq: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float | None = None,
+        tag: str = "",
+    ) -> None:
         self.store = store
         self.session = session
         self.seq = seq
         self.rank = rank
         self.world_size = world_size
+        self.timeout_s = resolve_timeout(timeout_s)
+        self.tag = tag
         self.prefix = f"{_PREFIX}/{session}/{seq}"
+        self._arrived_at: float | None = None
+        self._local_failure: RankFailure | None = None
 
-    def arrive(self, error: str | None = None) -> None:
+    @property
+    def phase(self) -> str:
+        return f"commit of {self.tag!r}" if self.tag else f"commit of save #{self.seq}"
+
+    def arrive(self, error: BaseException | None = None) -> None:
         """Tell rank 0 this rank is finished with the save (``error`` is None on success)."""
+        self._arrived_at = time.monotonic()
+        failure = None if error is None else RankFailure.of(error, self.rank, f"writing {self.tag!r}")
         if self.store is None:
-            self._local_error = error
+            self._local_failure = failure
             return
-        if error is not None:
-            self.store.set(f"{self.prefix}/error/{self.rank}", error.encode())
+        if failure is not None:
+            self.store.set(f"{self.prefix}/error/{self.rank}", pickle.dumps(failure))
             self.store.add(f"{self.prefix}/errors", 1)
-        self.store.add(f"{self.prefix}/arrived", 1)
+        arrive(self.store, self.prefix, self.rank)
 
-    def wait_all_arrived(self) -> dict[int, str]:
-        """Rank 0: wait for every rank; return the errors reported, by rank."""
+    def wait_all_arrived(self) -> dict[int, RankFailure]:
+        """Rank 0: wait for every rank (deadline, logs who is missing); return the failures reported, by rank."""
         if self.store is None:
-            err = getattr(self, "_local_error", None)
-            return {} if err is None else {0: err}
-        deadline = time.monotonic() + store_timeout().total_seconds()
-        delay = 0.002
-        while self.store.add(f"{self.prefix}/arrived", 0) < self.world_size:
-            if time.monotonic() > deadline:
-                arrived = self.store.add(f"{self.prefix}/arrived", 0)
-                raise CheckpointError(
-                    f"only {arrived} of {self.world_size} ranks finished writing save #{self.seq} within "
-                    f"{store_timeout()}; raise NXD_CKPT_COMMIT_TIMEOUT_S if storage is that slow"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, _MAX_POLL_S)
-        if self.store.add(f"{self.prefix}/errors", 0) == 0:
+            return {} if self._local_failure is None else {0: self._local_failure}
+        store = self.store
+        wait_for(
+            store,
+            lambda: int(store.add(f"{self.prefix}/n", 0)) >= self.world_size,
+            lambda: missing_ranks(store, self.prefix, self.world_size),
+            f"{self.phase}: waiting for every rank's files",
+            self.timeout_s,
+            log=True,
+            since=self._arrived_at,
+        )
+        if int(store.add(f"{self.prefix}/errors", 0)) == 0:
             return {}
-        errors = {}
+        failures = {}
         for r in range(self.world_size):
             key = f"{self.prefix}/error/{r}"
-            if self.store.check([key]):
-                errors[r] = self.store.get(key).decode(errors="replace")
-        return errors
+            if store.check([key]):
+                failures[r] = _load_failure(store.get(key), r, self.phase)
+        return failures
 
-    def publish_outcome(self, error: str | None) -> None:
-        """Rank 0: announce whether ``done`` was written."""
+    def publish_outcome(self, failure: RankFailure | None) -> None:
+        """Rank 0: announce whether ``done`` was written (None) or why not."""
         if self.store is not None:
-            self.store.set(f"{self.prefix}/outcome", b"ok" if error is None else b"fail:" + error.encode())
+            self.store.set(f"{self.prefix}/outcome", b"ok" if failure is None else pickle.dumps(failure))
             self._cleanup(self.seq - 2)
 
     def wait_outcome(self) -> None:
-        """Ranks other than 0: wait for the outcome (polling, so it is safe on a writer thread); raise if the
-        save failed."""
+        """Ranks other than 0: wait for the outcome (polling, so it is safe on a writer thread); raise the
+        failure (as its original type) if the save failed."""
         if self.store is None:
             return
+        store = self.store
         key = f"{self.prefix}/outcome"
-        # Polled with check() rather than store.wait(): a blocking wait holds the store client's lock, which
-        # would stall the training thread's own store use while this runs on the writer thread.
-        deadline = time.monotonic() + store_timeout().total_seconds()
-        delay = 0.002
-        while not self.store.check([key]):
-            if time.monotonic() > deadline:
-                raise CheckpointError(
-                    f"rank 0 did not publish the outcome of save #{self.seq} within {store_timeout()}; "
-                    "raise NXD_CKPT_COMMIT_TIMEOUT_S if storage is that slow"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, _MAX_POLL_S)
-        value = self.store.get(key)
+
+        def late() -> list[int]:  # every rank arrived: rank 0 is the one stuck (writing 'done')
+            return missing_ranks(store, self.prefix, self.world_size) or [0]
+
+        try:
+            wait_for(
+                store,
+                lambda: bool(store.check([key])),
+                late,
+                f"{self.phase}: waiting for rank 0's outcome",
+                self.timeout_s,
+                log=self.rank == 1,  # rank 0 is the one awaited here: the next rank says so
+                since=self._arrived_at,
+            )
+        except CheckpointTimeoutError as e:
+            e.origin_rank = self.rank
+            raise
+        value = store.get(key)
         if value != b"ok":
-            raise RemoteRankError(value.decode(errors="replace").removeprefix("fail:"))
+            raise _load_failure(value, 0, self.phase).to_exception()
 
     def _cleanup(self, seq: int) -> None:
         if seq < 0 or self.store is None:
             return
         prefix = f"{_PREFIX}/{self.session}/{seq}"
-        keys = [f"{prefix}/arrived", f"{prefix}/errors", f"{prefix}/outcome"]
+        keys = [f"{prefix}/n", f"{prefix}/errors", f"{prefix}/outcome"]
         keys += [f"{prefix}/error/{r}" for r in range(self.world_size)]
+        keys += [f"{prefix}/r/{r}" for r in range(self.world_size)]
         for key in keys:
             try:
                 self.store.delete_key(key)
             except Exception:
                 return
+
+
+def _load_failure(data: bytes, rank: int, phase: str) -> RankFailure:
+    """A RankFailure from the store (pickled by nxd_ckpt itself on another rank of this job)."""
+    try:
+        failure = pickle.loads(data)
+        if isinstance(failure, RankFailure):
+            return failure
+    except Exception:
+        pass
+    return RankFailure(rank, phase, "nxd_ckpt.errors", "RemoteRankError", data.decode(errors="replace"))

@@ -1,141 +1,419 @@
-"""The only module that talks to torch.distributed: collectives on CPU objects and the c10d store.
+"""The only module that talks to torch.distributed: the coordinator of every cross-rank step, with deadlines.
+
+Modelled on DCP's ``_DistWrapper``: each step is one collective that carries exceptions, so a failure on any
+rank is raised on every rank, as the same exception type, carrying the rank it came from (``origin_rank``).
+"Rank 0 computes, every rank receives" is ``Coordinator.master_computes``; "every rank does its part, all
+learn whether anyone failed" is ``Coordinator.run_all``. Without a process group every step just runs locally.
+
+Deadlines: before a step's collective, every rank checks in on the c10d store and waits there, polling, for
+the others. That wait has a deadline (``NXD_CKPT_TIMEOUT_S`` or the ``timeout=`` of the call): while it runs
+the master logs which ranks have not arrived and in which phase, and past it every waiting rank raises
+``CheckpointTimeoutError`` naming the phase and the missing ranks, instead of sitting in a collective until
+the process group's own timeout (30 minutes by default) with nothing logged. The collective itself only starts
+once every rank is there. ``commit.py`` uses the same store waits for the commit.
 
 XLA collectives do not work across processes on XLA:CPU and gloo must never see XLA tensors, so every
 exchange here is of Python objects or CPU tensors over a gloo group. When the default group is not gloo
-(e.g. the ``xla`` backend on Neuron) a gloo group over the whole world is created once and reused.
+(e.g. the ``xla`` backend on Neuron) a gloo group over the whole world is created (at the first collective,
+once every rank arrived) and reused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import importlib
+import logging
+import socket
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 
-from .errors import RemoteRankError
+from .errors import CheckpointTimeoutError, RemoteRankError
+
+logger = logging.getLogger("nxd_ckpt")
 
 T = TypeVar("T")
 
+TIMEOUT_ENV = "NXD_CKPT_TIMEOUT_S"
+LEGACY_TIMEOUT_ENV = "NXD_CKPT_COMMIT_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 1800.0
+MAX_STALL_S = 300.0
+"""A storage call with no progress for min(deadline / 2, this) is a stall (see ``watchdog.py``)."""
+_MAX_POLL_S = 0.01
+"""Longest pause between two polls of the store: a waiting rank learns of the last arrival within 10 ms."""
+_PREFIX = "nxd_ckpt/step"
 
+
+# ----------------------------------------------------------------------------------------------- process state
 def is_distributed() -> bool:
+    import torch.distributed as dist
+
     return dist.is_available() and dist.is_initialized()
 
 
-def local_store(timeout_s: float) -> Any:
-    """A c10d TCPStore served by this process on 127.0.0.1 (any free port): for tests that run ranks as threads."""
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=timeout_s))
+def world_rank() -> int:
+    """This process's global rank (0 without a process group)."""
+    import torch.distributed as dist
+
+    return int(dist.get_rank()) if is_distributed() else 0
+
+
+def world_size() -> int:
+    """The number of ranks (1 without a process group)."""
+    import torch.distributed as dist
+
+    return int(dist.get_world_size()) if is_distributed() else 1
+
+
+def world_id() -> int | None:
+    """Identifies the current default process group (None without one): changes when it is re-created."""
+    import torch.distributed as dist
+
+    return id(dist.group.WORLD) if is_distributed() else None
 
 
 def group_identity() -> tuple[bool, int | None]:
     """Identifies the current default process group (a new ``init_process_group`` gives a new identity)."""
-    initialized = is_distributed()
-    return initialized, id(dist.group.WORLD) if initialized else None
+    return is_distributed(), world_id()
 
 
+def local_store(timeout_s: float) -> Any:
+    """A c10d TCPStore served by this process on 127.0.0.1 (any free port): for tests that run ranks as threads."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+# ----------------------------------------------------------------------------------------------- deadlines
+def default_timeout_s() -> float:
+    """The deadline of every phase: ``NXD_CKPT_TIMEOUT_S`` (or the older ``NXD_CKPT_COMMIT_TIMEOUT_S``), default
+    1800 s (``knobs.timeout_s``)."""
+    from . import knobs
+
+    return knobs.timeout_s()
+
+
+def resolve_timeout(timeout: float | None) -> float:
+    """The deadline for one call: its ``timeout=`` if given, else ``default_timeout_s()``."""
+    if timeout is None:
+        return default_timeout_s()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds (or None for {TIMEOUT_ENV}), got {timeout!r}")
+    return float(timeout)
+
+
+def stall_limit_s(timeout_s: float) -> float:
+    """Seconds without storage progress that count as a stall: half the deadline (so a call that stopped moving
+    is told apart from one that only crawls), at most 5 minutes."""
+    return min(timeout_s / 2, MAX_STALL_S)
+
+
+def log_interval_s(timeout_s: float) -> float:
+    """How often the master repeats "waiting for ranks ...": four times per deadline, at most every 30 s."""
+    return min(30.0, max(0.25, timeout_s / 4))
+
+
+def _ranks_text(ranks: list[int] | tuple[int, ...]) -> str:
+    return "[" + ", ".join(map(str, ranks)) + "]"
+
+
+def missing_ranks(store: Any, prefix: str, world: int) -> list[int]:
+    """Ranks without an arrival key under ``prefix`` (see ``arrive``)."""
+    return [r for r in range(world) if not store.check([f"{prefix}/r/{r}"])]
+
+
+def arrive(store: Any, prefix: str, rank: int) -> int:
+    """Check in at ``prefix`` on the store; returns how many ranks have arrived, this one included."""
+    store.set(f"{prefix}/r/{rank}", b"1")
+    return int(store.add(f"{prefix}/n", 1))
+
+
+def wait_for(
+    store: Any,
+    ready: Callable[[], bool],
+    missing: Callable[[], list[int]],
+    phase: str,
+    timeout_s: float,
+    *,
+    log: bool,
+    since: float | None = None,
+) -> None:
+    """Poll ``ready()`` until it holds; log who is ``missing()`` every few seconds (if ``log``); past
+    ``timeout_s`` (counted from ``since``, default now) raise CheckpointTimeoutError naming them.
+
+    Polling with ``check``/``add`` rather than ``store.wait``: a blocking wait holds the store client's lock,
+    which would stall the other thread (training or writer) that uses the same store meanwhile.
+    """
+    start = time.monotonic() if since is None else since
+    interval = log_interval_s(timeout_s)
+    next_log = start + interval
+    delay = 0.0005
+    while not ready():
+        now = time.monotonic()
+        if now - start > timeout_s:
+            late = missing()
+            raise CheckpointTimeoutError(
+                f"timed out after {timeout_s:g} s in phase '{phase}' waiting for rank(s) {_ranks_text(late)}; "
+                f"those ranks are stuck or far behind (their own logs or errors say where). Raise {TIMEOUT_ENV} "
+                "or pass a larger timeout= if they are only slow",
+                phase=phase,
+                missing_ranks=late,
+            )
+        if log and now >= next_log:
+            logger.warning(
+                "waiting for rank(s) %s in phase '%s' (%.1f s so far, deadline in %.1f s)",
+                _ranks_text(missing()),
+                phase,
+                now - start,
+                timeout_s - (now - start),
+            )
+            next_log = now + interval
+        time.sleep(delay)
+        delay = min(delay * 2, _MAX_POLL_S)
+
+
+# ----------------------------------------------------------------------------------------------- failures
+@dataclass(frozen=True)
+class RankFailure:
+    """An exception of one rank, in a form every rank can receive and raise again as the same type."""
+
+    rank: int
+    phase: str
+    module: str
+    qualname: str
+    message: str
+    attributes: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, error: BaseException, rank: int, phase: str) -> RankFailure:
+        origin = getattr(error, "origin_rank", None)
+        attributes = {
+            k: v
+            for k, v in vars(error).items()
+            if k in ("phase", "missing_ranks", "path", "bytes_moved") and isinstance(v, (str, int, tuple, type(None)))
+        }
+        return cls(
+            rank=origin if isinstance(origin, int) else rank,
+            phase=phase,
+            module=type(error).__module__,
+            qualname=type(error).__qualname__,
+            message=str(error) or type(error).__name__,
+            attributes=attributes,
+        )
+
+    def describe(self) -> str:
+        return f"rank {self.rank} failed while {self.phase}: {self.qualname}: {self.message}"
+
+    def to_exception(self, also_failed: list[int] | None = None) -> BaseException:
+        """An exception of the original type (a RemoteRankError if it cannot be rebuilt here), whose message
+        names the rank and phase, with ``origin_rank`` set."""
+        others = f" (rank(s) {_ranks_text(also_failed)} failed too)" if also_failed else ""
+        text = f"rank {self.rank} failed while {self.phase}: {self.message}{others}"
+        error: BaseException
+        try:
+            cls: Any = importlib.import_module(self.module)
+            for part in self.qualname.split("."):
+                cls = getattr(cls, part)
+            if not (isinstance(cls, type) and issubclass(cls, Exception)):
+                raise TypeError("not an Exception class")
+            error = cls(text)
+        except Exception:
+            error = RemoteRankError(
+                f"rank {self.rank} failed while {self.phase}: {self.qualname}: {self.message}{others}"
+            )
+        for name, value in self.attributes.items():
+            with contextlib.suppress(Exception):
+                setattr(error, name, value)
+        with contextlib.suppress(Exception):
+            error.origin_rank = self.rank  # type: ignore[attr-defined]
+        return error
+
+
+def mark_origin(error: BaseException, rank: int) -> None:
+    """Record on ``error`` the rank it happened on (unless it already names one)."""
+    if getattr(error, "origin_rank", None) is None:
+        with contextlib.suppress(Exception):
+            error.origin_rank = rank  # type: ignore[attr-defined]
+
+
+def raise_failures(failures: list[RankFailure | None], local: BaseException | None, rank: int) -> None:
+    """Raise on this rank what ``failures`` (one entry per rank, None where the step succeeded) say: the
+    lowest failing rank's exception, as its own type, on every rank (the original object on that rank)."""
+    failed = sorted((f for f in failures if f is not None), key=lambda f: f.rank)
+    if not failed:
+        if local is not None:  # cannot happen when the local failure was gathered; kept for safety
+            raise local
+        return
+    first = failed[0]
+    if local is not None and first.rank == rank:
+        mark_origin(local, rank)
+        raise local
+    error = first.to_exception([f.rank for f in failed[1:]])
+    if local is not None:
+        raise error from local
+    raise error
+
+
+def format_exception(e: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(e), e)).strip()
+
+
+# ----------------------------------------------------------------------------------------------- the coordinator
 class Coordinator:
-    """Rank-aware helper for collective checkpoint steps; a world of one when torch.distributed is not up.
+    """Every cross-rank step of a save or load; a world of one when torch.distributed is not up.
 
-    Collective methods must be called by every rank in the same order, from the thread that drives training.
-    ``store`` is the exception: it is safe to use from a background thread.
+    Collective methods must be called by every rank in the same order, from the thread that drives training,
+    and every rank creates its coordinators in the same order (the n-th coordinator of each rank share the
+    store keys of their steps). ``store`` is the exception: it is safe to use from a background thread.
+    ``timeout_s`` is the deadline of each step (``deadline`` sets it for one call).
     """
 
-    def __init__(self, group: Any | None = None) -> None:
+    _created = 0
+
+    def __init__(self, group: Any | None = None, timeout_s: float | None = None) -> None:
         self.distributed = is_distributed()
-        self.rank = dist.get_rank() if self.distributed else 0
-        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.rank = world_rank()
+        self.world_size = world_size()
+        self.timeout_s = resolve_timeout(timeout_s)
         self._group = group
-        if self.distributed and group is None and dist.get_backend() != "gloo":
-            self._group = dist.new_group(backend="gloo")
+        self._own_group = group is not None
         self._subgroups: dict[tuple[int, ...], Any] = {}
+        self._session: str | None = None
+        self._step = 0
+        self._hosts: list[str] | None = None
 
-    @property
-    def group(self) -> Any | None:
-        return self._group
-
+    # ------------------------------------------------------------------ plumbing
     @property
     def store(self) -> Any | None:
         """The c10d key-value store of the default process group (None in a world of one)."""
         if not self.distributed:
             return None
+        import torch.distributed as dist
+
         return dist.distributed_c10d._get_default_store()
 
-    def barrier(self) -> None:
-        if self.distributed:
-            dist.barrier(group=self._group)
+    @property
+    def session(self) -> str:
+        """A name shared by the n-th coordinator of every rank (from the store, so no collective)."""
+        if self._session is None:
+            if self.store is None:
+                Coordinator._created += 1
+                self._session = f"local{Coordinator._created}"
+            else:
+                self._session = f"c{int(self.store.add(f'nxd_ckpt/coordinators/{self.rank}', 1))}"
+        return self._session
 
-    def broadcast_object(self, obj: T, src: int = 0, group: Any | None = None) -> T:
-        """``obj`` of global rank ``src``, on every rank of ``group`` (default: the whole world)."""
-        if not self.distributed:
-            return obj
-        box = [obj if self.rank == src else None]
-        dist.broadcast_object_list(box, src=src, group=group if group is not None else self._group)
-        return box[0]  # type: ignore[return-value]
+    @property
+    def group(self) -> Any | None:
+        """The gloo group collectives run on (None = the default group, when it is gloo).
 
-    def all_gather_object(self, obj: T, group: Any | None = None) -> list[T]:
-        """Every rank's ``obj`` in rank order within ``group`` (default: the whole world)."""
-        if not self.distributed:
-            return [obj]
-        size = self.world_size if group is None else dist.get_world_size(group)
-        out: list[Any] = [None] * size
-        dist.all_gather_object(out, obj, group=group if group is not None else self._group)
-        return out
-
-    def gather_object(self, obj: T, dst: int = 0) -> list[T] | None:
-        """Every rank's ``obj`` as a list on rank ``dst`` (None elsewhere); objects must hold CPU tensors only."""
-        if not self.distributed:
-            return [obj]
-        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
-        dist.gather_object(obj, out, dst=dst, group=self._group)
-        return out
-
-    def scatter_object(self, objs: list[T] | None, src: int = 0) -> T:
-        """Rank ``r`` receives ``objs[r]`` from rank ``src`` (``objs`` is read on ``src`` only)."""
-        if not self.distributed:
-            if objs is None or len(objs) != 1:
-                raise ValueError("scatter_object in a world of one needs a list of exactly one object")
-            return objs[0]
-        box: list[Any] = [None]
-        dist.scatter_object_list(box, objs if self.rank == src else None, src=src, group=self._group)
-        return box[0]  # type: ignore[no-any-return]
-
-    def subgroup(self, ranks: list[int]) -> Any:
-        """A gloo group over ``ranks``; every rank must request every subgroup in the same order."""
-        key = tuple(ranks)
-        if key not in self._subgroups:
-            self._subgroups[key] = dist.new_group(ranks=list(ranks), backend="gloo")
-        return self._subgroups[key]
-
-    def broadcast_tensor(self, tensor: torch.Tensor, src: int, group: Any) -> None:
-        """Broadcast a CPU tensor in place within ``group`` (``src`` is a global rank)."""
-        if tensor.device.type != "cpu":
-            raise ValueError("only CPU tensors may be exchanged between ranks (gloo); got " + str(tensor.device))
-        dist.broadcast(tensor, src=src, group=group)
-
-    def run_all(self, fn: Callable[[], T], what: str) -> T:
-        """Run ``fn`` on every rank; if it fails anywhere, raise on every rank (naming the failed ranks).
-
-        The local exception is re-raised as is; ranks whose own step succeeded raise RemoteRankError.
+        Created on first use when the default backend is not gloo: every rank must reach that point.
         """
-        error: BaseException | None = None
+        if self.distributed and not self._own_group:
+            import torch.distributed as dist
+
+            if dist.get_backend() != "gloo":
+                self._group = dist.new_group(
+                    backend="gloo", timeout=datetime.timedelta(seconds=max(self.timeout_s, 60.0))
+                )
+            self._own_group = True
+        return self._group
+
+    @contextlib.contextmanager
+    def deadline(self, timeout_s: float) -> Iterator[None]:
+        """Use ``timeout_s`` as the deadline of every step inside the block."""
+        previous, self.timeout_s = self.timeout_s, timeout_s
+        try:
+            yield
+        finally:
+            self.timeout_s = previous
+
+    def _arrive_and_wait(self, phase: str) -> None:
+        """Check in for the next step and wait (deadline, logs on the master) until every rank has."""
+        store = self.store
+        if store is None:
+            return
+        self._step += 1
+        prefix = f"{_PREFIX}/{self.session}/{self._step}"
+        arrive(store, prefix, self.rank)
+        try:
+            wait_for(
+                store,
+                lambda: int(store.add(f"{prefix}/n", 0)) >= self.world_size,
+                lambda: missing_ranks(store, prefix, self.world_size),
+                phase,
+                self.timeout_s,
+                log=self.rank == 0,
+            )
+        except CheckpointTimeoutError as e:
+            store.set(f"{prefix}/gave_up", str(self.rank).encode())  # for the late ranks: nobody will be there
+            e.origin_rank = self.rank
+            raise
+        if store.check([f"{prefix}/gave_up"]):
+            gave_up = int(store.get(f"{prefix}/gave_up"))
+            raise CheckpointTimeoutError(
+                f"rank {self.rank} reached phase '{phase}' after rank {gave_up} had given up waiting for it "
+                f"(deadline {self.timeout_s:g} s): this rank was too late; see the error on the other ranks",
+                phase=phase,
+                missing_ranks=[self.rank],
+            )
+        self._forget(self._step - 2)
+
+    def _forget(self, step: int) -> None:
+        """Delete this rank's keys of an old step (every rank has left it: it arrived at a later one)."""
+        if step < 1 or self.store is None:
+            return
+        prefix = f"{_PREFIX}/{self.session}/{step}"
+        with contextlib.suppress(Exception):
+            self.store.delete_key(f"{prefix}/r/{self.rank}")
+            if self.rank == 0:
+                self.store.delete_key(f"{prefix}/n")
+                self.store.delete_key(f"{prefix}/gave_up")
+
+    # ------------------------------------------------------------------ steps that carry errors
+    def master_computes(self, fn: Callable[[], T], phase: str) -> T:
+        """Rank 0 runs ``fn``; every rank receives its result, or raises its exception (same type everywhere).
+
+        One broadcast carries the result or the failure.
+        """
+        value: Any = None
+        failure: RankFailure | None = None
+        local: BaseException | None = None
+        if self.rank == 0:
+            try:
+                value = fn()
+            except BaseException as e:
+                local, failure = e, RankFailure.of(e, 0, phase)
+        if not self.distributed:
+            if local is not None:
+                raise local
+            return value  # type: ignore[no-any-return]
+        self._arrive_and_wait(phase)
+        failure, value = self._broadcast((failure, value) if self.rank == 0 else None, 0, None)
+        raise_failures([failure], local, self.rank)
+        return value  # type: ignore[no-any-return]
+
+    def run_all(self, fn: Callable[[], T], phase: str) -> T:
+        """Every rank runs ``fn``; if it fails anywhere, every rank raises the (lowest) failing rank's exception
+        as its own type. One all-gather carries the failures."""
         result: Any = None
+        local: BaseException | None = None
         try:
             result = fn()
         except BaseException as e:
-            error = e
-        if self.distributed:
-            report = None if error is None else f"{type(error).__name__}: {error}"
-            reports = self.all_gather_object(report)
-            failed = {r: msg for r, msg in enumerate(reports) if msg is not None}
-        else:
-            failed = {}
-        if error is not None:
-            raise error
-        if failed:
-            first = min(failed)
-            raise RemoteRankError(f"{what} failed on rank(s) {sorted(failed)}; rank {first}: {failed[first]}")
+            local = e
+        if not self.distributed:
+            if local is not None:
+                raise local
+            return result  # type: ignore[no-any-return]
+        self._arrive_and_wait(phase)
+        failures = self._all_gather(None if local is None else RankFailure.of(local, self.rank, phase), None)
+        raise_failures(failures, local, self.rank)
         return result  # type: ignore[no-any-return]
 
     def in_waves(self, limit: int, local_rank: int, local_world_size: int, fn: Callable[[], T], what: str) -> T:
@@ -152,7 +430,7 @@ class Coordinator:
                 except BaseException as e:
                     error = e
             if self.distributed and waves > 1:
-                self.barrier()
+                self.barrier(f"{what} (wave {wave + 1} of {waves})")
 
         def _report() -> Any:
             if error is not None:
@@ -161,13 +439,89 @@ class Coordinator:
 
         return self.run_all(_report, what)
 
+    # ------------------------------------------------------------------ plain exchanges (deadline-guarded)
+    def barrier(self, phase: str = "barrier") -> None:
+        """Wait until every rank reached this point (on the store: deadline and logs, no collective)."""
+        self._arrive_and_wait(phase)
 
-def format_exception(e: BaseException) -> str:
-    return "".join(traceback.format_exception_only(type(e), e)).strip()
+    def all_gather_object(self, obj: T, group: Any | None = None, phase: str = "exchanging") -> list[T]:
+        """Every rank's ``obj`` in rank order within ``group`` (default: the whole world, deadline-guarded)."""
+        if not self.distributed:
+            return [obj]
+        if group is None:
+            self._arrive_and_wait(phase)
+        return self._all_gather(obj, group)
 
+    def broadcast_object(self, obj: T, src: int = 0, group: Any | None = None, phase: str = "exchanging") -> T:
+        """``obj`` of global rank ``src``, on every rank of ``group`` (default: the whole world, deadline-guarded)."""
+        if not self.distributed:
+            return obj
+        if group is None:
+            self._arrive_and_wait(phase)
+        return self._broadcast(obj, src, group)  # type: ignore[no-any-return]
 
-def store_timeout() -> datetime.timedelta:
-    """How long commit steps wait for other ranks (NXD_CKPT_COMMIT_TIMEOUT_S, default 30 minutes)."""
-    from . import knobs
+    def gather_object(self, obj: T, dst: int = 0, phase: str = "gathering") -> list[T] | None:
+        """Every rank's ``obj`` as a list on rank ``dst`` (None elsewhere); objects must hold CPU tensors only."""
+        if not self.distributed:
+            return [obj]
+        import torch.distributed as dist
 
-    return datetime.timedelta(seconds=knobs.commit_timeout_s())
+        self._arrive_and_wait(phase)
+        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dst, group=self.group)
+        return out
+
+    def scatter_object(self, objs: list[T] | None, src: int = 0, phase: str = "scattering") -> T:
+        """Rank ``r`` receives ``objs[r]`` from rank ``src`` (``objs`` is read on ``src`` only)."""
+        if not self.distributed:
+            if objs is None or len(objs) != 1:
+                raise ValueError("scatter_object in a world of one needs a list of exactly one object")
+            return objs[0]
+        import torch.distributed as dist
+
+        self._arrive_and_wait(phase)
+        box: list[Any] = [None]
+        dist.scatter_object_list(box, objs if self.rank == src else None, src=src, group=self.group)
+        return box[0]  # type: ignore[no-any-return]
+
+    def host_names(self) -> list[str]:
+        """Every rank's host name, by rank (gathered once)."""
+        if self._hosts is None:
+            self._hosts = self.all_gather_object(socket.gethostname(), phase="exchanging host names")
+        return self._hosts
+
+    # ------------------------------------------------------------------ subgroups
+    def subgroup(self, ranks: list[int]) -> Any:
+        """A gloo group over ``ranks``; every rank must request every subgroup in the same order."""
+        key = tuple(ranks)
+        if key not in self._subgroups:
+            import torch.distributed as dist
+
+            self._subgroups[key] = dist.new_group(
+                ranks=list(ranks), backend="gloo", timeout=datetime.timedelta(seconds=max(self.timeout_s, 60.0))
+            )
+        return self._subgroups[key]
+
+    def broadcast_tensor(self, tensor: torch.Tensor, src: int, group: Any) -> None:
+        """Broadcast a CPU tensor in place within ``group`` (``src`` is a global rank)."""
+        if tensor.device.type != "cpu":
+            raise ValueError("only CPU tensors may be exchanged between ranks (gloo); got " + str(tensor.device))
+        import torch.distributed as dist
+
+        dist.broadcast(tensor, src=src, group=group)
+
+    # ------------------------------------------------------------------ raw collectives
+    def _broadcast(self, obj: Any, src: int, group: Any | None) -> Any:
+        import torch.distributed as dist
+
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src, group=group if group is not None else self.group)
+        return box[0]
+
+    def _all_gather(self, obj: Any, group: Any | None) -> list[Any]:
+        import torch.distributed as dist
+
+        size = self.world_size if group is None else dist.get_world_size(group)
+        out: list[Any] = [None] * size
+        dist.all_gather_object(out, obj, group=group if group is not None else self.group)
+        return out

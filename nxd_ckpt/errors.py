@@ -4,7 +4,13 @@ from __future__ import annotations
 
 
 class CheckpointError(Exception):
-    """Base class of every error nxd_ckpt raises on purpose."""
+    """Base class of every error nxd_ckpt raises on purpose.
+
+    ``origin_rank`` is the global rank where the failure happened when it was raised by a collective step or
+    the commit (the same exception type is raised on every rank; see ``dist.py``), else None.
+    """
+
+    origin_rank: int | None = None
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
@@ -37,6 +43,41 @@ class UnsafeCheckpointError(CheckpointError):
 
 class StorageError(CheckpointError, OSError):
     """A storage operation failed (after retries where the backend retries)."""
+
+
+class CheckpointTimeoutError(CheckpointError, TimeoutError):
+    """A phase of a save or load passed its deadline (``NXD_CKPT_TIMEOUT_S`` or ``timeout=``).
+
+    ``phase`` names the step; ``missing_ranks`` are the ranks that had not arrived there (empty when this rank
+    itself was the one too slow, e.g. its storage); ``path`` and ``bytes_moved`` name the file a storage call
+    was on and how far it got.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        phase: str | None = None,
+        missing_ranks: tuple[int, ...] | list[int] = (),
+        path: str | None = None,
+        bytes_moved: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.phase = phase
+        self.missing_ranks = tuple(missing_ranks)
+        self.path = path
+        self.bytes_moved = bytes_moved
+
+    def __str__(self) -> str:  # TimeoutError (an OSError) would otherwise format its args itself
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.phase, self.missing_ranks, self.path, self.bytes_moved))
+
+
+class StorageStallError(CheckpointTimeoutError, StorageError):
+    """A storage call made no progress (no bytes moved, no call returned) for the stall limit: a hung mount,
+    a lost connection or a blocked device. The call itself may still be stuck in the kernel; nxd_ckpt stops
+    waiting for it and raises this instead."""
 
 
 class AsyncSaveError(CheckpointError):

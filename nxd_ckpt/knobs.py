@@ -68,12 +68,26 @@ KNOBS: dict[str, Knob] = {
             "(no overlap)",
         ),
         Knob(
+            "NXD_CKPT_TIMEOUT_S",
+            "duration",
+            1800.0,
+            "deadline of every phase of a save or load (cross-rank steps, each file write, the commit); a storage "
+            "call without progress for min(this / 2, 300 s) is a stall. The `timeout=` keyword overrides it per call",
+        ),
+        Knob(
             "NXD_CKPT_COMMIT_TIMEOUT_S",
             "duration",
             1800.0,
-            "seconds the commit waits for every rank's files before failing the save",
+            "the old name of `NXD_CKPT_TIMEOUT_S`, still read when that one is unset",
         ),
         Knob("NXD_CKPT_LOG_ALL_RANKS", "bool", False, "1 lets every rank log at INFO"),
+        Knob(
+            "NXD_CKPT_PLATFORM",
+            "str",
+            None,
+            "Neuron platform `initialize_model_parallel` builds NxD's groups for: `trn1`, `trn2`, `trn3`, `generic` "
+            "(default: torch_neuronx's answer, else `generic`)",
+        ),
         Knob("NXD_CKPT_S3_ENDPOINT_URL", "str", None, "S3 endpoint (MinIO, a proxy); else the AWS default chain"),
     )
 }
@@ -168,12 +182,19 @@ def xla_transfer_thread() -> bool:
     return get_bool("NXD_CKPT_XLA_TRANSFER_THREAD")
 
 
-def commit_timeout_s() -> float:
-    return get_duration("NXD_CKPT_COMMIT_TIMEOUT_S")
+def timeout_s() -> float:
+    """The deadline of every phase: NXD_CKPT_TIMEOUT_S, else its old name NXD_CKPT_COMMIT_TIMEOUT_S, else 1800 s."""
+    if _raw("NXD_CKPT_TIMEOUT_S") is None and _raw("NXD_CKPT_COMMIT_TIMEOUT_S") is not None:
+        return get_duration("NXD_CKPT_COMMIT_TIMEOUT_S")
+    return get_duration("NXD_CKPT_TIMEOUT_S")
 
 
 def log_all_ranks() -> bool:
     return get_bool("NXD_CKPT_LOG_ALL_RANKS")
+
+
+def platform() -> str | None:
+    return get_str("NXD_CKPT_PLATFORM")
 
 
 def s3_endpoint_url() -> str | None:

@@ -24,9 +24,7 @@ def process_rank() -> int:
     from . import dist
 
     if dist.is_distributed():
-        import torch.distributed
-
-        return int(torch.distributed.get_rank())  # read-only query; dist.py stays the only one issuing collectives
+        return dist.world_rank()
     try:
         return int(os.environ.get("RANK", "0"))
     except ValueError:

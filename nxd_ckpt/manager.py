@@ -22,6 +22,7 @@ background is raised, once and chained, by the next ``save``/``load``/``finalize
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -36,9 +37,16 @@ import torch
 from . import adapters, integrity, layout, plan, staging, statefile, tags, tree, xla, zero1_io
 from . import rank_state as rank_states
 from .commit import CommitBarrier
-from .dist import Coordinator, format_exception, group_identity
+from .dist import (
+    Coordinator,
+    RankFailure,
+    format_exception,
+    group_identity,
+    mark_origin,
+    resolve_timeout,
+)
 from .errors import (
-    CheckpointError,
+    CheckpointTimeoutError,
     FormatError,
     IntegrityError,
     LayoutMismatchError,
@@ -49,11 +57,13 @@ from .format.metadata import FORMAT_VERSION, TagMetadata, metadata_path, write_m
 from .parallel_state import current_topology
 from .storage import Storage, storage_for
 from .topology import Topology
+from .watchdog import StorageMonitor, WatchedStorage, run_watched
 from .writer import AsyncWriter
 
 logger = logging.getLogger("nxd_ckpt")
 
 __all__ = ["FORMAT_VERSION", "CheckpointManager", "SaveReport", "describe_checkpoint"]
+SAVE_ERROR_POLICIES = ("raise", "warn")
 
 
 @dataclass
@@ -79,6 +89,10 @@ class SaveReport:
     """From the call to the commit outcome (``done`` written, or known on other ranks)."""
     files_written: int = 0
     completed: bool = False
+    error: str | None = None
+    """Why this save failed, with ``on_save_error="warn"`` (for async saves: once the background write ended)."""
+    earlier_failures: list[str] = field(default_factory=list)
+    """Background saves that failed since the previous save under ``on_save_error="warn"``."""
     _future: Future | None = field(default=None, repr=False)
     _started: float = field(default=0.0, repr=False)
 
@@ -114,6 +128,8 @@ class _SaveContext:
     use_xser: bool
     num_kept_ckpts: int | None
     items: tuple[str, ...]
+    timeout_s: float
+    monitor: StorageMonitor
 
 
 class CheckpointManager:
@@ -138,6 +154,8 @@ class CheckpointManager:
         self._seq = 0
         self._async_writer: AsyncWriter | None = None
         self._staging_pool = staging.StagingPool(max_sets=2)
+        self._warned: list[str] = []
+        """Background save failures under ``on_save_error="warn"``, reported by the next SaveReport."""
 
     # ----------------------------------------------------------------- plumbing
     def coordinator(self) -> Coordinator:
@@ -146,8 +164,8 @@ class CheckpointManager:
         if self._coordinator is None or key != self._coordinator_key:
             self._coordinator = self._injected_coordinator or Coordinator()
             self._coordinator_key = key
-            session = uuid.uuid4().hex[:12] if self._coordinator.rank == 0 else None
-            self._session = self._coordinator.broadcast_object(session)
+            # The store namespace of this manager's commits: shared by every rank without a collective.
+            self._session = self._coordinator.session if self._coordinator.distributed else uuid.uuid4().hex[:12]
             self._seq = 0
         return self._coordinator
 
@@ -198,9 +216,14 @@ class CheckpointManager:
         rank_state: Any = None,
         save_rng: bool = False,
         rank_state_mode: str = "per_rank",
+        timeout: float | None = None,
+        on_save_error: str = "raise",
     ) -> SaveReport:
         call_start = time.perf_counter()
         layout.validate_tag(tag)
+        if on_save_error not in SAVE_ERROR_POLICIES:
+            raise ValueError(f"on_save_error must be 'raise' or 'warn', got {on_save_error!r}")
+        timeout_s = resolve_timeout(timeout)
         if num_kept_ckpts is not None and (
             isinstance(num_kept_ckpts, bool)
             or not isinstance(num_kept_ckpts, int)
@@ -217,8 +240,64 @@ class CheckpointManager:
         self.check_for_errors()
         waited = self.wait_pending()
         self.check_for_errors()
+        earlier_failures, self._warned = self._warned, []
 
         coord = self.coordinator()
+        report = SaveReport(
+            tag=tag,
+            checkpoint_dir=str(getattr(checkpoint_dir, "url", checkpoint_dir)),
+            async_save=async_save,
+            waited_s=waited,
+            earlier_failures=earlier_failures,
+        )
+        report._started = call_start
+        try:
+            with coord.deadline(timeout_s):
+                self._save(
+                    coord, report, checkpoint_dir, tag, model, optimizer, scheduler, user_content, num_workers,
+                    use_xser, num_kept_ckpts, async_save, zero1_optimizer, rank_state, save_rng, rank_state_mode,
+                    timeout_s, on_save_error,
+                )  # fmt: skip
+        except Exception as e:
+            if on_save_error == "raise":
+                raise
+            self._warn_failed(report, e)
+        report.blocked_s = time.perf_counter() - call_start
+        return report
+
+    def _warn_failed(self, report: SaveReport, error: BaseException) -> None:
+        """``on_save_error="warn"``: log the failure (on every rank) and record it instead of raising."""
+        report.error = format_exception(error)
+        logger.error(
+            "checkpoint %s in %s FAILED and training continues (on_save_error='warn'); the previous complete "
+            "checkpoint stays the latest: %s",
+            report.tag,
+            report.checkpoint_dir,
+            report.error,
+        )
+
+    def _save(
+        self,
+        coord: Coordinator,
+        report: SaveReport,
+        checkpoint_dir: str | os.PathLike[str],
+        tag: str,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any,
+        user_content: Any,
+        num_workers: int,
+        use_xser: bool,
+        num_kept_ckpts: int | None,
+        async_save: bool,
+        zero1_optimizer: bool,
+        rank_state: Any,
+        save_rng: bool,
+        rank_state_mode: str,
+        timeout_s: float,
+        on_save_error: str,
+    ) -> None:
+        call_start, waited = report._started, report.waited_s
         if waited >= 0.001 and coord.rank == 0:
             logger.info("save of %s waited %.2f s for the previous save to finish writing", tag, waited)
         topo = coord.run_all(self.topology, "reading the parallel layout")
@@ -238,10 +317,8 @@ class CheckpointManager:
         rank_files = rank_states.stage_for_save(
             coord, topo, tag, rank_state, save_rng=save_rng, mode=rank_state_mode, copy_state=async_save
         )
-        ctx = self._begin(coord, storage, tag, topo, zero1, use_xser, num_kept_ckpts, items)
-
-        report = SaveReport(tag=tag, checkpoint_dir=storage.url, async_save=async_save, waited_s=waited)
-        report._started = call_start
+        ctx = self._begin(coord, storage, tag, topo, zero1, use_xser, num_kept_ckpts, items, timeout_s)
+        report.checkpoint_dir = storage.url
         stage_start = time.perf_counter()
         writes = plan.plan_save(
             topo,
@@ -261,8 +338,7 @@ class CheckpointManager:
                 lease = self._staging_pool.stage([w.state for w in writes], needed=needed)
             except BaseException as e:
                 # Tell rank 0's commit that this rank will never write, instead of letting it wait until timeout.
-                barrier = CommitBarrier(coord.store, str(self._session), ctx.seq, coord.rank, coord.world_size)
-                barrier.arrive(f"rank {coord.rank} could not stage its state: {format_exception(e)}")
+                self._barrier(ctx, coord).arrive(e)
                 raise
             staged = [w.with_state(state) for w, state in zip(writes, lease.trees, strict=True)]
             report.staging_allocated_bytes = lease.allocated_bytes
@@ -273,8 +349,7 @@ class CheckpointManager:
                 try:
                     fetcher = staging.HostFetcher(plan.tensors_to_write(writes, coord.rank))
                 except BaseException as e:  # as for async staging: rank 0's commit must not wait for this rank
-                    barrier = CommitBarrier(coord.store, str(self._session), ctx.seq, coord.rank, coord.world_size)
-                    barrier.arrive(f"rank {coord.rank} could not copy its state to the host: {format_exception(e)}")
+                    self._barrier(ctx, coord).arrive(e)
                     raise
         staged += [plan.StateWrite("rank_state", path, state, (coord.rank,)) for path, state in rank_files]
         report.staging_s = time.perf_counter() - stage_start
@@ -284,6 +359,12 @@ class CheckpointManager:
                 self._write_and_commit(
                     ctx, coord, staged, report, num_workers if not async_save else None, lease, fetcher
                 )
+            except Exception as e:
+                if not async_save or on_save_error == "raise":
+                    raise
+                self._warn_failed(report, e)  # on the writer thread: reported by the next save's SaveReport
+                self._warned.append(f"{tag}: {report.error}")
+                return
             finally:
                 if fetcher is not None:
                     fetcher.close()
@@ -301,7 +382,11 @@ class CheckpointManager:
             write_and_commit()
             report.blocked_s = time.perf_counter() - call_start
             self._log_save(report, coord)
-        return report
+
+    def _barrier(self, ctx: _SaveContext, coord: Coordinator) -> CommitBarrier:
+        return CommitBarrier(
+            coord.store, str(self._session), ctx.seq, coord.rank, coord.world_size, ctx.timeout_s, ctx.tag
+        )
 
     def _begin(
         self,
@@ -313,6 +398,7 @@ class CheckpointManager:
         use_xser: bool,
         num_kept_ckpts: int | None,
         items: tuple[str, ...],
+        timeout_s: float,
     ) -> _SaveContext:
         """Rank 0 marks the tag as being saved (removing an old ``done`` first); all ranks agree on the save."""
 
@@ -328,10 +414,12 @@ class CheckpointManager:
                 storage.sync_dirs([tag, ""])  # tag skips these fsyncs (async saves block on this step)
             return time.time()
 
-        created_at = coord.broadcast_object(coord.run_all(prepare, f"starting checkpoint {tag!r}"))
+        created_at = coord.master_computes(prepare, f"starting checkpoint {tag!r}")
         self._seq += 1
+        monitor = StorageMonitor(f"writing {tag!r} on rank {coord.rank}", timeout_s, url=storage.url)
         return _SaveContext(
-            storage=integrity.ChecksummingStorage(storage, tag, coord.rank),  # records checksums for the manifest
+            # records checksums for the manifest, over a storage whose every write the watchdog sees
+            storage=integrity.ChecksummingStorage(WatchedStorage(storage, monitor), tag, coord.rank),
             tag=tag,
             seq=self._seq,
             created_at=created_at,
@@ -340,6 +428,8 @@ class CheckpointManager:
             use_xser=use_xser,
             num_kept_ckpts=num_kept_ckpts,
             items=items,
+            timeout_s=timeout_s,
+            monitor=monitor,
         )
 
     def _write_and_commit(
@@ -356,7 +446,7 @@ class CheckpointManager:
         host for synchronous saves (it uses barriers); background writes pass None (no collectives).
         ``lease`` (async saves) returns the staging buffers to the pool as soon as the files are written;
         ``fetcher`` (synchronous saves of device tensors) hands the writers host copies as they arrive."""
-        barrier = CommitBarrier(coord.store, str(self._session), ctx.seq, coord.rank, coord.world_size)
+        barrier = self._barrier(ctx, coord)
         write_start = time.perf_counter()
         error: BaseException | None = None
 
@@ -390,44 +480,68 @@ class CheckpointManager:
                 report.bytes_written += sum(t.numel() * t.element_size() for t in _tensors(w.state))
             return written
 
+        def watched_write() -> None:
+            # On a helper thread watched for stalls and overdue files: a storage call that never returns
+            # raises here (naming the file and the bytes moved) instead of hanging this rank.
+            ctx.monitor.reset(f"writing {ctx.tag!r} on rank {coord.rank}")
+            run_watched(write_files, ctx.monitor)
+
         if waves is not None and coord.distributed and waves < ctx.topology.local_world_size:
             try:
-                coord.in_waves(waves, ctx.topology.local_rank, ctx.topology.local_world_size, write_files, "writing")
+                coord.in_waves(
+                    waves, ctx.topology.local_rank, ctx.topology.local_world_size, watched_write, f"writing {ctx.tag!r}"
+                )
             except BaseException as e:
                 error = e
         else:
             try:
-                write_files()
+                watched_write()
             except BaseException as e:
                 error = e
         report.write_s = time.perf_counter() - write_start
+        if error is not None:
+            mark_origin(error, coord.rank)
         if lease is not None:
             lease.release()
-        barrier.arrive(None if error is None else f"rank {coord.rank}: {format_exception(error)}")
+            if ctx.monitor.cancelled:  # an abandoned writer thread may still read them: never reuse them
+                self._staging_pool.clear()
+        barrier.arrive(error)
 
         if coord.rank == 0:
-            errors = barrier.wait_all_arrived()
             commit_error: BaseException | None = None
-            if not errors:
+            try:
+                failures = barrier.wait_all_arrived()
+            except CheckpointTimeoutError as e:  # ranks that never arrived: the save fails, on every rank
+                failures, commit_error = {}, e
+            if not failures and commit_error is None:
                 try:
-                    self._write_done(ctx, coord.world_size)
+                    ctx.monitor.reset(f"committing {ctx.tag!r} on rank 0")
+                    run_watched(lambda: self._write_done(ctx, coord.world_size), ctx.monitor, "nxd_ckpt_commit")
                 except BaseException as e:
                     commit_error = e
-            summary = "; ".join(errors[r] for r in sorted(errors)) if errors else None
+            outcome: RankFailure | None = None
             if commit_error is not None:
-                summary = f"rank 0 could not commit: {format_exception(commit_error)}"
-            if summary is None and ctx.num_kept_ckpts is not None and not report.async_save:
+                outcome = RankFailure.of(commit_error, 0, barrier.phase)
+            elif failures:
+                first, *others = sorted(failures)
+                outcome = failures[first]
+                if others:
+                    outcome = dataclasses.replace(
+                        outcome, message=f"{outcome.message} (rank(s) {others} failed too; see their logs)"
+                    )
+            if outcome is None and ctx.num_kept_ckpts is not None and not report.async_save:
                 # After 'done' (the commit), before the outcome, so a synchronous save returns on every rank
                 # with retention applied; async saves run it as the next writer job (_retention_after).
                 self._apply_retention(ctx)
-            barrier.publish_outcome(summary)
+            barrier.publish_outcome(outcome)
             report.total_s = time.perf_counter() - report._started
             if error is not None:
                 raise error
             if commit_error is not None:
+                mark_origin(commit_error, 0)
                 raise commit_error
-            if summary is not None:
-                raise CheckpointError(f"checkpoint {ctx.tag!r} was not completed: {summary}")
+            if outcome is not None:  # another rank failed: the same exception type as there
+                raise outcome.to_exception()
             report.completed = True
         else:
             if error is not None:
@@ -495,7 +609,9 @@ class CheckpointManager:
         device: str | torch.device | None = None,
         verify: bool = True,
         fallback_to_verified: bool = False,
+        timeout: float | None = None,
     ) -> Any:
+        timeout_s = resolve_timeout(timeout)
         if fallback_to_verified and tag is None:
             options = dict(
                 model=model,
@@ -507,14 +623,37 @@ class CheckpointManager:
                 rank_state=rank_state,
                 skip_rank_state=skip_rank_state,
                 device=device,
+                timeout=timeout,
             )
             return self._load_newest_verified(checkpoint_dir, options)
+        coord = self.coordinator()
+        with coord.deadline(timeout_s):
+            return self._load(
+                coord, checkpoint_dir, tag, model, optimizer, scheduler, num_workers, strict, allow_pickle,
+                rank_state, skip_rank_state, device, verify,
+            )  # fmt: skip
+
+    def _load(
+        self,
+        coord: Coordinator,
+        checkpoint_dir: str | os.PathLike[str],
+        tag: str | None,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any,
+        num_workers: int,
+        strict: bool,
+        allow_pickle: bool,
+        rank_state: Any,
+        skip_rank_state: bool,
+        device: str | torch.device | None,
+        verify: bool,
+    ) -> Any:
         call_start = time.perf_counter()
         target_device = xla.resolve_device(device)  # before any collective: a missing torch_xla fails fast
         self.check_for_errors()
         self.wait_pending()
         self.check_for_errors()
-        coord = self.coordinator()
         topo = coord.run_all(self.topology, "reading the parallel layout")
         storage = self._storage_for(checkpoint_dir)
 
@@ -522,12 +661,10 @@ class CheckpointManager:
             resolved = tags.resolve_tag(storage, tag)
             return resolved, describe(storage, resolved)
 
-        resolved, info = coord.broadcast_object(
-            coord.run_all(resolve if coord.rank == 0 else lambda: None, "resolving")
-        )
+        resolved, info = coord.master_computes(resolve, f"resolving the checkpoint to load from {storage.url}")
         if verify:  # every file read below is checked against the manifests written with it (integrity.py)
-            index = coord.broadcast_object(
-                coord.run_all(lambda: integrity.read_index(storage, resolved) if coord.rank == 0 else None, "verifying")
+            index = coord.master_computes(
+                lambda: integrity.read_index(storage, resolved), f"reading the manifests of {resolved!r}"
             )
             storage = integrity.VerifyingStorage(storage, resolved, index)
         _check_layout(info, topo, storage.url, resolved)
@@ -571,7 +708,9 @@ class CheckpointManager:
             return None
 
         start = time.perf_counter()
-        result = coord.in_waves(num_workers, topo.local_rank, topo.local_world_size, read_and_apply, "loading")
+        result = coord.in_waves(
+            num_workers, topo.local_rank, topo.local_world_size, read_and_apply, f"loading {resolved!r}"
+        )
         if not skip_rank_state:  # data loaders and RNG last: nothing after them may draw random numbers
             rank_states.restore(coord, storage, resolved, topo, rank_state, trusted=allow_pickle)
         if coord.rank == 0:  # one line per load, on the master: bytes, time, throughput, time training waited
@@ -600,7 +739,8 @@ class CheckpointManager:
         def newest_first() -> list[str]:
             return [t.name for t in reversed(tags.list_tags(storage))]
 
-        candidates = coord.broadcast_object(coord.run_all(newest_first if coord.rank == 0 else list, "listing"))
+        with coord.deadline(resolve_timeout(options.get("timeout"))):
+            candidates = coord.master_computes(newest_first, f"listing the checkpoints in {storage.url}")
         if not candidates:
             tags.resolve_tag(storage, None)  # raises CheckpointNotFoundError, naming incomplete tags
         failures: list[str] = []
@@ -612,7 +752,10 @@ class CheckpointManager:
                 error = e
             damaged = isinstance(error, FormatError)
             verdict = None if error is None else ("damaged" if damaged else type(error).__name__)
-            verdicts = coord.all_gather_object((verdict, str(error) if damaged else None))
+            with coord.deadline(resolve_timeout(options.get("timeout"))):
+                verdicts = coord.all_gather_object(
+                    (verdict, str(error) if damaged else None), phase=f"agreeing whether {candidate!r} loaded"
+                )
             if all(v is None for v, _ in verdicts):
                 if failures and coord.rank == 0:
                     logger.warning("loaded %s from %s after skipping damaged checkpoints", candidate, storage.url)

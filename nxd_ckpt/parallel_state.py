@@ -14,8 +14,7 @@ import os
 import sys
 from types import ModuleType
 
-import torch.distributed as dist
-
+from . import dist
 from .topology import LayoutError, RankGroups, Topology, build_nxd_groups, detect_platform
 
 _configured: RankGroups | None = None
@@ -74,11 +73,11 @@ def model_parallel_is_initialized() -> bool:
 
 
 def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.world_size()
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.world_rank()
 
 
 def _nxd_parallel_state() -> ModuleType | None:

@@ -124,7 +124,7 @@ def stage_for_save(
     host = coord.run_all(snapshot, f"capturing the per-rank state for {tag!r}")
     if mode == "per_rank":
         return [(layout.rank_state_file(tag, topo.rank), host)]
-    gathered = coord.gather_object(host, dst=0)
+    gathered = coord.gather_object(host, dst=0, phase=f"gathering the per-rank state for {tag!r}")
     if coord.rank != 0:
         return []
     gathered_file = {
@@ -162,8 +162,6 @@ def restore(
 
     def probe() -> dict[str, Any] | None:
         """On the master: which pattern the checkpoint used, and the layout it recorded."""
-        if coord.rank != 0:
-            return None
         gathered_path = layout.gathered_rank_states_file(tag)
         if storage.exists(gathered_path):
             data = _check_format(statefile.read_plain(storage, gathered_path, trusted=trusted), storage, gathered_path)
@@ -177,7 +175,7 @@ def restore(
             return {"mode": "per_rank", "layout": payload["layout"], "has_rng": payload.get("rng") is not None}
         return None
 
-    header = coord.broadcast_object(coord.run_all(probe, f"reading the per-rank state of {url}"))
+    header = coord.master_computes(probe, f"reading the per-rank state of {url}")
     if header is None:
         if targets:
             raise FormatError(
@@ -196,7 +194,7 @@ def restore(
         )
 
     if header["mode"] == "gather":
-        payload = coord.scatter_object(kept.get("ranks"), src=0)
+        payload = coord.scatter_object(kept.get("ranks"), src=0, phase=f"handing out the per-rank state of {url}")
     else:
 
         def read_own() -> dict[str, Any]:

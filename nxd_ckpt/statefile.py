@@ -14,7 +14,6 @@ then copies the others' shares from memory, which measured faster than a loopbac
 from __future__ import annotations
 
 import pickle
-import socket
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -221,7 +220,7 @@ def replica_groups(coordinator: Coordinator, topo: Topology) -> ReplicaGroup | N
     groups = topo.replica_groups()
     if not coordinator.distributed or len(groups[0]) <= 1:
         return None
-    hosts = coordinator.all_gather_object(socket.gethostname())
+    hosts = coordinator.host_names()
     mine = None
     for ranks in groups:
         group = coordinator.subgroup(ranks)

@@ -11,7 +11,6 @@ ascending-descending ring for large worlds. No torch.distributed here.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -57,7 +56,9 @@ def _freeze(groups: object) -> GroupList:
 def detect_platform(platform: str | None = None) -> str:
     """The Neuron platform: ``platform`` if given, else NXD_CKPT_PLATFORM, else torch_neuronx's answer, else
     "generic" (no Neuron SDK: NxD's plain row-major layout)."""
-    value = platform or os.environ.get(PLATFORM_ENV)
+    from . import knobs
+
+    value = platform or knobs.platform()
     if not value:
         try:
             from torch_neuronx.utils import get_platform_target  # type: ignore[import-not-found]
