@@ -518,7 +518,9 @@ class CheckpointManager:
         def read_and_apply() -> Any:
             if model is not None:
                 path = layout.model_file(resolved, topo.tp_rank, topo.pp_rank)
-                state = _read(storage, path, info, allow_pickle, replicas)
+                # Straight into the live model's tensors (no second copy), checked against it first.
+                target = adapters.load_target(model, "model", strict=strict, source=f"{storage.url}/{path}")
+                state = _read(storage, path, info, allow_pickle, replicas, target)
                 adapters.load_model_state(
                     model, state, strict=strict, source=f"{storage.url}/{path}", device=target_device
                 )
@@ -529,7 +531,8 @@ class CheckpointManager:
                 if reshard:  # ZeRO-1 saved with another DP size (or full): read only the rows this shard covers
                     state = zero1_io.load_resharded_state(storage, resolved, saved_dp, topo, trusted=allow_pickle)
                 else:
-                    state = _read(storage, path, info, allow_pickle, None if info["zero1"] else replicas)
+                    target = adapters.load_target(optimizer, "optimizer")
+                    state = _read(storage, path, info, allow_pickle, None if info["zero1"] else replicas, target)
                 adapters.load_optimizer_state(optimizer, state, source=f"{storage.url}/{path}", device=target_device)
             if scheduler is not None:
                 path = layout.tag_path(resolved, layout.SCHEDULER_FILE)
@@ -619,14 +622,22 @@ def _loaded_bytes(*targets: Any) -> int:
 
 
 def _read(
-    storage: Storage, path: str, info: dict, allow_pickle: bool, replicas: statefile.ReplicaGroup | None = None
+    storage: Storage,
+    path: str,
+    info: dict,
+    allow_pickle: bool,
+    replicas: statefile.ReplicaGroup | None = None,
+    target: statefile.LoadTarget | None = None,
 ) -> Any:
     if not storage.exists(path):
         raise FormatError(
             f"checkpoint file {storage.url}/{path} is missing; the checkpoint is damaged or was saved "
             "without this state (load without it, or pick another tag)"
         )
-    return statefile.read_state_file(storage, path, trusted=allow_pickle, group=replicas)
+    state = statefile.read_state_file(storage, path, trusted=allow_pickle, group=replicas, target=target)
+    if target is not None:
+        target.finish()
+    return state
 
 
 def describe_checkpoint(storage: Storage, tag: str) -> dict:

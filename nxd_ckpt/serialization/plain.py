@@ -29,6 +29,11 @@ def register_safe_globals(objs: Iterable[Any]) -> None:
             _extra_safe_globals.append(obj)
 
 
+def safe_globals() -> list[Any]:
+    """The classes safe loading allows beyond torch's defaults (for readers that unpickle themselves)."""
+    return list(_extra_safe_globals)
+
+
 def save(obj: Any, f: IO[bytes]) -> None:
     """Write ``obj`` (CPU tensors and plain Python values) with ``torch.save``."""
     torch.save(obj, f)

@@ -325,6 +325,11 @@ def _tensor_unpickler(data: io.BytesIO) -> Any:
     return _weights_only.Unpickler(data, encoding="utf-8")
 
 
+tensor_unpickler = _tensor_unpickler
+"""The safe unpickler of a tensor file's ``data.pkl`` (for readers that parse tensor files themselves)."""
+is_reference = _is_reference
+
+
 def _load_tensor_direct(f: IO[bytes], what: str) -> Any:
     try:
         reader = torch._C.PyTorchFileReader(f)
