@@ -635,9 +635,7 @@ def _read(
             "without this state (load without it, or pick another tag)"
         )
     state = statefile.read_state_file(storage, path, trusted=allow_pickle, group=replicas, target=target)
-    if target is not None:
-        target.finish()
-    return state
+    return target.finish(state) if target is not None else state
 
 
 def describe_checkpoint(storage: Storage, tag: str) -> dict:

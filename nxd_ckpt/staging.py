@@ -449,7 +449,7 @@ class DeviceLoadTarget(LoadTarget):
         if self._error is not None:
             raise RuntimeError(f"copying the loaded state to the device failed: {self._error}") from self._error
 
-    def finish(self) -> None:
+    def finish(self, state: Any) -> Any:
         """After every read succeeded: transfer the last arena, raise a transfer error, free the arenas."""
         with self._cond:
             arena, self._open = self._open, None
@@ -460,3 +460,4 @@ class DeviceLoadTarget(LoadTarget):
         with self._cond:
             self._raise_error()
             self._free.clear()
+        return super().finish(state)

@@ -141,8 +141,22 @@ class LoadTarget:
         """What the loaded state holds for a tensor read into ``dest`` (``result`` aliases it)."""
         return result
 
-    def finish(self) -> None:
-        """Called once every read of the load succeeded (device targets transfer what is left)."""
+    def finish(self, state: Any) -> Any:
+        """Once every read of the load succeeded: ``state`` with the target's own tensors wherever a loaded CPU
+        tensor did not land in place (small tensors kept inside xser reference files, fallbacks) but fits
+        one: those are copied in, so every target tensor keeps its memory. Device targets also transfer
+        what is left in host memory first."""
+        swaps: dict[int, torch.Tensor] = {}
+        for path, loaded in tensor_paths(state):
+            dest = self.existing(path, loaded)
+            if dest is None or id(loaded) in swaps:
+                continue
+            if loaded.device.type == "cpu" and not _same_memory(loaded, dest):
+                with torch.no_grad():
+                    dest.copy_(loaded)
+            swaps[id(loaded)] = self.tensors[path]
+        return map_tensors(state, lambda t: swaps.get(id(t), t)) if swaps else state
+
 
     def chooser(self) -> readinto.Chooser:
         def choose(meta: Any) -> dict[int, torch.Tensor]:
@@ -155,6 +169,10 @@ class LoadTarget:
             return out
 
         return choose
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
 
 
 def _safe_unpickler(data: Any) -> Any:

@@ -37,7 +37,9 @@ _CENTRAL_SIG = 0x02014B50
 _DESCRIPTOR = struct.Struct("<IIII")
 _DESCRIPTOR_SIG = b"PK\x07\x08"
 _HAS_DESCRIPTOR = 0x0008
-_SCAN_BYTES = 64 << 10
+_SCAN_BYTES = 4 << 10
+"""First read-ahead while searching for the end of a record of unknown size (doubling up to 1 MiB): small, so
+that little of the tensor data behind it is read ahead into a buffer instead of into its destination."""
 _MAX_SMALL_RECORD = 256 << 20
 """A record of unknown size longer than this (only ``data.pkl`` can be) is not searched for its end."""
 PIECE_BYTES = 16 << 20
@@ -117,6 +119,7 @@ class _Sequential:
         data = bytearray(self._pending)
         self._pending = bytearray()
         searched = 0
+        chunk = _SCAN_BYTES
         while True:
             while True:
                 i = data.find(_DESCRIPTOR_SIG, searched)
@@ -133,7 +136,8 @@ class _Sequential:
             if len(data) > _MAX_SMALL_RECORD:
                 self._note(data)
                 raise Fallback(f"no data descriptor within {_MAX_SMALL_RECORD} bytes in {what}", b"")
-            buf = bytearray(_SCAN_BYTES)
+            buf = bytearray(chunk)
+            chunk = min(chunk * 2, 1 << 20)
             got = self._raw(memoryview(buf))
             if not got:
                 self._note(data)
