@@ -156,14 +156,17 @@ def finalize_checkpoint() -> None:
 
 def has_checkpoint(checkpoint_dir: str | os.PathLike[str]) -> bool:
     """Whether ``checkpoint_dir`` holds at least one complete checkpoint."""
+    get_manager().wait_retention()  # deletions queued by this process's last save are applied first
     return tags.latest_tag(storage_for(checkpoint_dir)) is not None
 
 
 def list_checkpoint_tags(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
     """Complete tags, oldest first."""
+    get_manager().wait_retention()
     return [t.name for t in tags.list_tags(storage_for(checkpoint_dir))]
 
 
 def latest_checkpoint_tag(checkpoint_dir: str | os.PathLike[str]) -> str | None:
     """The newest complete tag, or None."""
+    get_manager().wait_retention()
     return tags.latest_tag(storage_for(checkpoint_dir))

@@ -127,6 +127,7 @@ class CheckpointManager:
         self._seq = 0
         self._async_writer: AsyncWriter | None = None
         self._staging_pool = staging.StagingPool(max_sets=2)
+        self._retention_jobs: list[Future] = []
 
     # ----------------------------------------------------------------- plumbing
     def coordinator(self) -> Coordinator:
@@ -270,14 +271,31 @@ class CheckpointManager:
             writer = self._writer()
             report.blocked_s = time.perf_counter() - call_start  # set first: the job logs it
             report._future = writer.submit(write_and_commit, name=f"save {tag}")
-            if coord.rank == 0 and num_kept_ckpts is not None:
-                writer.submit(lambda: self._retention_after(ctx, report), name=f"retention after {tag}")
+            self._queue_retention(ctx, report, coord)
             report.blocked_s = time.perf_counter() - call_start
         else:
             write_and_commit()
+            # Deletions go to the writer thread, after 'done' (the commit): the training thread never waits for
+            # them. The next save or load, and listing tags, wait for them first (``wait_retention``).
+            self._queue_retention(ctx, report, coord)
             report.blocked_s = time.perf_counter() - call_start
             self._log_save(report, coord)
         return report
+
+    def _queue_retention(self, ctx: _SaveContext, report: SaveReport, coord: Coordinator) -> None:
+        """Rank 0: retention as a writer job behind the save (it runs only if the save was committed)."""
+        if coord.rank != 0 or ctx.num_kept_ckpts is None:
+            return
+        future = self._writer().submit(lambda: self._retention_after(ctx, report), name=f"retention after {ctx.tag}")
+        self._retention_jobs = [f for f in self._retention_jobs if not f.done()] + [future]
+
+    def wait_retention(self) -> None:
+        """Wait for queued retention deletions (so tag listings see what retention keeps); errors stay with
+        the writer (raised by the next save/load/finalize)."""
+        for future in list(self._retention_jobs):
+            with contextlib.suppress(Exception):
+                future.result()
+        self._retention_jobs = []
 
     @staticmethod
     def _tensors_to_write(writes: list[plan.StateWrite], ctx: _SaveContext, rank: int) -> list[torch.Tensor]:
@@ -407,10 +425,6 @@ class CheckpointManager:
             summary = "; ".join(errors[r] for r in sorted(errors)) if errors else None
             if commit_error is not None:
                 summary = f"rank 0 could not commit: {format_exception(commit_error)}"
-            if summary is None and ctx.num_kept_ckpts is not None and not report.async_save:
-                # After 'done' (the commit), before the outcome, so a synchronous save returns on every rank
-                # with retention applied; async saves run it as the next writer job (_retention_after).
-                self._apply_retention(ctx)
             barrier.publish_outcome(summary)
             report.total_s = time.perf_counter() - report._started
             if error is not None:
