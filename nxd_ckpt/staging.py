@@ -316,6 +316,8 @@ class _Arena:
     """One reused host buffer that tensors bound for the device are read into, side by side."""
 
     memory: torch.Tensor
+    array: Any = None
+    """``memory`` as a NumPy array (slices of it become tensors of their own)."""
     used: int = 0
     sealed: bool = False
     slots: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
@@ -340,9 +342,7 @@ class DeviceLoadTarget(LoadTarget):
     holds the target tensors themselves where it held their host copies.
     """
 
-    def __init__(
-        self, tree: Any, check: Any = None, arena_bytes: int | None = None, arenas: int = 2
-    ) -> None:
+    def __init__(self, tree: Any, check: Any = None, arena_bytes: int | None = None, arenas: int = 2) -> None:
         super().__init__(tree, check)
         self.arena_bytes = arena_bytes if arena_bytes is not None else xla.batch_bytes_from_env()
         self.max_arenas = max(1, arenas)
@@ -354,6 +354,7 @@ class DeviceLoadTarget(LoadTarget):
         self._error: BaseException | None = None
         self._arena_of: dict[int, _Arena] = {}
         self._targets: dict[int, torch.Tensor] = {}
+        self._filled: set[int] = set()
         self.transfers = 0
         self.bytes_to_device = 0
         self.host_bytes_allocated = 0
@@ -367,34 +368,54 @@ class DeviceLoadTarget(LoadTarget):
         return self._carve(target, like.numel() * like.element_size(), like)
 
     def result_for(self, result: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
-        """What the loaded state holds for a tensor read into ``dest``: its device target, filled by ``finish``."""
-        return self._targets.get(id(dest), result)
+        """What the loaded state holds for a tensor read into ``dest``: its device target (which has, or gets by
+        ``finish``, the data). A slot the reader did not fill (a layout it read into fresh memory instead) is
+        dropped from its arena's transfer, and the host tensor is placed with the rest of the state."""
+        drop: _Arena | None = None
+        with self._cond:
+            target = self._targets.pop(id(dest), None)
+            if id(dest) in self._filled:
+                self._filled.discard(id(dest))
+                return target if target is not None else result
+            arena = self._arena_of.get(id(dest))
+            if arena is not None:
+                arena.slots = [(v, t) for v, t in arena.slots if v is not dest]
+                if arena.complete:
+                    drop = arena
+        if drop is not None:
+            self._transfer(drop)
+        return result
 
     def _carve(self, target: torch.Tensor, nbytes: int, like: torch.Tensor) -> torch.Tensor:
+        """A host tensor for ``like``'s bytes in the open arena; seals a full one and waits for a free one."""
         padded = -(-nbytes // 64) * 64
-        to_transfer: _Arena | None = None
-        with self._cond:
-            arena = self._open
-            if arena is None or arena.used + padded > arena.memory.numel():
-                if arena is not None:
-                    arena.sealed = True
-                    if arena.complete:
-                        to_transfer = arena
-                    self._open = None
-        if to_transfer is not None:
-            self._transfer(to_transfer)
-        with self._cond:
-            if self._open is None:
-                self._cond.wait_for(lambda: self._live < self.max_arenas or self._error is not None)
+        while True:
+            to_transfer: _Arena | None = None
+            with self._cond:
                 self._raise_error()
-                self._open = _Arena(self._take_memory(padded))
-            arena = self._open
-            view = arena.memory[arena.used : arena.used + nbytes].view(like.dtype).view(like.shape)
-            arena.used += padded
-            arena.slots.append((view, target))
-            self._arena_of[id(view)] = arena
-            self._targets[id(view)] = target
-            return view
+                arena = self._open
+                if arena is not None and arena.used + padded <= arena.memory.numel():
+                    # A tensor of its own on the arena's memory (storage offset 0): the reader rebuilds it in place.
+                    raw = torch.frombuffer(arena.array[arena.used : arena.used + nbytes], dtype=torch.uint8)
+                    view = raw.view(like.dtype).view(like.shape)
+                    arena.used += padded
+                    arena.slots.append((view, target))
+                    self._arena_of[id(view)] = arena
+                    self._targets[id(view)] = target
+                    return view
+                if arena is not None:  # full: sealed, sent once its last tensor is read
+                    arena.sealed = True
+                    self._open = None
+                    to_transfer = arena if arena.complete else None
+                elif self._live < self.max_arenas:
+                    memory = self._take_memory(padded)
+                    self._open = _Arena(memory, memory.numpy())
+                else:
+                    self._cond.wait_for(
+                        lambda: self._live < self.max_arenas or self._open is not None or self._error is not None
+                    )
+            if to_transfer is not None:
+                self._transfer(to_transfer)
 
     def _take_memory(self, nbytes: int) -> torch.Tensor:
         """An arena's memory (under the lock): a free one that fits, else a new one."""
@@ -412,6 +433,7 @@ class DeviceLoadTarget(LoadTarget):
             if arena is None:  # a CPU target read in place
                 return super().filled(dest)
             arena.filled += 1
+            self._filled.add(id(dest))
             ready = arena.complete
         if ready:
             self._transfer(arena)
@@ -427,7 +449,7 @@ class DeviceLoadTarget(LoadTarget):
                     placed = module._XLAC._xla_tensors_from_aten(views, devices)
                     for (_, target), new in zip(arena.slots, placed, strict=True):
                         module._XLAC._replace_xla_tensor(target, new)
-                    module._XLAC._xla_wait_device_ops(sorted(set(devices)))  # the host views may be reused now
+                    module._XLAC._xla_wait_device_ops([])  # transfers done: the host views may be reused now
                     self.transfers += 1
                     self.bytes_to_device += sum(v.numel() * v.element_size() for v in views)
         except BaseException as e:

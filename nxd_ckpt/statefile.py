@@ -157,7 +157,6 @@ class LoadTarget:
             swaps[id(loaded)] = self.tensors[path]
         return map_tensors(state, lambda t: swaps.get(id(t), t)) if swaps else state
 
-
     def chooser(self) -> readinto.Chooser:
         def choose(meta: Any) -> dict[int, torch.Tensor]:
             self.check(meta)

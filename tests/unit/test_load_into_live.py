@@ -101,7 +101,7 @@ def test_state_file_read_lands_in_the_target_tensors(tmp_path, monkeypatch, use_
 
 
 def test_dict_targets_with_tensors_are_read_into_and_fresh_dicts_get_fresh_memory(tmp_path):
-    saved, saved_opt = _trained(seed=5)
+    saved, _ = _trained(seed=5)
     nxd.save_checkpoint(str(tmp_path), "t", model=saved.state_dict(), use_xser=True)
     live = {k: torch.empty_like(v) for k, v in saved.state_dict().items()}
     pointers = {k: v.data_ptr() for k, v in live.items()}
