@@ -87,7 +87,12 @@ class _Sequential:
         return done
 
     def take(self, n: int) -> bytes:
-        """Exactly ``n`` bytes (fewer only at the end of the stream)."""
+        """Exactly ``n`` bytes (fewer only at the end of the stream). Small takes (zip headers) read a block
+        ahead, so a file's headers cost one or two system calls, not one each."""
+        if len(self._pending) < n <= _SCAN_BYTES:
+            buf = bytearray(_SCAN_BYTES)
+            got = self._raw(memoryview(buf))
+            self._pending += buf[:got]
         out = bytearray()
         if self._pending:
             out += self._pending[:n]
