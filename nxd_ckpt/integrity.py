@@ -253,9 +253,11 @@ class _HashingReader:
         return data
 
     def drain(self) -> None:
-        buf = bytearray(_CHUNK)
+        """Read (and hash) whatever the caller left unread; usually nothing, so start with a small buffer."""
+        buf = bytearray(64 << 10)
         while self.readinto(buf):
-            pass
+            if len(buf) < _CHUNK:
+                buf = bytearray(_CHUNK)
 
     def digest(self) -> str:
         return self._hasher.hexdigest()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import os
 import shutil
@@ -29,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -498,11 +500,32 @@ def _rss(field: str) -> int:
     return 0
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
+    ] + [("keepcost", ctypes.c_size_t)]
+
+
+def _malloc_in_use() -> int | None:
+    """Bytes the C heap has handed out (glibc ``mallinfo2``: every arena, mmapped blocks included)."""
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    info = fn()
+    return info.uordblks + info.hblkhd
+
+
 class PeakRSS:
-    """Peak extra resident memory of this process during a block (Linux: VmHWM after resetting it)."""
+    """Peak extra host memory of this process during a block, two ways: the C heap's bytes in use (sampled
+    every 2 ms: counts every allocation, including memory the allocator reuses without new pages) and resident
+    memory (VmHWM after resetting it: new pages only)."""
 
     def __init__(self) -> None:
         self.extra = 0
+        self.extra_rss = 0
 
     def __enter__(self) -> PeakRSS:
         import gc
@@ -511,14 +534,27 @@ class PeakRSS:
         with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         self._base = _rss("VmRSS:")
+        self._heap_base = _malloc_in_use()
+        self._heap_peak = self._heap_base or 0
+        self._stop = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
         return self
 
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self._heap_peak = max(self._heap_peak, _malloc_in_use() or 0)
+
     def __exit__(self, *exc: object) -> None:
-        self.extra = max(0, _rss("VmHWM:") - self._base)
+        self._stop.set()
+        self._sampler.join()
+        self._heap_peak = max(self._heap_peak, _malloc_in_use() or 0)
+        self.extra_rss = max(0, _rss("VmHWM:") - self._base)
+        self.extra = max(0, self._heap_peak - self._heap_base) if self._heap_base is not None else self.extra_rss
 
 
 def _peak_gb(b: Bench, peak: PeakRSS) -> float:
-    """The largest peak extra RSS among the ranks, in GB."""
+    """The largest peak extra host memory (heap in use) among the ranks, in GB."""
     return max(dist_all_gather(peak.extra)) / 1e9
 
 
@@ -570,6 +606,7 @@ def _torch_load_live(b: Bench) -> Timing:
 
     timing = Timing(b.timed(save), b.timed_load(load))
     timing.extra["peak_gb"] = _peak_gb(b, peak)
+    timing.extra["peak_rss_gb"] = max(dist_all_gather(peak.extra_rss)) / 1e9
     _check_live(b, module, "torch.load live model")
     b.clean("tl_model.pt")
     b.clean(f"tl_optim_{b.rank}.pt")
@@ -597,6 +634,7 @@ def _nxd_live(b: Bench, name: str, *, device: str | None = None) -> Timing:
 
     timing = Timing(b.timed(save), b.timed_load(load))
     timing.extra["peak_gb"] = _peak_gb(b, peak)
+    timing.extra["peak_rss_gb"] = max(dist_all_gather(peak.extra_rss)) / 1e9
     _check_live(b, module, f"{name} live model")
     b.clean(name)
     return timing
@@ -626,6 +664,7 @@ def _nxd_xser_fresh(b: Bench) -> Timing:
 
     timing = Timing(b.timed(save), b.timed_load(load))
     timing.extra["peak_gb"] = _peak_gb(b, peak)
+    timing.extra["peak_rss_gb"] = max(dist_all_gather(peak.extra_rss)) / 1e9
     if b.check:
         assert_same(b.model, out["model"], "nxd_xser_fresh model")
     out.clear()
@@ -666,6 +705,7 @@ def _torch_xla_xser_live(b: Bench) -> Timing:
 
     timing = Timing(b.timed(save), b.timed_load(load))
     timing.extra["peak_gb"] = _peak_gb(b, peak)
+    timing.extra["peak_rss_gb"] = max(dist_all_gather(peak.extra_rss)) / 1e9
     _check_live(b, module, "torch_xla xser live model")
     torch_xla.sync()
     b.clean("txser_live")
@@ -844,9 +884,11 @@ def _resume_report(data: dict, med: dict[str, tuple[float | None, float | None]]
         if name in extra:
             peaks = [r["peak_gb"] for r in extra[name] if "peak_gb" in r]
             if peaks:
+                rss = [r.get("peak_rss_gb", 0.0) for r in extra[name]]
                 lines.append(
-                    f"resume: {name}: peak extra RSS during the load (largest rank) median "
-                    f"{statistics.median(peaks):.3f} GB [{', '.join(f'{p:.3f}' for p in peaks)}]"
+                    f"resume: {name}: peak extra host memory during the load (largest rank; heap in use) median "
+                    f"{statistics.median(peaks):.3f} GB [{', '.join(f'{p:.3f}' for p in peaks)}], new resident "
+                    f"pages {statistics.median(rss):.3f} GB"
                 )
     return lines if len(lines) > 1 else []
 
