@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
-from . import xla
+from . import staging, xla
 from .errors import StateMismatchError
-from .tree import EXPERT_ATTR
+from .statefile import LoadTarget
+from .tree import EXPERT_ATTR, iter_tensors
 
 ZERO1_CLASSES = (
     ("torch_xla.distributed.zero_redundancy_optimizer", "ZeroRedundancyOptimizer"),
@@ -86,6 +87,38 @@ def _state_dict_of(obj: Any, role: str) -> Any:
     if not callable(fn):
         raise TypeError(f"{role} must be a dict or have state_dict()/load_state_dict(); got {type(obj).__name__}")
     return fn()
+
+
+def load_target(obj: Any, role: str, *, strict: bool = True, source: str = "") -> LoadTarget | None:
+    """The existing tensors a load of ``role`` ("model"/"optimizer") into ``obj`` reads straight into: a
+    module's parameters and buffers (the objects themselves, so device tensors can take new data in place), an
+    optimizer's state tensors, a dict's tensors. None when ``obj`` holds no tensor yet (fresh dicts, fresh
+    optimizers): those loads read into fresh memory as before. XLA tensors make it a ``DeviceLoadTarget``
+    (bounded host buffers, bulk transfers), unless NXD_CKPT_XLA_TRANSFER_THREAD=0 keeps transfers off the
+    reader threads (then device targets are placed after the read, as before)."""
+    check = None
+    if role == "model" and not isinstance(obj, dict):
+        current = model_state(obj)
+        tree = dict(current)
+        if isinstance(obj, torch.nn.Module):
+            live = dict(obj.named_parameters(remove_duplicate=False))
+            live.update(obj.named_buffers(remove_duplicate=False))
+            tree = {k: live.get(k, v) if isinstance(v, torch.Tensor) else v for k, v in current.items()}
+            if not _is_instance_of_loaded(obj, PP_MODEL_CLASSES):
+
+                def check(meta: Any) -> None:
+                    check_model_state(current, meta, strict=strict, source=source)
+
+    elif role == "optimizer" and not isinstance(obj, dict):
+        tree = optimizer_state(obj)
+    else:
+        tree = obj
+    tensors = [t for _, t in iter_tensors(tree)]
+    if not tensors:
+        return None
+    if any(xla.is_xla(t) for t in tensors) and staging.device_loads_enabled():
+        return staging.DeviceLoadTarget(tree, check)
+    return LoadTarget(tree, check)
 
 
 def _fill_dict(target: dict, state: Any, role: str, device: torch.device | None = None) -> None:

@@ -188,6 +188,7 @@ def finalize_checkpoint() -> None:
 
 def has_checkpoint(checkpoint_dir_str: str | os.PathLike[str]) -> bool:
     """Whether ``checkpoint_dir_str`` holds at least one complete checkpoint."""
+    get_manager().wait_retention()  # deletions queued by this process's last save are applied first
     return tags.latest_tag(storage_for(checkpoint_dir_str)) is not None
 
 
@@ -213,9 +214,11 @@ def _check_nxd_save_options(use_zero1_dcp: bool, avoid_saving_lower_precision_we
 
 def list_checkpoint_tags(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
     """Complete tags, oldest first."""
+    get_manager().wait_retention()
     return [t.name for t in tags.list_tags(storage_for(checkpoint_dir))]
 
 
 def latest_checkpoint_tag(checkpoint_dir: str | os.PathLike[str]) -> str | None:
     """The newest complete tag, or None."""
+    get_manager().wait_retention()
     return tags.latest_tag(storage_for(checkpoint_dir))

@@ -134,6 +134,47 @@ class _HashingWriter:
         return self._hasher.hexdigest()
 
 
+class _HashingReader:
+    """A read stream that hashes what passes through, in order, in pieces still warm in the CPU cache."""
+
+    PIECE = 4 << 20
+
+    def __init__(self, source: BinaryIO) -> None:
+        self._source = source
+        self._hasher = new_hasher()
+        self.size = 0
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = self._source.readinto(view) or 0  # type: ignore[attr-defined]
+        for start in range(0, n, self.PIECE):
+            self._hasher.update(view[start : min(n, start + self.PIECE)])
+        self.size += n
+        return n
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._source.read(n)
+        self._hasher.update(data)
+        self.size += len(data)
+        return data
+
+    def drain(self) -> None:
+        """Read (and hash) whatever the caller left unread; usually nothing, so start with a small buffer."""
+        buf = bytearray(64 << 10)
+        while self.readinto(buf):
+            if len(buf) < self.PIECE:
+                buf = bytearray(self.PIECE)
+
+    def digest(self) -> str:
+        return self._hasher.hexdigest()
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+
 class ChecksummingStorage(DelegatingStorage):
     """The storage of one save on one rank: records size and digest of every file written under ``tag``."""
 
@@ -251,6 +292,21 @@ class VerifyingStorage(DelegatingStorage):
                 self._check(path, rec, size, digest)
                 f.seek(0)
             yield f
+
+    @contextlib.contextmanager
+    def open_sequential(self, path: str, direct: bool = False) -> Iterator[BinaryIO]:
+        """The file in one pass, hashed piece by piece as the caller reads it (into live tensors, say), and
+        checked when the block ends: whatever the caller did not read is read and hashed then. Raises
+        IntegrityError after the bytes have landed: callers that read into live memory say so."""
+        rec = self.record_for(path)
+        with self.inner.open_sequential(path, direct) as f:
+            if rec is None:
+                yield f
+                return
+            reader = _HashingReader(f)
+            yield reader  # type: ignore[misc]
+            reader.drain()
+        self._check(path, rec, reader.size, reader.digest())
 
     def read_buffer(self, path: str, allocate: Allocator | None = None) -> np.ndarray:
         """The whole file, read once and checked in memory: loads parse this same buffer (single pass).

@@ -22,6 +22,7 @@ background is raised, once and chained, by the next ``save``/``load``/``finalize
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -156,6 +157,7 @@ class CheckpointManager:
         self._staging_pool = staging.StagingPool(max_sets=2)
         self._warned: list[str] = []
         """Background save failures under ``on_save_error="warn"``, reported by the next SaveReport."""
+        self._retention_jobs: list[Future] = []
 
     # ----------------------------------------------------------------- plumbing
     def coordinator(self) -> Coordinator:
@@ -375,11 +377,13 @@ class CheckpointManager:
             writer = self._writer()
             report.blocked_s = time.perf_counter() - call_start  # set first: the job logs it
             report._future = writer.submit(write_and_commit, name=f"save {tag}")
-            if coord.rank == 0 and num_kept_ckpts is not None:
-                writer.submit(lambda: self._retention_after(ctx, report), name=f"retention after {tag}")
+            self._queue_retention(ctx, report, coord)
             report.blocked_s = time.perf_counter() - call_start
         else:
             write_and_commit()
+            # Deletions go to the writer thread, after 'done' (the commit): the training thread never waits for
+            # them. The next save or load, and listing tags, wait for them first (``wait_retention``).
+            self._queue_retention(ctx, report, coord)
             report.blocked_s = time.perf_counter() - call_start
             self._log_save(report, coord)
 
@@ -387,6 +391,21 @@ class CheckpointManager:
         return CommitBarrier(
             coord.store, str(self._session), ctx.seq, coord.rank, coord.world_size, ctx.timeout_s, ctx.tag
         )
+
+    def _queue_retention(self, ctx: _SaveContext, report: SaveReport, coord: Coordinator) -> None:
+        """Rank 0: retention as a writer job behind the save (it runs only if the save was committed)."""
+        if coord.rank != 0 or ctx.num_kept_ckpts is None:
+            return
+        future = self._writer().submit(lambda: self._retention_after(ctx, report), name=f"retention after {ctx.tag}")
+        self._retention_jobs = [f for f in self._retention_jobs if not f.done()] + [future]
+
+    def wait_retention(self) -> None:
+        """Wait for queued retention deletions (so tag listings see what retention keeps); errors stay with
+        the writer (raised by the next save/load/finalize)."""
+        for future in list(self._retention_jobs):
+            with contextlib.suppress(Exception):
+                future.result()
+        self._retention_jobs = []
 
     def _begin(
         self,
@@ -529,10 +548,6 @@ class CheckpointManager:
                     outcome = dataclasses.replace(
                         outcome, message=f"{outcome.message} (rank(s) {others} failed too; see their logs)"
                     )
-            if outcome is None and ctx.num_kept_ckpts is not None and not report.async_save:
-                # After 'done' (the commit), before the outcome, so a synchronous save returns on every rank
-                # with retention applied; async saves run it as the next writer job (_retention_after).
-                self._apply_retention(ctx)
             barrier.publish_outcome(outcome)
             report.total_s = time.perf_counter() - report._started
             if error is not None:
@@ -677,7 +692,9 @@ class CheckpointManager:
         def read_and_apply() -> Any:
             if model is not None:
                 path = layout.model_file(resolved, topo.tp_rank, topo.pp_rank, topo.file_ep_rank)
-                state = _read(storage, path, info, allow_pickle, replicas)
+                # Straight into the live model's tensors (no second copy), checked against it first.
+                target = adapters.load_target(model, "model", strict=strict, source=f"{storage.url}/{path}")
+                state = _read(storage, path, info, allow_pickle, replicas, target)
                 adapters.load_model_state(
                     model, state, strict=strict, source=f"{storage.url}/{path}", device=target_device
                 )
@@ -696,7 +713,8 @@ class CheckpointManager:
                 if reshard:  # ZeRO-1 saved with another DP size (or full): read only the rows this shard covers
                     state = zero1_io.load_resharded_state(storage, resolved, saved_dp, topo, trusted=allow_pickle)
                 else:
-                    state = _read(storage, path, info, allow_pickle, None if info.zero1 else replicas)
+                    target = adapters.load_target(optimizer, "optimizer")
+                    state = _read(storage, path, info, allow_pickle, None if info.zero1 else replicas, target)
                 adapters.load_optimizer_state(optimizer, state, source=f"{storage.url}/{path}", device=target_device)
             if scheduler is not None:
                 path = layout.tag_path(resolved, layout.SCHEDULER_FILE)
@@ -797,6 +815,7 @@ def _read(
     info: TagDescription,
     allow_pickle: bool,
     replicas: statefile.ReplicaGroup | None = None,
+    target: statefile.LoadTarget | None = None,
 ) -> Any:
     if not storage.exists(path):
         tag_dir, _, rest = path.partition("/")
@@ -812,7 +831,8 @@ def _read(
             f"checkpoint file {storage.url}/{path} is missing; the checkpoint is damaged or was saved "
             "without this state (load without it, or pick another tag)"
         )
-    return statefile.read_state_file(storage, path, trusted=allow_pickle, group=replicas)
+    state = statefile.read_state_file(storage, path, trusted=allow_pickle, group=replicas, target=target)
+    return target.finish(state) if target is not None else state
 
 
 def describe_checkpoint(storage: Storage, tag: str) -> TagDescription:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from . import knobs, xla
+from .statefile import LoadTarget
 from .tree import iter_tensors, map_tensors
 
 
@@ -45,8 +46,10 @@ def to_host(tree: Any, *, copy: bool) -> Any:
     return map_tensors(tree, convert)
 
 
-TRANSFER_THREAD_ENV = "NXD_CKPT_XLA_TRANSFER_THREAD"
-"""0 makes synchronous saves copy device tensors on the caller's thread, before writing (no overlap)."""
+def device_loads_enabled() -> bool:
+    """Whether loads stream device targets through ``DeviceLoadTarget`` (transfers on the reader threads):
+    ``NXD_CKPT_XLA_TRANSFER_THREAD`` (0 places device tensors after reading, no streaming through host buffers)."""
+    return knobs.xla_transfer_thread()
 
 
 class HostFetcher:
@@ -298,3 +301,180 @@ class StagingPool:
             if buffer_set.generation == self._generation:
                 self._free.append(buffer_set)
             self._cond.notify_all()
+
+
+# ----------------------------------------------------------------------------------------------- loads
+
+
+@dataclass
+class _Arena:
+    """One reused host buffer that tensors bound for the device are read into, side by side."""
+
+    memory: torch.Tensor
+    array: Any = None
+    """``memory`` as a NumPy array (slices of it become tensors of their own)."""
+    used: int = 0
+    sealed: bool = False
+    slots: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """(host view, device target) per tensor carved from it."""
+    filled: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.sealed and self.filled == len(self.slots)
+
+
+class DeviceLoadTarget(LoadTarget):
+    """A load target whose XLA tensors receive their bytes through a few reused host buffers.
+
+    Each saved tensor bound for an XLA target tensor is read into a slice of a host arena (``arena_bytes``,
+    default the transfer batch size); when an arena is full and all its tensors are read, the reader thread
+    that completes it sends the whole arena to the device in one bulk transfer (``_xla_tensors_from_aten``)
+    while the other readers go on reading, and each target tensor takes the transferred data in place
+    (``_replace_xla_tensor``: the same Parameter object, no device-side copy, no second device copy of the
+    state). At most ``arenas`` buffers exist: host memory stays bounded whatever the state's size. CPU targets
+    are read into directly, as ``LoadTarget`` does. ``finish`` transfers the last arena; the loaded state then
+    holds the target tensors themselves where it held their host copies.
+    """
+
+    def __init__(self, tree: Any, check: Any = None, arena_bytes: int | None = None, arenas: int = 2) -> None:
+        super().__init__(tree, check)
+        self.arena_bytes = arena_bytes if arena_bytes is not None else xla.batch_bytes_from_env()
+        self.max_arenas = max(1, arenas)
+        self._cond = threading.Condition()
+        self._free: list[torch.Tensor] = []
+        self._live = 0
+        self._open: _Arena | None = None
+        self._transfer_lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._arena_of: dict[int, _Arena] = {}
+        self._targets: dict[int, torch.Tensor] = {}
+        self._filled: set[int] = set()
+        self.transfers = 0
+        self.bytes_to_device = 0
+        self.host_bytes_allocated = 0
+
+    def dest(self, path: Any, like: torch.Tensor) -> torch.Tensor | None:
+        target = self.tensors.get(path)
+        if target is None or not xla.is_xla(target):
+            return self.existing(path, like)
+        if target.dtype != like.dtype or tuple(target.shape) != tuple(like.shape) or like.numel() == 0:
+            return None
+        return self._carve(target, like.numel() * like.element_size(), like)
+
+    def result_for(self, result: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+        """What the loaded state holds for a tensor read into ``dest``: its device target (which has, or gets by
+        ``finish``, the data). A slot the reader did not fill (a layout it read into fresh memory instead) is
+        dropped from its arena's transfer, and the host tensor is placed with the rest of the state."""
+        drop: _Arena | None = None
+        with self._cond:
+            target = self._targets.pop(id(dest), None)
+            if id(dest) in self._filled:
+                self._filled.discard(id(dest))
+                return target if target is not None else result
+            arena = self._arena_of.get(id(dest))
+            if arena is not None:
+                arena.slots = [(v, t) for v, t in arena.slots if v is not dest]
+                if arena.complete:
+                    drop = arena
+        if drop is not None:
+            self._transfer(drop)
+        return result
+
+    def _carve(self, target: torch.Tensor, nbytes: int, like: torch.Tensor) -> torch.Tensor:
+        """A host tensor for ``like``'s bytes in the open arena; seals a full one and waits for a free one."""
+        padded = -(-nbytes // 64) * 64
+        while True:
+            to_transfer: _Arena | None = None
+            with self._cond:
+                self._raise_error()
+                arena = self._open
+                if arena is not None and arena.used + padded <= arena.memory.numel():
+                    # A tensor of its own on the arena's memory (storage offset 0): the reader rebuilds it in place.
+                    raw = torch.frombuffer(arena.array[arena.used : arena.used + nbytes], dtype=torch.uint8)
+                    view = raw.view(like.dtype).view(like.shape)
+                    arena.used += padded
+                    arena.slots.append((view, target))
+                    self._arena_of[id(view)] = arena
+                    self._targets[id(view)] = target
+                    return view
+                if arena is not None:  # full: sealed, sent once its last tensor is read
+                    arena.sealed = True
+                    self._open = None
+                    to_transfer = arena if arena.complete else None
+                elif self._live < self.max_arenas:
+                    memory = self._take_memory(padded)
+                    self._open = _Arena(memory, memory.numpy())
+                else:
+                    self._cond.wait_for(
+                        lambda: self._live < self.max_arenas or self._open is not None or self._error is not None
+                    )
+            if to_transfer is not None:
+                self._transfer(to_transfer)
+
+    def _take_memory(self, nbytes: int) -> torch.Tensor:
+        """An arena's memory (under the lock): a free one that fits, else a new one."""
+        self._live += 1
+        for i, memory in enumerate(self._free):
+            if memory.numel() >= nbytes:
+                return self._free.pop(i)
+        size = max(self.arena_bytes, nbytes)
+        self.host_bytes_allocated += size
+        return torch.empty(size, dtype=torch.uint8)
+
+    def filled(self, dest: torch.Tensor) -> None:
+        with self._cond:
+            arena = self._arena_of.get(id(dest))
+            if arena is None:  # a CPU target read in place
+                return super().filled(dest)
+            arena.filled += 1
+            self._filled.add(id(dest))
+            ready = arena.complete
+        if ready:
+            self._transfer(arena)
+
+    def _transfer(self, arena: _Arena) -> None:
+        """One bulk host->device transfer of the arena's tensors; targets take the data; the arena is reused."""
+        try:
+            with self._transfer_lock:
+                if arena.slots:
+                    module = xla.require("loading onto an XLA device")
+                    views = [v for v, _ in arena.slots]
+                    devices = [str(t.device) for _, t in arena.slots]
+                    placed = module._XLAC._xla_tensors_from_aten(views, devices)
+                    for (_, target), new in zip(arena.slots, placed, strict=True):
+                        module._XLAC._replace_xla_tensor(target, new)
+                    module._XLAC._xla_wait_device_ops([])  # transfers done: the host views may be reused now
+                    self.transfers += 1
+                    self.bytes_to_device += sum(v.numel() * v.element_size() for v in views)
+        except BaseException as e:
+            with self._cond:
+                self._error = self._error or e
+                self._cond.notify_all()
+            raise
+        finally:
+            with self._cond:
+                for view, _ in arena.slots:
+                    self._arena_of.pop(id(view), None)
+                arena.slots = []
+                self._live -= 1
+                if len(self._free) < self.max_arenas and arena.memory.numel() <= self.arena_bytes:
+                    self._free.append(arena.memory)
+                self._cond.notify_all()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"copying the loaded state to the device failed: {self._error}") from self._error
+
+    def finish(self, state: Any) -> Any:
+        """After every read succeeded: transfer the last arena, raise a transfer error, free the arenas."""
+        with self._cond:
+            arena, self._open = self._open, None
+            if arena is not None:
+                arena.sealed = True
+        if arena is not None and arena.slots:
+            self._transfer(arena)
+        with self._cond:
+            self._raise_error()
+            self._free.clear()
+        return super().finish(state)

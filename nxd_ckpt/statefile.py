@@ -14,7 +14,7 @@ then copies the others' shares from memory, which measured faster than a loopbac
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +24,7 @@ import torch
 from . import knobs, layout, plan
 from .dist import Coordinator, format_exception
 from .errors import FormatError, StorageError
-from .serialization import plain, xser
+from .serialization import plain, readinto, torchzip, xser
 from .serialization.inmemory import BufferReader, allocate
 from .storage import Storage
 from .topology import Topology
@@ -80,9 +80,114 @@ def write_plain(storage: Storage, path: str, state: Any, *, host: HostCopy | Non
     return [path]
 
 
-def read_plain(storage: Storage, path: str, *, trusted: bool = False) -> Any:
-    """Read a ``torch.save`` state file; verified loads read it once into memory, check and parse it there."""
+Path = tuple[Any, ...]
+
+
+def tensor_paths(tree: Any, prefix: Path = ()) -> Iterator[tuple[Path, torch.Tensor]]:
+    """(path, tensor) for every tensor of nested dicts/lists/tuples; a path is the tuple of keys/indices."""
+    if isinstance(tree, torch.Tensor):
+        yield prefix, tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from tensor_paths(v, (*prefix, k))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from tensor_paths(v, (*prefix, i))
+
+
+class LoadTarget:
+    """Tensors that already exist (a live model's parameters, an optimizer's state, a dict's tensors), which a
+    load reads straight into: a saved tensor lands in the target tensor at the same path in the state, when
+    that one is a contiguous CPU tensor of the same dtype and shape. Others load into fresh memory as before.
+
+    ``check(meta_state)`` runs on the saved state's structure (data-less ``meta`` tensors) before any byte lands
+    in a target, so a state that does not fit (strict key checks) fails before the model is touched.
+    Subclasses (``staging.DeviceLoadTarget``) stage device targets through bounded host buffers.
+    """
+
+    def __init__(self, tree: Any, check: Callable[[Any], None] | None = None) -> None:
+        self.tensors: dict[Path, torch.Tensor] = dict(tensor_paths(tree))
+        self._check = check
+        self.direct = True
+        """Whether reads may bypass the page cache (not when replicas on this host read the same files)."""
+        self.bytes_in_place = 0
+
+    def check(self, meta_state: Any) -> None:
+        if self._check is not None:
+            self._check(meta_state)
+
+    def dest(self, path: Path, like: torch.Tensor) -> torch.Tensor | None:
+        """The tensor ``like`` (saved at ``path``) should be read into, or None for fresh memory."""
+        return self.existing(path, like)
+
+    def existing(self, path: Path, like: torch.Tensor) -> torch.Tensor | None:
+        """The target's own CPU tensor at ``path`` when ``like``'s bytes can land in it as they are."""
+        t = self.tensors.get(path)
+        if t is None or t.device.type != "cpu" or t.dtype != like.dtype or tuple(t.shape) != tuple(like.shape):
+            return None
+        return t.detach() if t.is_contiguous() and t.storage_offset() == 0 else None
+
+    def filled(self, dest: torch.Tensor) -> None:
+        """``dest`` holds its bytes now."""
+        self.bytes_in_place += dest.numel() * dest.element_size()
+
+    def result_for(self, result: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+        """What the loaded state holds for a tensor read into ``dest`` (``result`` aliases it)."""
+        return result
+
+    def finish(self, state: Any) -> Any:
+        """Once every read of the load succeeded: ``state`` with the target's own tensors wherever a loaded CPU
+        tensor did not land in place (small tensors kept inside xser reference files, fallbacks) but fits
+        one: those are copied in, so every target tensor keeps its memory. Device targets also transfer
+        what is left in host memory first."""
+        swaps: dict[int, torch.Tensor] = {}
+        for path, loaded in tensor_paths(state):
+            dest = self.existing(path, loaded)
+            if dest is None or id(loaded) in swaps:
+                continue
+            if loaded.device.type == "cpu" and not _same_memory(loaded, dest):
+                with torch.no_grad():
+                    dest.copy_(loaded)
+            swaps[id(loaded)] = self.tensors[path]
+        return map_tensors(state, lambda t: swaps.get(id(t), t)) if swaps else state
+
+    def chooser(self) -> readinto.Chooser:
+        def choose(meta: Any) -> dict[int, torch.Tensor]:
+            self.check(meta)
+            out = {}
+            for path, t in tensor_paths(meta):
+                dest = self.dest(path, t)
+                if dest is not None:
+                    out[id(t)] = dest
+            return out
+
+        return choose
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
+
+
+def _safe_unpickler(data: Any) -> Any:
+    import torch._weights_only_unpickler as weights_only
+
+    return weights_only.Unpickler(data, encoding="utf-8")
+
+
+def read_plain(storage: Storage, path: str, *, trusted: bool = False, target: LoadTarget | None = None) -> Any:
+    """Read a ``torch.save`` state file; verified loads read it once into memory, check and parse it there.
+    With ``target``, tensor data is read straight into the target's tensors (one sequential pass)."""
     what = f"{storage.url}/{path}"
+    if target is not None and not trusted:  # trusted pickles keep torch.load's own unpickler
+        with storage.open_sequential(path, direct=target.direct) as f:
+            try:
+                with torchzip.safe_globals():
+                    return readinto.load_into(
+                        f, what=what, make_unpickler=_safe_unpickler, choose=target.chooser(), filled=target.filled
+                    )
+            except readinto.Fallback as e:
+                buffer = readinto.as_array(e.data)
+        return plain.load_buffer(buffer, what=what, trusted=trusted)
     if storage.whole_file_reads:
         return plain.load_buffer(storage.read_buffer(path, allocate), what=what, trusted=trusted)
     with storage.open_read(path) as f:
@@ -236,11 +341,13 @@ def read_state_file(
     trusted: bool = False,
     group: ReplicaGroup | None = None,
     threads: int | None = None,
+    target: LoadTarget | None = None,
 ) -> Any:
-    """Read one state file in whichever encoding it has; xser reads are shared across ``group`` if given."""
+    """Read one state file in whichever encoding it has; xser reads are shared across ``group`` if given.
+    With ``target``, tensors are read straight into the target's existing tensors where they fit."""
     if not is_xser_file(storage, path):
-        return read_plain(storage, path, trusted=trusted)
-    return read_xser(storage, path, trusted=trusted, group=group, threads=threads)
+        return read_plain(storage, path, trusted=trusted, target=target)
+    return read_xser(storage, path, trusted=trusted, group=group, threads=threads, target=target)
 
 
 @dataclass(frozen=True)
@@ -258,8 +365,9 @@ def read_xser(
     trusted: bool = False,
     group: ReplicaGroup | None = None,
     threads: int | None = None,
+    target: LoadTarget | None = None,
 ) -> Any:
-    """Read an xser state file (ours, NxD's or torch_xla's) onto the CPU."""
+    """Read an xser state file (ours, NxD's or torch_xla's) onto the CPU (into ``target``'s tensors if given)."""
     what = f"{storage.url}/{path}"
     if group is None:
         header = _read_header(storage, path, trusted)
@@ -275,10 +383,13 @@ def read_xser(
         mine = [header.tids[i] for k in range(group.size) for i in parts[(group.index + k) % group.size]]
     else:
         mine = [header.tids[i] for i in parts[group.index]]
+    if target is not None:
+        target.direct = not through_page_cache  # a replica reads these files after us: keep them cached
+        _check_before_reading(target, header, what)
     loaded: dict[int, torch.Tensor] = {}
     error: BaseException | None = None
     try:
-        loaded = _read_tensors(storage, path, mine, header.info, threads)
+        loaded = _read_tensors(storage, path, mine, header.info, threads, target, _tid_paths(header.ref_data))
     except BaseException as e:  # shared with the replicas before raising
         error = e
     if group is None:
@@ -289,7 +400,7 @@ def read_xser(
         tensors = _agree(group, loaded, error, what)
     else:
         owners = [[header.tids[i] for i in part] for part in parts]
-        tensors = _exchange(group, loaded, error, owners, what)
+        tensors = _exchange(group, loaded, error, owners, what, target, _tid_paths(header.ref_data))
     return xser.decode(header.ref_data, tensors, what=what)
 
 
@@ -355,14 +466,80 @@ def _missing_tensor(storage: Storage, path: str, tid: int) -> FormatError:
     )
 
 
+def _tid_paths(ref_data: Any) -> dict[int, Path]:
+    """The path in the state of each tid's first reference."""
+    out: dict[int, Path] = {}
+
+    def walk(obj: Any, prefix: Path) -> None:
+        if xser.is_reference(obj):
+            out.setdefault(int(obj.tid), prefix)
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, (*prefix, k))
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, (*prefix, i))
+
+    walk(ref_data, ())
+    return out
+
+
+def _check_before_reading(target: LoadTarget, header: _Header, what: str) -> None:
+    """Run the target's checks on the saved structure before any tensor lands in it (needs the info file's
+    shapes; torch_xla's own files have none: their keys are checked after the read, as before)."""
+    if header.info is None:
+        return
+    metas: dict[int, torch.Tensor] = {}
+    for tid in header.tids:
+        entry = header.info.get(tid)
+        if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), torch.dtype):
+            return
+        metas[tid] = torch.empty(tuple(entry.get("shape") or ()), dtype=entry["dtype"], device="meta")
+    target.check(xser.decode(header.ref_data, metas, what=what))
+
+
 def _read_tensors(
-    storage: Storage, path: str, tids: list[int], info: dict[int, dict[str, Any]] | None, threads: int | None
+    storage: Storage,
+    path: str,
+    tids: list[int],
+    info: dict[int, dict[str, Any]] | None,
+    threads: int | None,
+    target: LoadTarget | None = None,
+    paths: dict[int, Path] | None = None,
 ) -> dict[int, torch.Tensor]:
+    def read_into(tid: int, tensor_path: str, what: str) -> torch.Tensor:
+        assert target is not None and paths is not None
+        where = paths[tid]
+
+        chosen: list[torch.Tensor] = []
+
+        def choose(meta: Any) -> dict[int, torch.Tensor]:
+            dest = target.dest(where, meta) if isinstance(meta, torch.Tensor) else None
+            if dest is None:
+                return {}
+            chosen.append(dest)
+            return {id(meta): dest}
+
+        with storage.open_sequential(tensor_path, direct=target.direct) as f:
+            try:
+                result = readinto.load_into(
+                    f, what=what, make_unpickler=xser.tensor_unpickler, choose=choose, filled=target.filled
+                )
+            except readinto.Fallback as e:
+                buffer = readinto.as_array(e.data)
+            else:
+                return target.result_for(result, chosen[0]) if chosen else result
+        return xser.load_tensor_buffer(buffer, what=what)
+
     def read_one(tid: int) -> torch.Tensor:
         tensor_path = _tensor_file(storage, path, tid, info)
         what = f"{storage.url}/{tensor_path}"
         try:
-            if storage.whole_file_reads:
+            if target is not None and paths is not None and paths.get(tid) in target.tensors:
+                tensor = read_into(tid, tensor_path, what)
+                if not isinstance(tensor, torch.Tensor):
+                    raise FormatError(f"{what} does not hold a tensor (found {type(tensor).__name__})")
+            elif storage.whole_file_reads:
                 tensor = xser.load_tensor_buffer(storage.read_buffer(tensor_path, allocate), what=what)
             else:
                 with storage.open_read(tensor_path) as f:
@@ -398,8 +575,11 @@ def _exchange(
     error: BaseException | None,
     owners: list[list[int]],
     what: str,
+    target: LoadTarget | None = None,
+    paths: dict[int, Path] | None = None,
 ) -> dict[int, torch.Tensor]:
-    """Give every replica every tensor: each owner broadcasts the tensors it read (small ones packed)."""
+    """Give every replica every tensor: each owner broadcasts the tensors it read (small ones packed), into the
+    target's tensors where they fit."""
     meta = {tid: (t.dtype, tuple(t.shape)) for tid, t in loaded.items()}
     gathered = group.all_gather_object((None if error is None else format_exception(error), meta))
     if error is not None:
@@ -415,7 +595,9 @@ def _exchange(
         for tid in tids:
             dtype, shape = metas[tid]
             if tid not in tensors:
-                tensors[tid] = torch.empty(shape, dtype=dtype)
+                like = torch.empty(shape, dtype=dtype, device="meta")
+                dest = target.existing(paths[tid], like) if target is not None and paths and tid in paths else None
+                tensors[tid] = dest if dest is not None else torch.empty(shape, dtype=dtype)
             nbytes = xser.tensor_nbytes(tensors[tid])
             if nbytes == 0:
                 continue

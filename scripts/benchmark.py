@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import os
 import shutil
@@ -29,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -472,6 +474,293 @@ def _nxd_xser_from_xla(b: Bench) -> Timing:
     return _nxd(b, "nxd_xser_xla", use_xser=True, verify=False, device="xla")
 
 
+# ----------------------------------------------------------------------------------------------- resume (issue 19)
+
+
+def live_module(model: dict, device: Any = None) -> torch.nn.Module:
+    """An ``nn.Module`` whose state_dict keys are ``model``'s, with its own touched parameter memory (a model
+    already built in the resuming process), optionally on ``device``."""
+    root = torch.nn.Module()
+    for key, value in model.items():
+        *owners, leaf = key.split(".")
+        module = root
+        for name in owners:
+            if not hasattr(module, name):
+                module.add_module(name, torch.nn.Module())
+            module = getattr(module, name)
+        module.register_parameter(leaf, torch.nn.Parameter(torch.ones_like(value), requires_grad=False))
+    return root.to(device) if device is not None else root
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
+    ] + [("keepcost", ctypes.c_size_t)]
+
+
+def _malloc_in_use() -> int | None:
+    """Bytes the C heap has handed out (glibc ``mallinfo2``: every arena, mmapped blocks included)."""
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    info = fn()
+    return info.uordblks + info.hblkhd
+
+
+class PeakRSS:
+    """Peak extra host memory of this process during a block, two ways: the C heap's bytes in use (sampled
+    every 2 ms: counts every allocation, including memory the allocator reuses without new pages) and resident
+    memory (VmHWM after resetting it: new pages only)."""
+
+    def __init__(self) -> None:
+        self.extra = 0
+        self.extra_rss = 0
+
+    def __enter__(self) -> PeakRSS:
+        import gc
+
+        gc.collect()
+        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self._base = _rss("VmRSS:")
+        self._heap_base = _malloc_in_use()
+        self._heap_peak = self._heap_base or 0
+        self._stop = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self._heap_peak = max(self._heap_peak, _malloc_in_use() or 0)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._sampler.join()
+        self._heap_peak = max(self._heap_peak, _malloc_in_use() or 0)
+        self.extra_rss = max(0, _rss("VmHWM:") - self._base)
+        self.extra = max(0, self._heap_peak - self._heap_base) if self._heap_base is not None else self.extra_rss
+
+
+def _peak_gb(b: Bench, peak: PeakRSS) -> float:
+    """The largest peak extra host memory (heap in use) among the ranks, in GB."""
+    return max(dist_all_gather(peak.extra)) / 1e9
+
+
+_LIVE: dict[str, torch.nn.Module] = {}
+
+
+def _live(b: Bench, device: str | None = None) -> torch.nn.Module:
+    key = device or "cpu"
+    if key not in _LIVE:
+        dev = None
+        if device == "xla":
+            import torch_xla
+
+            dev = torch_xla.device()
+        _LIVE[key] = live_module(b.model, dev)
+        if dev is not None:
+            import torch_xla
+
+            torch_xla.sync()
+    return _LIVE[key]
+
+
+def _check_live(b: Bench, module: torch.nn.Module, what: str) -> None:
+    if b.check:
+        loaded = module.state_dict()
+        assert_same(b.model, {k: loaded[k].detach() for k in b.model}, what)
+    with torch.no_grad():  # scribble, so the next load must really bring the bytes back
+        for p in module.parameters():
+            p.fill_(1.0)
+
+
+@section("torch_load_live", "torch.load + load_state_dict into the live module; torch.load of the optimizer shard")
+def _torch_load_live(b: Bench) -> Timing:
+    """The usual resume without nxd_ckpt: plain files, model copied into the existing module."""
+    model_path, optim_path = b.path("tl_model.pt"), b.path(f"tl_optim_{b.rank}.pt")
+
+    def save() -> None:
+        if b.rank == 0:
+            save_fsynced(b.model, model_path)
+        save_fsynced(b.optimizer, optim_path)
+
+    module = _live(b)
+    peak = PeakRSS()
+
+    def load() -> None:
+        with peak:
+            module.load_state_dict(torch.load(model_path, map_location="cpu", weights_only=True))
+            torch.load(optim_path, map_location="cpu", weights_only=True)
+
+    timing = Timing(b.timed(save), b.timed_load(load))
+    timing.extra["peak_gb"] = _peak_gb(b, peak)
+    timing.extra["peak_rss_gb"] = max(dist_all_gather(peak.extra_rss)) / 1e9
+    _check_live(b, module, "torch.load live model")
+    b.clean("tl_model.pt")
+    b.clean(f"tl_optim_{b.rank}.pt")
+    return timing
+
+
+def _nxd_live(b: Bench, name: str, *, device: str | None = None) -> Timing:
+    """nxd_ckpt xser save, then a verified cold load into the live module (and the optimizer shard into {})."""
+    import nxd_ckpt as nxd
+
+    model, optimizer = b.model, b.optimizer
+    if device is not None:
+        model, optimizer = _to_device(b, device)
+    path = b.path(name)
+
+    def save() -> None:
+        nxd.save_checkpoint(path, "step_1", model=model, optimizer=optimizer, use_xser=True, zero1_optimizer=True)
+
+    module = _live(b, device)
+    peak = PeakRSS()
+
+    def load() -> None:
+        with peak:
+            nxd.load_checkpoint(path, "step_1", model=module, optimizer={})
+
+    timing = Timing(b.timed(save), b.timed_load(load))
+    timing.extra["peak_gb"] = _peak_gb(b, peak)
+    timing.extra["peak_rss_gb"] = max(dist_all_gather(peak.extra_rss)) / 1e9
+    _check_live(b, module, f"{name} live model")
+    b.clean(name)
+    return timing
+
+
+@section("nxd_xser_live", "nxd_ckpt use_xser=True, verified load into the live module (optimizer into {})")
+def _nxd_xser_live(b: Bench) -> Timing:
+    return _nxd_live(b, "nxd_xser_live")
+
+
+@section("nxd_xser_fresh", "nxd_ckpt use_xser=True, verified load into fresh dicts (peak RSS measured)")
+def _nxd_xser_fresh(b: Bench) -> Timing:
+    import nxd_ckpt as nxd
+
+    path = b.path("nxd_xser_fresh")
+
+    def save() -> None:
+        nxd.save_checkpoint(path, "step_1", model=b.model, optimizer=b.optimizer, use_xser=True, zero1_optimizer=True)
+
+    peak = PeakRSS()
+    out: dict = {}
+
+    def load() -> None:
+        with peak:
+            out["model"], out["optim"] = {}, {}
+            nxd.load_checkpoint(path, "step_1", model=out["model"], optimizer=out["optim"])
+
+    timing = Timing(b.timed(save), b.timed_load(load))
+    timing.extra["peak_gb"] = _peak_gb(b, peak)
+    timing.extra["peak_rss_gb"] = max(dist_all_gather(peak.extra_rss)) / 1e9
+    if b.check:
+        assert_same(b.model, out["model"], "nxd_xser_fresh model")
+    out.clear()
+    b.clean("nxd_xser_fresh")
+    return timing
+
+
+@section(
+    "torch_xla_xser_live",
+    "torch_xla xser.load + load_state_dict into the live module on the XLA device",
+    _have_torch_xla,
+)
+def _torch_xla_xser_live(b: Bench) -> Timing:
+    import torch_xla
+    import torch_xla.utils.serialization as xser
+
+    model, optimizer = _to_device(b, "xla")
+    directory = b.path("txser_live")
+    model_path, optim_path = os.path.join(directory, "model.pt"), os.path.join(directory, f"optim_{b.rank}.pt")
+    os.makedirs(directory, exist_ok=True)
+
+    def save() -> None:
+        if b.rank == 0:
+            xser.save(model, model_path, master_only=False)
+            fsync_tree(model_path + ".tensors")
+        xser.save(optimizer, optim_path, master_only=False)
+        fsync_tree(optim_path + ".tensors")
+        fsync_tree(directory)
+
+    module = _live(b, "xla")
+    peak = PeakRSS()
+
+    def load() -> None:
+        with peak:
+            module.load_state_dict(xser.load(model_path))
+            xser.load(optim_path)
+            torch_xla.sync()
+
+    timing = Timing(b.timed(save), b.timed_load(load))
+    timing.extra["peak_gb"] = _peak_gb(b, peak)
+    timing.extra["peak_rss_gb"] = max(dist_all_gather(peak.extra_rss)) / 1e9
+    _check_live(b, module, "torch_xla xser live model")
+    torch_xla.sync()
+    b.clean("txser_live")
+    return timing
+
+
+@section(
+    "nxd_xser_live_xla", "nxd_ckpt use_xser=True, verified load into the live module on the XLA device", _have_torch_xla
+)
+def _nxd_xser_live_xla(b: Bench) -> Timing:
+    timing = _nxd_live(b, "nxd_xser_live_xla", device="xla")
+    import torch_xla
+
+    torch_xla.sync()
+    return timing
+
+
+def _sync_save_retention(b: Bench, name: str, keep: bool) -> Timing:
+    """A synchronous xser save over an existing tag; with ``keep`` the previous tag is deleted by retention
+    (num_kept_ckpts=1), without it the previous tag is deleted after the timing."""
+    import nxd_ckpt as nxd
+
+    path = b.path(name)
+    nxd.save_checkpoint(path, "old", model=b.model, optimizer=b.optimizer, use_xser=True, zero1_optimizer=True)
+    dist.barrier()
+
+    def save() -> None:
+        nxd.save_checkpoint(
+            path,
+            "new",
+            model=b.model,
+            optimizer=b.optimizer,
+            use_xser=True,
+            zero1_optimizer=True,
+            num_kept_ckpts=1 if keep else None,
+        )
+
+    save_s = b.timed(save)
+    nxd.finalize_checkpoint()  # untimed: retention's deletions finish before the next section
+    if b.rank == 0 and not keep:
+        shutil.rmtree(os.path.join(path, "old"), ignore_errors=True)
+    b.clean(name)
+    return Timing(save_s, None)
+
+
+@section("nxd_save_keep", "nxd_ckpt sync xser save, num_kept_ckpts=1 (deletes the previous tag)")
+def _nxd_save_keep(b: Bench) -> Timing:
+    return _sync_save_retention(b, "nxd_keep", keep=True)
+
+
+@section("nxd_save_nokeep", "nxd_ckpt sync xser save, no retention")
+def _nxd_save_nokeep(b: Bench) -> Timing:
+    return _sync_save_retention(b, "nxd_nokeep", keep=False)
+
+
 import bench_s3  # noqa: E402 - registers the "s3_loopback" section (runs only with NXD_CKPT_BENCH_S3=1)
 
 bench_s3.register(section, Timing, assert_same)
@@ -501,7 +790,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int, root: str, out_path:
             timing = SECTIONS[name][1](bench)
             results[name].append(timing)
             if rank == 0:
-                print(f"[rep {rep}] {name}: save {timing.save_s:.2f} s, load {timing.load_s:.2f} s", flush=True)
+                load = f"{timing.load_s:.2f} s" if timing.load_s is not None else "-"
+                print(f"[rep {rep}] {name}: save {timing.save_s:.2f} s, load {load}", flush=True)
             bench.check = False  # verified once per section is enough
         bench.check = rep == 0
     if rank == 0:
@@ -527,10 +817,7 @@ def dist_all_gather(value: Any) -> list[Any]:
 
 def report(data: dict, args: argparse.Namespace) -> str:
     gb = data["bytes"] / 1e9
-    med = {
-        n: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts))
-        for n, ts in data["results"].items()
-    }
+    med = {n: (_median([t[0] for t in ts]), _median([t[1] for t in ts])) for n, ts in data["results"].items()}
     base_w, base_r = med.get("raw_dd", (None, None))
     lines = [
         f"state: {data['bytes'] / GIB:.2f} GiB of tensor data ({gb:.2f} GB), {args.ranks} ranks, "
@@ -543,14 +830,18 @@ def report(data: dict, args: argparse.Namespace) -> str:
     for name, (s, ld) in med.items():
         label = SECTIONS[name][0]
         xw = f"{base_w / s:.2f}" if base_w else ""
+        if ld is None:
+            lines.append(f"| {label} | {s:.2f} | {gb / s:.2f} | {xw} | - | - | - |")
+            continue
         xr = f"{base_r / ld:.2f}" if base_r else ""
         lines.append(f"| {label} | {s:.2f} | {gb / s:.2f} | {xw} | {ld:.2f} | {gb / ld:.2f} | {xr} |")
     lines.append("")
     for name, ts in data["results"].items():
         saves = ", ".join(f"{t[0]:.2f}" for t in ts)
-        loads = ", ".join(f"{t[1]:.2f}" for t in ts)
+        loads = ", ".join(f"{t[1]:.2f}" if t[1] is not None else "-" for t in ts)
         lines.append(f"- {name}: save [{saves}] s, load [{loads}] s")
-    if "nxd_xser" in med:
+    lines += _resume_report(data, med)
+    if "nxd_xser" in med and med["nxd_xser"][1] is not None:
         s, ld = med["nxd_xser"]
         lines.append("")
         for other in ("torch_xla_xser", "dcp", "torch_save"):
@@ -560,6 +851,46 @@ def report(data: dict, args: argparse.Namespace) -> str:
                 )
     lines += _async_report(data, med)
     return "\n".join(lines)
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _resume_report(data: dict, med: dict[str, tuple[float | None, float | None]]) -> list[str]:
+    """Issue 19's targets: cold load into the live module >= 1.0x torch.load + load_state_dict and >= 0.9x dd;
+    onto the device >= 1.0x torch_xla's xser.load + load_state_dict; a sync save with retention no slower."""
+    lines = [""]
+
+    def ratio(faster: str, slower: str, col: int) -> str | None:
+        if faster in med and slower in med and med[faster][col] and med[slower][col]:
+            return f"{med[slower][col] / med[faster][col]:.2f}x"
+        return None
+
+    for mine, other, what, col in (
+        ("nxd_xser_live", "torch_load_live", "live-module load vs torch.load + load_state_dict (target >= 1.0)", 1),
+        ("nxd_xser_live", "raw_dd", "live-module load vs cold dd read (target >= 0.9)", 1),
+        ("nxd_xser_fresh", "raw_dd", "fresh-dict load vs cold dd read", 1),
+        ("nxd_xser_live", "nxd_xser_fresh", "live-module load vs fresh-dict load", 1),
+        ("nxd_xser_live_xla", "torch_xla_xser_live", "device load vs xser.load + load_state_dict (target >= 1.0)", 1),
+        ("nxd_save_keep", "nxd_save_nokeep", "sync save with retention vs without (target >= 1.0 beyond noise)", 0),
+    ):
+        r = ratio(mine, other, col)
+        if r is not None:
+            lines.append(f"resume: {what}: {r}")
+    extra = data.get("extra", {})
+    for name in ("torch_load_live", "nxd_xser_live", "nxd_xser_fresh", "torch_xla_xser_live", "nxd_xser_live_xla"):
+        if name in extra:
+            peaks = [r["peak_gb"] for r in extra[name] if "peak_gb" in r]
+            if peaks:
+                rss = [r.get("peak_rss_gb", 0.0) for r in extra[name]]
+                lines.append(
+                    f"resume: {name}: peak extra host memory during the load (largest rank; heap in use) median "
+                    f"{statistics.median(peaks):.3f} GB [{', '.join(f'{p:.3f}' for p in peaks)}], new resident "
+                    f"pages {statistics.median(rss):.3f} GB"
+                )
+    return lines if len(lines) > 1 else []
 
 
 def _async_report(data: dict, med: dict[str, tuple[float, float]]) -> list[str]:

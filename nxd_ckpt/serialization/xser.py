@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import copyreg
 import ctypes
+import io
 import pickle
 import sys
 import types
@@ -318,6 +319,14 @@ def load_tensor_buffer(buffer: np.ndarray, *, what: str) -> torch.Tensor:
     if not isinstance(result, torch.Tensor):
         raise FormatError(f"{what} does not hold a tensor (found {type(result).__name__})")
     return result
+
+
+def tensor_unpickler(data: io.BytesIO) -> Any:
+    """The safe unpickler of a tensor file's ``data.pkl`` (for readers that parse tensor files themselves)."""
+    return torchzip.make_unpickler(data.getvalue(), trusted=False)
+
+
+is_reference = _is_reference
 
 
 def _load_tensor_direct(f: IO[bytes], what: str) -> Any:

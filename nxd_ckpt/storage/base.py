@@ -90,6 +90,14 @@ class Storage(abc.ABC):
     def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         """The file's bytes, or ``length`` bytes from ``offset``."""
 
+    def open_sequential(self, path: str, direct: bool = False) -> AbstractContextManager[BinaryIO]:
+        """A stream for reading the file once, front to back, with large ``readinto`` calls into the memory the
+        data should end up in (loads into live tensors). ``direct``: the caller does not need the data in the
+        page cache afterwards (no replica on this host reads the file after it), so local storage may read it
+        with O_DIRECT. Wrappers that check what is read (VerifyingStorage) see every byte; the default is
+        ``open_read``."""
+        return self.open_read(path)
+
     def read_buffer(self, path: str, allocate: Allocator | None = None) -> np.ndarray:
         """The whole file in one writable uint8 array, read from storage once.
 

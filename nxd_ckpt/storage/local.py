@@ -14,6 +14,7 @@ from typing import BinaryIO
 
 from ..errors import StorageError
 from . import direct
+from . import direct as direct_io
 from .base import Storage, check_relative_path
 
 WRITE_BUFFER_BYTES = 8 << 20
@@ -121,6 +122,22 @@ class LocalStorage(Storage):
             raise StorageError(f"cannot read {full}: {e.strerror or e}") from e
         with f:
             yield f
+
+    @contextlib.contextmanager
+    def open_sequential(self, path: str, direct: bool = False) -> Iterator[BinaryIO]:
+        if not direct or not direct_io.enabled():
+            with self.open_read(path) as f:
+                yield f
+            return
+        full = self._abs(path)
+        try:
+            reader = direct_io.DirectReader(full)
+        except FileNotFoundError as e:
+            raise StorageError(f"file not found: {full}") from e
+        except OSError as e:
+            raise StorageError(f"cannot read {full}: {e.strerror or e}") from e
+        with reader:
+            yield reader  # type: ignore[misc]
 
     def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         with self.open_read(path) as f:

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from ..storage import LocalStorage
+from ..storage import direct as direct_io
 
 
 class _CountingFile:
@@ -47,6 +48,19 @@ class ReadCountingStorage(LocalStorage):
     @contextlib.contextmanager
     def open_read(self, path: str) -> Iterator[BinaryIO]:
         with super().open_read(path) as f:
+            counting = _CountingFile(f)
+            try:
+                yield counting  # type: ignore[misc]
+            finally:
+                self._count(path, counting.count)
+
+    @contextlib.contextmanager
+    def open_sequential(self, path: str, direct: bool = False) -> Iterator[BinaryIO]:
+        if not (direct and direct_io.enabled()):  # LocalStorage reads through open_read above: counted there
+            with self.open_read(path) as f:
+                yield f
+            return
+        with super().open_sequential(path, direct) as f:
             counting = _CountingFile(f)
             try:
                 yield counting  # type: ignore[misc]

@@ -1,0 +1,70 @@
+"""Loads onto the XLA device: device targets take their data in place (same Parameter and optimizer-state
+objects), through bounded host buffers and bulk host->device transfers, bit-exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nxd_ckpt as nxd
+from nxd_ckpt import adapters, staging, statefile
+from nxd_ckpt.storage import LocalStorage
+from nxd_ckpt.testing.fakes import assert_state_equal
+
+pytestmark = pytest.mark.xla
+torch_xla = pytest.importorskip("torch_xla", reason="needs torch_xla: runs in the XLA lane")
+
+
+def _model(seed: int, device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256)).to(device)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 256, device=device)).sum().backward()
+    opt.step()
+    torch_xla.sync()
+    return model, opt
+
+
+@pytest.mark.parametrize("use_xser", [True, False], ids=["xser", "plain"])
+def test_load_onto_the_device_keeps_the_parameter_objects_and_is_bit_exact(tmp_path, monkeypatch, use_xser):
+    monkeypatch.setenv("NXD_CKPT_XSER_INLINE_BYTES", "0")
+    device = torch_xla.device()
+    saved, saved_opt = _model(1, device)
+    nxd.save_checkpoint(str(tmp_path), "t", model=saved, optimizer=saved_opt, use_xser=use_xser)
+    model, opt = _model(2, device)
+    params = {k: id(v) for k, v in model.named_parameters()}
+    states = {k: id(v) for k, v in opt.state[next(iter(model.parameters()))].items()}
+    nxd.load_checkpoint(str(tmp_path), "t", model=model, optimizer=opt)
+    assert {k: id(v) for k, v in model.named_parameters()} == params  # the same objects, new data
+    if use_xser:  # plain files land in host memory and are placed in bulk after (optimizer state is adopted)
+        assert {k: id(v) for k, v in opt.state[next(iter(model.parameters()))].items()} == states
+    assert all(p.device.type == "xla" for p in model.parameters())
+    cpu_state = {k: v.cpu() for k, v in model.state_dict().items()}
+    assert_state_equal(cpu_state, {k: v.cpu() for k, v in saved.state_dict().items()})
+    assert_state_equal(opt.state_dict(), saved_opt.state_dict())
+    model(torch.ones(2, 256, device=device)).sum().backward()  # training goes on with the loaded state
+    opt.step()
+    torch_xla.sync()
+
+
+def test_device_loads_use_few_bulk_transfers_and_bounded_host_buffers(tmp_path, monkeypatch):
+    """Eight 1 MiB tensors through 2 MiB arenas: 4 transfers, never more than 2 arenas (4 MiB) of host memory."""
+    monkeypatch.setenv("NXD_CKPT_XSER_INLINE_BYTES", "0")
+    device = torch_xla.device()
+    state = {f"w{i}": torch.full((512, 512), float(i)) for i in range(8)}
+    storage = LocalStorage(tmp_path)
+    statefile.write_state_file(storage, "m.pt", state, xser_encoding=True)
+    live = {k: torch.zeros(512, 512).to(device) for k in state}
+    torch_xla.sync()
+    objects = {k: id(v) for k, v in live.items()}
+    target = staging.DeviceLoadTarget(live, arena_bytes=2 << 20, arenas=2)
+    loaded = target.finish(statefile.read_state_file(storage, "m.pt", target=target, threads=4))
+    assert {k: id(v) for k, v in loaded.items()} == objects  # the loaded state is the live tensors
+    assert_state_equal({k: v.cpu() for k, v in live.items()}, state)
+    assert target.transfers == 4 and target.bytes_to_device == 8 << 20
+    assert target.host_bytes_allocated <= 4 << 20
+
+
+def test_dict_target_with_device_tensors_is_a_device_target():
+    live = {"w": torch.zeros(4).to(torch_xla.device())}
+    assert isinstance(adapters.load_target(live, "model"), staging.DeviceLoadTarget)
