@@ -341,7 +341,7 @@ def test_convert_zero1_takes_the_checkpoint_directory_and_global_options(paralle
     assert (tmp_path / "a" / "step_1" / "done").exists()
     assert out.count("converted ZeRO-1 optimizer DP=2 -> full") == 1
     # Without --tag: the latest complete tag; hyphenated flags; a new tag name.
-    out, err = cli(
+    cli(
         "--no-progress", "convert-zero1", src_dir, "--out", str(tmp_path / "b"), "--out-tag", "dp3",
         "--to-sharded", "--dp-size", "3", "--num-workers", "2",
     )  # fmt: skip
