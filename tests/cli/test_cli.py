@@ -336,7 +336,7 @@ def test_list_inspect_metadata_and_help_do_not_import_torch(ckpt_dir):
 def test_convert_zero1_takes_the_checkpoint_directory_and_global_options(parallel_dirs, tmp_path, cli):
     src_dir = str(parallel_dirs / "zero1")
     # Global options before the subcommand, the checkpoint directory + --tag like every other command.
-    out, err = cli("-v", "convert-zero1", src_dir, "--tag", "step_1", "--out", str(tmp_path / "a"), "--to-full")
+    out, _ = cli("-v", "convert-zero1", src_dir, "--tag", "step_1", "--out", str(tmp_path / "a"), "--to-full")
     assert (tmp_path / "a" / "step_1" / "optim" / "full_tp_rank_00_pp_rank_00.pt").exists()
     assert (tmp_path / "a" / "step_1" / "done").exists()
     assert out.count("converted ZeRO-1 optimizer DP=2 -> full") == 1
