@@ -13,7 +13,8 @@ save). The first unreported error is raised, once, by ``check_for_errors`` as an
 The thread is a daemon so a forgotten writer cannot hang the interpreter, and an exit hook waits for
 pending jobs instead, so interpreter exit never cuts a checkpoint short. When that wait lasts over a second
 (e.g. after a Ctrl-C during an async save) it says on stderr what it waits for; a further Ctrl-C abandons the
-pending jobs on purpose: the tag never gets ``done``, so the previous complete checkpoint stays the latest. The hook runs among threading's exit
+pending jobs on purpose: the tag never gets ``done``, so the previous complete checkpoint stays the latest.
+The hook runs among threading's exit
 callbacks, before ``concurrent.futures`` refuses new work at shutdown: jobs use thread pools (parallel file
 I/O, fsync batches, boto3's transfer manager), which an ordinary ``atexit`` hook would find already closed.
 """
