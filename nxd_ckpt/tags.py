@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from dataclasses import dataclass
 
@@ -90,7 +91,7 @@ def resolve_tag(storage: Storage, tag: str | None) -> str:
         latest = latest_tag(storage)
         if latest is None:
             incomplete = [t.name for t in list_tags(storage, include_incomplete=True)]
-            hint = f" (incomplete, without 'done': {', '.join(incomplete)})" if incomplete else ""
+            hint = f" (incomplete, without 'done': {', '.join(incomplete)})" if incomplete else _why_empty(storage)
             raise CheckpointNotFoundError(f"no complete checkpoint in {storage.url}{hint}")
         return latest
     layout.validate_tag(tag)
@@ -100,7 +101,22 @@ def resolve_tag(storage: Storage, tag: str | None) -> str:
     state = "is incomplete (no 'done' marker: the save was interrupted)" if storage.exists(tag) else "does not exist"
     raise CheckpointNotFoundError(
         f"checkpoint tag {tag!r} in {storage.url} {state}; complete tags: {', '.join(complete) or 'none'}"
+        + ("" if complete else _why_empty(storage))
     )
+
+
+def _why_empty(storage: Storage) -> str:
+    """Why a directory holds no tags, as a parenthesised hint: it is missing, empty, or itself one tag folder."""
+    if storage.exists(layout.DONE_MARKER) or storage.exists(layout.CHECKPOINT_MARKER):
+        parent, _, name = storage.url.rstrip("/").rpartition("/")
+        return (
+            f" ({storage.url} is one checkpoint, a tag folder; pass the directory holding the tags and the tag: "
+            f"checkpoint_dir={parent or '.'!r}, tag={name!r})"
+        )
+    if not storage.list_dir(""):
+        missing = "://" not in storage.url and not os.path.isdir(storage.url)
+        return " (the directory does not exist)" if missing else " (the directory is empty)"
+    return " (it holds no tag folder: no subdirectory with a 'checkpoint' or 'done' file)"
 
 
 def tags_to_delete(tags: list[TagInfo], keep: int, protect: set[str] = frozenset()) -> list[str]:

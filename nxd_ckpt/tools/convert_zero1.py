@@ -30,6 +30,7 @@ import torch
 
 from .. import integrity, layout, tags, zero1
 from ..errors import CheckpointError, FormatError
+from ..log import format_bytes
 from ..storage import LocalStorage
 from ..zero1_io import (
     PlainShardWriter,
@@ -71,7 +72,7 @@ class ConversionReport:
         return (
             f"converted ZeRO-1 optimizer {src} -> {dst} for TP={self.tp} PP={self.pp} "
             f"({'xser' if self.xser else 'plain'}): {len(self.files_written)} optimizer files, "
-            f"{self.bytes_converted / 1e6:.1f} MB, {self.files_copied} other files carried over, "
+            f"{format_bytes(self.bytes_converted)}, {self.files_copied} other files carried over, "
             f"{self.seconds:.2f} s -> {self.output_dir}"
         )
 
