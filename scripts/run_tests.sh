@@ -8,6 +8,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 lanes="${NXD_CKPT_LANES:-cpu xla}"
 status=0
+bins=()
 for lane in $lanes; do
   echo "================ lane: $lane ================"
   py="$(bash scripts/setup_env.sh "$lane" | tail -n 1)"
@@ -33,5 +34,8 @@ for lane in $lanes; do
   if [ "$rc" -eq 5 ]; then echo "[$lane] pytest collected no tests: failing" >&2; rc=1; fi
   echo "[$lane] pytest exit code $rc"
   [ "$rc" -eq 0 ] || status=1
+  bins+=("$(dirname "$py")")
 done
+echo "[tests] overall: $([ $status -eq 0 ] && echo passed || echo FAILED). The nxd-ckpt command: ${bins[0]}/nxd-ckpt" \
+  "(not on your PATH: export PATH=\"${bins[0]}:\$PATH\")" >&2
 exit $status
