@@ -57,7 +57,7 @@ install_torch() {
     return
   fi
   if "$py" -m pip install -q --no-deps --no-index "torch==$torch_version" >/dev/null 2>&1; then
-    say "torch $(pinned_torch "$py") installed from a local wheel (pip's find-links; no download)"
+    say "torch $torch_version installed from a local wheel (pip's find-links; no download)"
     return
   fi
   if [ "$torch_index" = pypi ]; then
@@ -79,8 +79,8 @@ if [ -x "$env_dir/bin/python" ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file
   say "$lane environment up to date: $env_dir"
 else
   if [ -x "$env_dir/bin/python" ]; then why="pyproject.toml or setup_env.sh changed since it was built"; else why="first run"; fi
-  say "building the $lane environment in $env_dir ($why): torch==$torch_version ${extra_pins[*]} + nxd_ckpt[test,s3];"
-  say "  about $installed_size on disk when torch comes from $( [ "$torch_index" = pypi ] && echo PyPI || echo "the CPU index" ), a few minutes"
+  say "building the $lane environment in $env_dir ($why): torch==$torch_version ${extra_pins[*]:+${extra_pins[*]} }+ nxd_ckpt[test,s3];"
+  say "  $installed_size on disk with torch from $( [ "$torch_index" = pypi ] && echo "PyPI (CUDA build)" || echo "the CPU build" ), a few minutes"
   start=$(date +%s)
   venv_opts=()
   if [ ! -x "$env_dir/bin/python" ] && system_torch="$(pinned_torch python3)"; then
