@@ -114,8 +114,9 @@ def _why_empty(storage: Storage) -> str:
             f"checkpoint_dir={parent or '.'!r}, tag={name!r})"
         )
     if not storage.list_dir(""):
-        missing = "://" not in storage.url and not os.path.isdir(storage.url)
-        return " (the directory does not exist)" if missing else " (the directory is empty)"
+        if "://" in storage.url:
+            return " (nothing is stored under this prefix)"
+        return " (the directory does not exist)" if not os.path.isdir(storage.url) else " (the directory is empty)"
     return " (it holds no tag folder: no subdirectory with a 'checkpoint' or 'done' file)"
 
 
