@@ -1,15 +1,7 @@
 """nxd_ckpt: fast, crash-consistent checkpoints for PyTorch/XLA training, in NeuronX Distributed's layout."""
 
-from .api import (
-    finalize_checkpoint,
-    get_manager,
-    has_checkpoint,
-    latest_checkpoint_tag,
-    list_checkpoint_tags,
-    load_checkpoint,
-    reset_manager,
-    save_checkpoint,
-)
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     AsyncSaveError,
     CheckpointError,
@@ -26,12 +18,62 @@ from .errors import (
     StorageStallError,
     UnsafeCheckpointError,
 )
-from .inspect import Checkpoint, open_checkpoint
 from .log import enable_logging
-from .manager import CheckpointManager, SaveReport
-from .parallel_state import destroy_model_parallel, initialize_model_parallel
-from .topology import Topology
-from .verification import VerifyReport, verify
+
+# Everything that needs torch is imported on first use (PEP 562), so ``nxd-ckpt list`` and ``--help`` start
+# without importing torch; ``import nxd_ckpt`` followed by any of these names behaves as an eager import.
+_LAZY = {
+    "finalize_checkpoint": "api",
+    "get_manager": "api",
+    "has_checkpoint": "api",
+    "latest_checkpoint_tag": "api",
+    "list_checkpoint_tags": "api",
+    "load_checkpoint": "api",
+    "reset_manager": "api",
+    "save_checkpoint": "api",
+    "Checkpoint": "inspect",
+    "open_checkpoint": "inspect",
+    "CheckpointManager": "manager",
+    "SaveReport": "manager",
+    "destroy_model_parallel": "parallel_state",
+    "initialize_model_parallel": "parallel_state",
+    "Topology": "topology",
+    "VerifyReport": "verification",
+    "verify": "verification",
+}
+
+if TYPE_CHECKING:
+    from .api import (
+        finalize_checkpoint,
+        get_manager,
+        has_checkpoint,
+        latest_checkpoint_tag,
+        list_checkpoint_tags,
+        load_checkpoint,
+        reset_manager,
+        save_checkpoint,
+    )
+    from .inspect import Checkpoint, open_checkpoint
+    from .manager import CheckpointManager, SaveReport
+    from .parallel_state import destroy_model_parallel, initialize_model_parallel
+    from .topology import Topology
+    from .verification import VerifyReport, verify
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nxd_ckpt' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 

@@ -6,6 +6,7 @@ recognised by class name through ``sys.modules`` only, so nothing optional is ev
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any
 
@@ -15,6 +16,8 @@ from . import staging, xla
 from .errors import StateMismatchError
 from .statefile import LoadTarget
 from .tree import EXPERT_ATTR, iter_tensors
+
+logger = logging.getLogger("nxd_ckpt")
 
 ZERO1_CLASSES = (
     ("torch_xla.distributed.zero_redundancy_optimizer", "ZeroRedundancyOptimizer"),
@@ -121,6 +124,39 @@ def load_target(obj: Any, role: str, *, strict: bool = True, source: str = "") -
     return LoadTarget(tree, check)
 
 
+def meta_tensor_names(state: Any) -> list[str]:
+    """Paths of tensors on the ``meta`` device (shape only, no data) in a state."""
+    from .tree import iter_tensors
+
+    return [path for path, t in iter_tensors(state) if t.device.type == "meta"]
+
+
+def refuse_meta_for_save(state: Any, role: str) -> None:
+    """A state with ``meta`` tensors has no data to save: say so instead of failing deep in serialization."""
+    names = meta_tensor_names(state)
+    if names:
+        raise StateMismatchError(
+            f"cannot save the {role}: {len(names)} tensor(s) are on the 'meta' device and hold no data "
+            f"(e.g. {names[0]!r}); materialise it first (model.to_empty(device=...) then initialise or load weights)"
+        )
+
+
+def _check_target_device(obj: Any, state: Any, device: torch.device | None, role: str) -> None:
+    """``device=`` places tensors for dict targets only; a module/optimizer keeps its own device, so a different
+    one asked for is an error rather than silently ignored."""
+    if device is None:
+        return
+    from .tree import iter_tensors
+
+    devices = {t.device for _, t in iter_tensors(state)}
+    for have in devices:
+        if have.type != device.type or (device.index is not None and have.index != device.index):
+            raise ValueError(
+                f"device={str(device)!r} applies to dict targets only; this {role} lives on {have}. Move it there "
+                f"first ({role}.to({str(device)!r}) for a module) and load without device=, or pass a dict"
+            )
+
+
 def _fill_dict(target: dict, state: Any, role: str, device: torch.device | None = None) -> None:
     """Replace ``target``'s contents with ``state``; tensors stay on the CPU unless ``device`` is given."""
     if not isinstance(state, dict):
@@ -141,6 +177,12 @@ def load_model_state(model: Any, state: Any, *, strict: bool, source: str, devic
         _fill_dict(model, state, "model", device)
         return
     current = model_state(model)
+    if meta_tensor_names(current):
+        raise StateMismatchError(
+            f"cannot load {source} into a model on the 'meta' device (its tensors hold no memory, so nothing "
+            "would be loaded); create it on a real device, or call model.to_empty(device='cpu') first"
+        )
+    _check_target_device(model, current, device, "model")
     target_device = xla.tree_device(current)
     if target_device is not None:
         state = xla.place_tree(state, target_device)
@@ -172,6 +214,24 @@ def check_model_state(expected: dict, saved: Any, *, strict: bool, source: str) 
         raise StateMismatchError(
             f"{source} does not match the model: {'; '.join(parts)}. Pass strict=False to load only the matching keys."
         )
+    if not strict and expected and saved and not (set(expected) & set(saved)):
+        raise StateMismatchError(
+            f"{source} shares no key with the model, so strict=False would load nothing: the model has "
+            f"{_short(list(expected))}, the checkpoint {_short(list(saved))}"
+            + _prefix_hint(list(expected), list(saved))
+        )
+    if not strict and (missing or unexpected):
+        logger.warning(
+            "strict=False: loading %d of the model's %d keys from %s; %d missing from the checkpoint %s, "
+            "%d in the checkpoint not in the model %s",
+            len(expected) - len(missing),
+            len(expected),
+            source,
+            len(missing),
+            _short(missing) if missing else "",
+            len(unexpected),
+            _short(unexpected) if unexpected else "",
+        )
     bad = []
     for key, value in expected.items():
         got = saved.get(key)
@@ -186,6 +246,9 @@ def load_optimizer_state(optimizer: Any, state: Any, *, source: str, device: tor
     if isinstance(optimizer, dict):
         _fill_dict(optimizer, state, "optimizer", device)
         return
+    params = _optimizer_params(optimizer)
+    _check_target_device(optimizer, params, device, "optimizer")
+    check_optimizer_state(optimizer, state, source=source)
     try:
         optimizer.load_state_dict(state)
     except (ValueError, KeyError, RuntimeError) as e:
@@ -194,11 +257,69 @@ def load_optimizer_state(optimizer: Any, state: Any, *, source: str, device: tor
         xla.sync_tree(optimizer.state_dict())
 
 
+PARAM_SHAPED_STATE = frozenset(
+    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta", "sum", "ax", "prev",
+     "exp_inf", "grad_avg", "mu"}
+)  # fmt: skip
+"""Per-parameter state of torch's optimizers that has exactly the parameter's shape (Adafactor-style factored
+statistics do not, so they are not checked)."""
+
+
+def _optimizer_params(optimizer: Any) -> list[torch.Tensor]:
+    groups = getattr(_unwrap_optimizer(optimizer), "param_groups", None) or []
+    return [p for g in groups for p in g.get("params", []) if isinstance(p, torch.Tensor)]
+
+
+def check_optimizer_state(optimizer: Any, state: Any, *, source: str) -> None:
+    """Raise StateMismatchError when saved per-parameter state (``exp_avg``...) does not have the shape of the
+    parameter it will be attached to, instead of loading it and failing later inside ``optimizer.step()``.
+
+    torch pairs saved state with parameters by position in ``param_groups``; ZeRO-1 optimizers keep theirs in
+    ``base_state`` for their shards (checked against the shards, which have the same shapes after the load)."""
+    opt = _unwrap_optimizer(optimizer)
+    if not isinstance(state, dict) or not isinstance(state.get("param_groups"), list):
+        return
+    if "base_state" in state and hasattr(opt, "base_optimizer"):
+        per_param, groups = state["base_state"], getattr(opt.base_optimizer, "param_groups", [])
+    else:
+        per_param, groups = state.get("state"), getattr(opt, "param_groups", [])
+    if not isinstance(per_param, dict) or len(groups) != len(state["param_groups"]):
+        return  # the optimizer's own load_state_dict reports group mismatches
+    by_id: dict[Any, torch.Tensor] = {}
+    for saved_group, group in zip(state["param_groups"], groups, strict=True):
+        by_id.update(zip(saved_group.get("params", []), group.get("params", []), strict=False))
+    bad = []
+    for pid, entry in per_param.items():
+        param = by_id.get(pid)
+        if param is None or not isinstance(entry, dict):
+            continue
+        for key, value in entry.items():
+            if key in PARAM_SHAPED_STATE and isinstance(value, torch.Tensor) and value.shape != param.shape:
+                bad.append(f"param {pid} {key}: saved {tuple(value.shape)}, parameter {tuple(param.shape)}")
+    if bad:
+        raise StateMismatchError(
+            f"{source} does not fit the optimizer's parameters: {_short(bad)}. Was it saved for another model, "
+            "another parameter order, or another ZeRO-1/TP layout?"
+        )
+
+
 def load_scheduler_state(scheduler: Any, state: Any, *, source: str, device: torch.device | None = None) -> None:
     if isinstance(scheduler, dict):
         _fill_dict(scheduler, state, "scheduler", device)
         return
     scheduler.load_state_dict(state)
+
+
+def _prefix_hint(model_keys: list[str], saved_keys: list[str]) -> str:
+    """'; ...' suggesting the prefix that would make the keys match (e.g. a DDP 'module.'), or ''."""
+    for have, want, verb in ((saved_keys, model_keys, "strip"), (model_keys, saved_keys, "add")):
+        first = have[0]
+        head, dot, _ = first.partition(".")
+        if dot and f"{first[len(head) + 1 :]}" in want:
+            return (
+                f"; the checkpoint's keys look {'prefixed' if verb == 'strip' else 'unprefixed'}: {verb} {head + '.'!r}"
+            )
+    return ""
 
 
 def _short(items: list[str], limit: int = 8) -> str:

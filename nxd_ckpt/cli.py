@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import importlib
-import importlib.util
 import json
 import logging
 import os
@@ -18,15 +16,20 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, BinaryIO
 
-from . import __version__, completeness, layout, tags, verification
+from . import __version__, layout, tags
 from .errors import CheckpointError, UnsafeCheckpointError
-from .export import export_safetensors
 from .inspect import Checkpoint, open_checkpoint
+from .lazy import lazy_module
 from .storage import DelegatingStorage, Storage, storage_for
+from .tools import zero1_cli
+
+# Imported on first use: `list`, `--help` and usage errors never import torch (2-3 s); see tests/cli.
+completeness = lazy_module("nxd_ckpt.completeness")
+verification = lazy_module("nxd_ckpt.verification")
+export = lazy_module("nxd_ckpt.export")
 
 PROG = "nxd-ckpt"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-_ZERO1_TOOL = "nxd_ckpt.tools.convert_zero1"
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -120,15 +123,19 @@ class ReadProgressStorage(DelegatingStorage):
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-def _storage(directory: str) -> Storage:
+def _storage(directory: str, command: str) -> Storage:
     storage = storage_for(directory)
-    if "://" not in directory and not os.path.isdir(directory):
+    if "://" not in directory and not os.path.exists(directory):
         raise CheckpointError(f"{directory}: no such directory")
+    if "://" not in directory and not os.path.isdir(directory):
+        raise CheckpointError(f"{directory} is a file, not a checkpoint directory")
     if storage.exists(layout.DONE_MARKER) or storage.exists(layout.CHECKPOINT_MARKER):
         path = os.path.normpath(directory)
+        parent, tag = os.path.dirname(path) or ".", os.path.basename(path)
+        # `list` and `prune` work on the whole directory; the others take --tag.
+        fix = f"{PROG} {command} {parent}" + ("" if command in ("list", "prune") else f" --tag {tag}")
         raise CheckpointError(
-            f"{directory} is one checkpoint (a tag directory); pass the directory holding the tags instead: "
-            f"{os.path.dirname(path) or '.'} --tag {os.path.basename(path)}"
+            f"{directory} is one checkpoint (a tag directory); pass the directory holding the tags instead: {fix}"
         )
     return storage
 
@@ -142,7 +149,7 @@ def _created(info: tags.TagInfo) -> str:
 
 
 def _open(args: argparse.Namespace) -> Checkpoint:
-    storage = _storage(args.dir)
+    storage = _storage(args.dir, args.command)
     return open_checkpoint(
         storage, args.tag, allow_incomplete=args.tag is not None, allow_pickle=getattr(args, "allow_pickle", False)
     )
@@ -152,7 +159,7 @@ def _open(args: argparse.Namespace) -> Checkpoint:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    storage = _storage(args.dir)
+    storage = _storage(args.dir, args.command)
     infos = tags.list_tags(storage, include_incomplete=True)
     latest = tags.latest_tag(storage)
     entries = []
@@ -189,6 +196,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return _show_object(ckpt, args.object, args.json)
     lay = ckpt.layout()
     files = ckpt.files()
+    if args.metadata:
+        return _show_metadata(ckpt, lay, files, args)
     state = []
     damaged = False
     for sf in ckpt.state_files():
@@ -258,6 +267,31 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f"{human_bytes(totals['file_bytes'])} on disk"
     )
     return EXIT_FAILED if damaged else EXIT_OK
+
+
+def _show_metadata(ckpt: Checkpoint, lay: Any, files: list[tuple[str, int]], args: argparse.Namespace) -> int:
+    """``inspect --metadata``: layout, nxd_ckpt.json and files, without opening a state file (nor torch)."""
+    if args.json:
+        _print_json(
+            {
+                "checkpoint_dir": ckpt.storage.url,
+                "tag": ckpt.tag,
+                "complete": ckpt.complete,
+                "layout": lay.to_json(),
+                "metadata": ckpt.metadata,
+                "files": [{"path": p, "size": s} for p, s in files],
+            }
+        )
+        return EXIT_OK
+    print(f"checkpoint {ckpt.url} ({'complete' if ckpt.complete else 'INCOMPLETE: no done marker'})")
+    print(f"layout: {lay.describe()}")
+    meta = ckpt.metadata
+    print("metadata (nxd_ckpt.json):" if meta else "metadata: none (a tag written by NxD, or an unfinished save)")
+    for key, value in (meta or {}).items():
+        print(f"  {key}: {json.dumps(value, default=str)}")
+    print("files:")
+    _print_table([[f"  {name}", human_bytes(size)] for name, size in _file_rows(files, args.files)])
+    return EXIT_OK
 
 
 def _file_rows(files: list[tuple[str, int]], every: bool) -> list[tuple[str, int]]:
@@ -337,7 +371,7 @@ def _verify_one(ckpt: Checkpoint, quick: bool, progress: bool) -> dict[str, Any]
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    storage = _storage(args.dir)
+    storage = _storage(args.dir, args.command)
     if args.all:
         names = [t.name for t in tags.list_tags(storage)]
         if not names:
@@ -375,7 +409,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    storage = _storage(args.dir)
+    storage = _storage(args.dir, args.command)
     if args.dry_run:
         doomed = tags.tags_to_delete(tags.list_tags(storage, include_incomplete=True), args.keep)
         for name in doomed:
@@ -402,7 +436,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     total = sum(o.nbytes for o in ckpt.objects() if o.kind == "tensor" and o.path.startswith("model/"))
     bar = progress_bar(total, f"export {ckpt.tag}", args.progress)
     try:
-        report = export_safetensors(ckpt, args.out, shard=args.shard, progress=bar.update)
+        report = export.export_safetensors(ckpt, args.out, shard=args.shard, progress=bar.update)
     finally:
         bar.close()
     if report.skipped:
@@ -415,18 +449,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _run_zero1_tool(argv: list[str]) -> int:
-    """nxd_ckpt.tools.convert_zero1 with NxD's flags; its failures become exit status 1 with the message."""
-    try:
-        return int(importlib.import_module(_ZERO1_TOOL).main(argv) or 0)
-    except (CheckpointError, OSError, ValueError) as e:
-        _err(f"convert-zero1: error: {e}")
-        return EXIT_FAILED
-
-
 def cmd_convert_zero1(args: argparse.Namespace) -> int:
-    """Reached when global options precede the subcommand; the tool parses its own flags."""
-    return _run_zero1_tool(list(args.tool_args))
+    """The ZeRO-1 converter (nxd_ckpt.tools.convert_zero1) with the checkpoint directory + --tag, like the others."""
+    return zero1_cli.run(args, prog=f"{PROG} convert-zero1")
 
 
 # ---------------------------------------------------------------------------------------------- parser
@@ -443,10 +468,6 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
-
-
-def _have_zero1_tool() -> bool:
-    return importlib.util.find_spec(_ZERO1_TOOL) is not None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -497,6 +518,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--files", action="store_true", help="list every file (default: one line per xser .tensors dir)")
     p.add_argument("--object", metavar="PATH", help="print one object, e.g. model/tp00_pp00/fc1.weight")
+    p.add_argument(
+        "--metadata", action="store_true", help="layout, nxd_ckpt.json and files only (no state file is opened)"
+    )
     p.add_argument("--allow-pickle", action="store_true", help="unpickle arbitrary classes (trusted checkpoints only)")
 
     p = add(
@@ -511,15 +535,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="check structure only, without reading tensor data")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
-    if _have_zero1_tool():
-        p = add(
-            "convert-zero1",
-            cmd_convert_zero1,
-            "convert ZeRO-1 optimizer state between sharded and full, or to "
-            "a new DP size (arguments as NxD's tool; see: nxd-ckpt convert-zero1 --help)",
-            add_help=False,
-        )
-        p.add_argument("tool_args", nargs=argparse.REMAINDER)
+    p = add(
+        "convert-zero1",
+        cmd_convert_zero1,
+        "convert a tag's ZeRO-1 optimizer state between sharded and full, or to a new DP size; writes a "
+        "complete, verified tag ('done' last). NxD's flags (--input_dir TAG_FOLDER --output_dir TAG_FOLDER "
+        "--convert_to_full ...) are accepted too",
+    )
+    zero1_cli.add_arguments(p)
 
     p = add(
         "prune",
@@ -550,8 +573,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
-        if args_list[:1] == ["convert-zero1"] and _have_zero1_tool():  # the tool parses its own (NxD's) flags
-            return _run_zero1_tool(args_list[1:])
         args = parser.parse_args(args_list)
     except SystemExit as e:  # argparse: --help/--version (0) or a usage error (2)
         return int(e.code) if isinstance(e.code, int) else EXIT_USAGE

@@ -26,15 +26,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from . import layout, statefile, tags
+from . import layout, tags
 from .errors import CheckpointNotFoundError, FormatError
 from .format.describe import TagDescription, describe, layout_text
-from .serialization import xser
-from .serialization.structure import RECORD_ATTR, load_structure, torch_load
+from .lazy import lazy_module
 from .storage import Storage, storage_for
-from .tree import map_tensors
+
+# torch and the modules needing it load on first use: listing tags and layouts never touches a tensor.
+torch = lazy_module("torch")
+xser = lazy_module("nxd_ckpt.serialization.xser")
+structure = lazy_module("nxd_ckpt.serialization.structure")
+tree = lazy_module("nxd_ckpt.tree")
 
 __all__ = ["Checkpoint", "Layout", "ObjectInfo", "StateFile", "open_checkpoint"]
 
@@ -210,7 +212,7 @@ class Checkpoint:
                 if f"{layout.XSER_TENSORS_SUFFIX}/" in rel:
                     continue
                 path = layout.tag_path(self.tag, *rel.split("/"))
-                encoding = "xser" if statefile.is_xser_file(self.storage, path) else "plain"
+                encoding = "xser" if layout.is_xser_file(self.storage, path) else "plain"
                 found.append(StateFile(path=path, prefix=object_prefix(rel), encoding=encoding))
             order = {layout.MODEL_DIR: 0, layout.OPTIM_DIR: 1}
             found.sort(key=lambda s: (order.get(s.prefix.split("/")[0], 2 if "/" not in s.prefix else 3), s.path))
@@ -323,7 +325,7 @@ class Checkpoint:
         """The unpickled structure of a plain file, tensors on the meta device (no tensor data read); cached."""
         if sf.path not in self._structures:
             with open_for_partial_reads(self.storage, sf.path) as f:
-                self._structures[sf.path] = load_structure(f, self._what(sf.path), self.allow_pickle)
+                self._structures[sf.path] = structure.load_structure(f, self._what(sf.path), self.allow_pickle)
         return self._structures[sf.path]
 
     def _materialize(self, sf: StateFile, sub: Any, inner: str, path: str) -> Any:
@@ -331,26 +333,26 @@ class Checkpoint:
         metas = [t for _, t in _walk(sub) if isinstance(t, torch.Tensor)]
         if not metas:
             return sub
-        records = {getattr(t.untyped_storage(), RECORD_ATTR, None) for t in metas}
+        records = {getattr(t.untyped_storage(), structure.RECORD_ATTR, None) for t in metas}
         if None in records:  # a legacy (pre-zip) torch.save file: no records to read by range, load it whole
             with self.storage.open_read(sf.path) as f:
-                full = torch_load(f, self._what(sf.path), self.allow_pickle, map_location="cpu")
+                full = structure.torch_load(f, self._what(sf.path), self.allow_pickle, map_location="cpu")
             return _navigate(full, inner, path, self.url)
         with open_for_partial_reads(self.storage, sf.path) as f:
             reader = torch._C.PyTorchFileReader(f)
             if reader.has_record("byteorder") and reader.get_record("byteorder") not in (b"little", "little"):
                 raise FormatError(f"{self._what(sf.path)} was written on a big-endian machine; load it with torch.load")
             offsets = {key: reader.get_record_offset(f"data/{key}") for key in sorted(records)}
-        nbytes = {getattr(t.untyped_storage(), RECORD_ATTR): t.untyped_storage().nbytes() for t in metas}
+        nbytes = {getattr(t.untyped_storage(), structure.RECORD_ATTR): t.untyped_storage().nbytes() for t in metas}
         storages = {key: self._read_record(sf, offsets[key], nbytes[key]) for key in offsets}
 
         def real(t: torch.Tensor) -> torch.Tensor:
-            storage = storages[getattr(t.untyped_storage(), RECORD_ATTR)]
+            storage = storages[getattr(t.untyped_storage(), structure.RECORD_ATTR)]
             out = torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.shape, t.stride())
             whole = out.is_contiguous() and t.storage_offset() == 0 and out.nbytes == storage.nbytes()
             return out if whole else out.clone()
 
-        return map_tensors(sub, real)
+        return tree.map_tensors(sub, real)
 
     def _read_record(self, sf: StateFile, offset: int, nbytes: int) -> torch.UntypedStorage:
         if nbytes == 0:
@@ -393,7 +395,7 @@ class Checkpoint:
                 f"{tid}; the checkpoint is incomplete or damaged"
             )
         with open_for_partial_reads(self.storage, tensor_path) as f:
-            t = load_structure(f, self._what(tensor_path), False)
+            t = structure.load_structure(f, self._what(tensor_path), False)
         if not isinstance(t, torch.Tensor):
             raise FormatError(f"{self._what(tensor_path)} does not hold a tensor (found {type(t).__name__})")
         return t.dtype, tuple(t.shape)

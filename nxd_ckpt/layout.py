@@ -6,6 +6,7 @@ All paths are relative to the checkpoint directory and use "/" separators (they 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from .errors import InvalidTagError
 
@@ -102,6 +103,11 @@ def parse_full_optim_file_name(name: str) -> tuple[int, int] | None:
 
 def xser_tensors_dir(path: str) -> str:
     return path + XSER_TENSORS_SUFFIX
+
+
+def is_xser_file(storage: Any, path: str) -> bool:
+    """A state file is xser when its ``<path>.tensors`` directory exists (``storage``: a ``Storage``)."""
+    return bool(storage.list_dir(xser_tensors_dir(path)))
 
 
 def xser_tensor_file(path: str, tid: int) -> str:

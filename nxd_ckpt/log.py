@@ -65,3 +65,19 @@ def enable_logging(level: int = logging.INFO) -> logging.Handler:
     logger.addHandler(handler)
     logger.setLevel(level)
     return handler
+
+
+def format_bytes(n: float) -> str:
+    """Bytes for log lines, in decimal units: ``512 B``, ``12.3 KB``, ``456 MB``, ``4.6 GB``."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            if unit == "B":
+                return f"{int(n)} B"
+            return f"{n:.1f} {unit}" if abs(n) < 100 else f"{n:.0f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def format_rate(nbytes: float, seconds: float) -> str:
+    """Throughput for log lines (``1.23 GB/s``, ``45.6 MB/s``); ``-`` when the time is too short to tell."""
+    return f"{format_bytes(nbytes / seconds)}/s" if seconds > 0 else "-"

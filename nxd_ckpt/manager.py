@@ -55,6 +55,7 @@ from .errors import (
 )
 from .format.describe import TagDescription, describe
 from .format.metadata import FORMAT_VERSION, TagMetadata, metadata_path, write_metadata
+from .log import format_bytes, format_rate
 from .parallel_state import current_topology
 from .storage import Storage, storage_for
 from .topology import Topology
@@ -106,9 +107,9 @@ class SaveReport:
         mode = "async" if self.async_save else "sync"
         waited = f" (of which {self.waited_s:.2f} s waiting for the previous save)" if self.waited_s >= 0.001 else ""
         return (
-            f"saved {self.tag} ({mode}): {self.bytes_written / 1e6:.1f} MB on this rank, training blocked "
+            f"saved {self.tag} ({mode}): {format_bytes(self.bytes_written)} on this rank, training blocked "
             f"{self.blocked_s:.3f} s{waited}, staging {self.staging_s:.3f} s, write {self.write_s:.2f} s "
-            f"({self.throughput_gbps:.2f} GB/s), durable after {self.total_s:.2f} s"
+            f"({format_rate(self.bytes_written, self.write_s)}), durable after {self.total_s:.2f} s"
         )
 
     def wait(self) -> SaveReport:
@@ -239,6 +240,8 @@ class CheckpointManager:
             num_kept_ckpts = None
         if not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be an integer >= 1, got {num_workers!r}")
+        if model is not None:  # before any collective or file: a model without data fails here, on every rank
+            adapters.refuse_meta_for_save(adapters.model_state(model), "model")
         self.check_for_errors()
         waited = self.wait_pending()
         self.check_for_errors()
@@ -734,12 +737,12 @@ class CheckpointManager:
         if coord.rank == 0:  # one line per load, on the master: bytes, time, throughput, time training waited
             elapsed, nbytes = time.perf_counter() - start, _loaded_bytes(model, optimizer)
             logger.info(
-                "loaded %s from %s: %.1f MB on this rank in %.2f s (%.2f GB/s), training blocked %.2f s",
+                "loaded %s from %s: %s on this rank in %.2f s (%s), training blocked %.2f s",
                 resolved,
                 storage.url,
-                nbytes / 1e6,
+                format_bytes(nbytes),
                 elapsed,
-                nbytes / elapsed / 1e9 if elapsed > 0 else 0.0,
+                format_rate(nbytes, elapsed),
                 time.perf_counter() - call_start,
             )
         return result

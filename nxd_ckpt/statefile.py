@@ -62,9 +62,7 @@ class WrittenFiles:
     nbytes: int
 
 
-def is_xser_file(storage: Storage, path: str) -> bool:
-    """A state file is xser when its ``<path>.tensors`` directory exists."""
-    return bool(storage.list_dir(layout.xser_tensors_dir(path)))
+is_xser_file = layout.is_xser_file
 
 
 HostCopy = Callable[[torch.Tensor], torch.Tensor]

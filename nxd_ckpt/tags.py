@@ -9,6 +9,7 @@ that looks complete.
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass
 
@@ -92,7 +93,7 @@ def resolve_tag(storage: Storage, tag: str | None) -> str:
         latest = latest_tag(storage)
         if latest is None:
             incomplete = [t.name for t in list_tags(storage, include_incomplete=True)]
-            hint = f" (incomplete, without 'done': {', '.join(incomplete)})" if incomplete else ""
+            hint = f" (incomplete, without 'done': {', '.join(incomplete)})" if incomplete else _why_empty(storage)
             raise CheckpointNotFoundError(f"no complete checkpoint in {storage.url}{hint}")
         return latest
     layout.validate_tag(tag)
@@ -110,6 +111,7 @@ def resolve_tag(storage: Storage, tag: str | None) -> str:
     state = "is incomplete (no 'done' marker: the save was interrupted)" if storage.exists(tag) else "does not exist"
     raise CheckpointNotFoundError(
         f"checkpoint tag {tag!r} in {storage.url} {state}; complete tags: {', '.join(complete) or 'none'}"
+        + ("" if complete else _why_empty(storage))
     )
 
 
@@ -122,6 +124,21 @@ def _holds_state(storage: Storage, tag: str) -> bool:
         ):
             return True
     return any(storage.exists(layout.tag_path(tag, f)) for f in (layout.SCHEDULER_FILE, layout.USER_CONTENT_FILE))
+
+
+def _why_empty(storage: Storage) -> str:
+    """Why a directory holds no tags, as a parenthesised hint: it is missing, empty, or itself one tag folder."""
+    if storage.exists(layout.DONE_MARKER) or storage.exists(layout.CHECKPOINT_MARKER):
+        parent, _, name = storage.url.rstrip("/").rpartition("/")
+        return (
+            f" ({storage.url} is one checkpoint, a tag folder; pass the directory holding the tags and the tag: "
+            f"checkpoint_dir={parent or '.'!r}, tag={name!r})"
+        )
+    if not storage.list_dir(""):
+        if "://" in storage.url:
+            return " (nothing is stored under this prefix)"
+        return " (the directory does not exist)" if not os.path.isdir(storage.url) else " (the directory is empty)"
+    return " (it holds no tag folder: no subdirectory with a 'checkpoint' or 'done' file)"
 
 
 def tags_to_delete(tags: list[TagInfo], keep: int, protect: set[str] = frozenset()) -> list[str]:

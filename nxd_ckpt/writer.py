@@ -11,7 +11,10 @@ A failed job does not stop the queue: later jobs still run (a retention job is i
 save). The first unreported error is raised, once, by ``check_for_errors`` as an ``AsyncSaveError`` whose
 ``__cause__`` is the original exception; errors of further failed jobs are logged and counted in its message.
 The thread is a daemon so a forgotten writer cannot hang the interpreter, and an exit hook waits for
-pending jobs instead, so interpreter exit never cuts a checkpoint short. The hook runs among threading's exit
+pending jobs instead, so interpreter exit never cuts a checkpoint short. When that wait lasts over a second
+(e.g. after a Ctrl-C during an async save) it says on stderr what it waits for; a further Ctrl-C abandons the
+pending jobs on purpose: the tag never gets ``done``, so the previous complete checkpoint stays the latest.
+The hook runs among threading's exit
 callbacks, before ``concurrent.futures`` refuses new work at shutdown: jobs use thread pools (parallel file
 I/O, fsync batches, boto3's transfer manager), which an ordinary ``atexit`` hook would find already closed.
 """
@@ -22,6 +25,7 @@ import atexit
 import concurrent.futures.thread  # noqa: F401 - registers its exit callback before ours (see _register_exit_hook)
 import logging
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -65,6 +69,8 @@ class AsyncWriter:
         self._errors: list[tuple[str, BaseException]] = []
         self._closed = False
         self._thread: threading.Thread | None = None
+        self.running: str | None = None
+        """Name of the job running now (e.g. ``"save step_3"``), for messages."""
         _live_writers.add(self)
 
     # ------------------------------------------------------------------ submitting
@@ -111,7 +117,11 @@ class AsyncWriter:
         raise AsyncSaveError(f"background checkpoint job {name!r} failed: {format_exception(first)}{more}") from first
 
     def close(self) -> None:
-        """Wait for pending jobs, then stop the thread. Errors stay available to ``check_for_errors``."""
+        """Wait for pending jobs, then stop the thread. Errors stay available to ``check_for_errors``.
+
+        After jobs were abandoned at exit (a second Ctrl-C), nothing is waited for."""
+        if _abandoned_at_exit.is_set():
+            return
         self.wait_until_finished()
         with self._lock:
             self._closed = True
@@ -132,6 +142,7 @@ class AsyncWriter:
             if job is None:
                 return
             if job.future.set_running_or_notify_cancel():
+                self.running = job.name
                 try:
                     job.future.set_result(job.fn())
                 except BaseException as e:
@@ -143,6 +154,7 @@ class AsyncWriter:
                     with self._lock:
                         self._errors.append((job.name, e))
                     job.future.set_exception(e)
+            self.running = None
             del job  # drop references to staged state before idling
             with self._idle:
                 self._unfinished -= 1
@@ -154,16 +166,53 @@ _live_writers: weakref.WeakSet[AsyncWriter] = weakref.WeakSet()
 """Writers not yet closed, waited for at interpreter exit (weak: a dropped writer is not kept alive)."""
 
 
+EXIT_NOTICE_AFTER_S = 1.0
+"""At exit, say what the process waits for once the wait has lasted this long."""
+
+_abandoned_at_exit = threading.Event()
+"""Set when a second interrupt at exit gave up on pending jobs: nothing waits for them any more."""
+
+
+def _say(message: str) -> None:
+    """A line on stderr at exit, whatever logging is configured (the user is looking at a terminal that hangs)."""
+    try:
+        sys.stderr.write(f"nxd_ckpt: {message}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # stderr closed
+        pass
+
+
 def _wait_at_exit() -> None:
-    """At exit: let pending checkpoint jobs finish; report errors nobody collected."""
-    for writer in list(_live_writers):
-        if writer.pending:
-            logger.info("waiting for %d pending checkpoint job(s) before exiting", writer.pending)
-        writer.wait_until_finished()
-        with writer._lock:
-            errors = list(writer._errors)
-        for name, error in errors:
-            logger.error("checkpoint job %r failed and was never reported: %s", name, format_exception(error))
+    """At exit: let pending checkpoint jobs finish, saying so; a (further) Ctrl-C abandons them deliberately.
+
+    Abandoning is safe by construction: a tag counts only once ``done`` is written, last, so an abandoned save
+    leaves an incomplete tag and the previous complete checkpoint stays the latest.
+    """
+    try:
+        for writer in list(_live_writers):
+            if not writer.pending:
+                continue
+            try:
+                writer.wait_until_finished(timeout=EXIT_NOTICE_AFTER_S)
+            except TimeoutError:
+                _say(
+                    f"waiting for the background checkpoint job {writer.running or 'queued'!r} to finish writing "
+                    f"({writer.pending} job(s) pending) before exiting. Press Ctrl-C again to abandon it: that "
+                    "checkpoint then gets no 'done' and the previous complete checkpoint stays the latest."
+                )
+                writer.wait_until_finished()
+                _say("checkpoint writes finished; exiting")
+            with writer._lock:
+                errors = list(writer._errors)
+            for name, error in errors:
+                logger.error("checkpoint job %r failed and was never reported: %s", name, format_exception(error))
+    except KeyboardInterrupt:
+        _abandoned_at_exit.set()
+        pending = [f"{w.running or 'queued'!r}" for w in list(_live_writers) if w.pending]
+        _say(
+            f"interrupted: abandoned the pending checkpoint job(s) {', '.join(pending) or ''} without writing "
+            "'done'; the previous complete checkpoint stays the latest"
+        )
 
 
 def _register_exit_hook() -> None:

@@ -58,6 +58,11 @@ def resolve_device(device: str | torch.device | None, what: str = "device") -> t
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"{what}={device!r} is not a valid torch device: {e}") from e
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceUnavailableError(
+            f"{what}={str(device)!r} asks for CUDA, but this torch ({torch.__version__}) sees no CUDA device; "
+            "load onto 'cpu' (or 'xla' on Trainium) instead"
+        )
     if resolved.type == "xla":
         xla = require(f"{what}={str(device)!r}")
         if resolved.index is None:  # this process's default XLA device (torch_xla.device() since 2.5)

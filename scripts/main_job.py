@@ -18,11 +18,36 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def torchrun(args: list[str], nproc: int, extra_env: dict[str, str]) -> int:
+def torchrun(args: list[str], nproc: int, extra_env: dict[str, str], stderr_path: str | None = None) -> int:
+    """Run examples/train.py under torchrun; with ``stderr_path``, torchrun's stderr goes to that file."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd += [os.path.join(ROOT, "examples", "train.py"), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **extra_env}
-    return subprocess.call(cmd, env=env)
+    if stderr_path is None:
+        return subprocess.call(cmd, env=env)
+    with open(stderr_path, "w") as err:
+        return subprocess.call(cmd, env=env, stderr=err)
+
+
+def killed_by_sigkill(stderr_text: str) -> bool:
+    """Whether torchrun's report says its workers died of SIGKILL (exit code -9), i.e. the planned crash."""
+    return "exitcode: -9" in stderr_text or "Signal 9 (SIGKILL)" in stderr_text
+
+
+def describe_files(ckpt_dir: str, tag: str) -> str:
+    """What the files of a tag really are: xser writes tensors under 64 KiB inline, so a small model's "xser"
+    checkpoint has no per-tensor files at all."""
+    from nxd_ckpt.inspect import open_checkpoint
+
+    ckpt = open_checkpoint(ckpt_dir, tag)
+    state_files = ckpt.state_files()
+    xser = [s for s in state_files if s.encoding == "xser"]
+    if xser:
+        return f"{len(state_files)} state files, {len(xser)} of them xser (one file per tensor)"
+    return (
+        f"{len(state_files)} state files, all single torch.save-readable files: xser was asked for, but every "
+        "tensor is under NXD_CKPT_XSER_INLINE_BYTES (64 KiB) and stays inline"
+    )
 
 
 def read_losses(path: str) -> dict[int, float]:
@@ -45,6 +70,21 @@ def main() -> int:
     args = ap.parse_args()
     work = args.workdir or tempfile.mkdtemp(prefix="nxd_ckpt_main_job_")
     os.makedirs(work, exist_ok=True)
+    if args.workdir:
+        print(f"work dir: {work} (kept)", flush=True)
+    else:
+        print(f"work dir: {work} (removed at the end if the job succeeds; --workdir DIR keeps it)", flush=True)
+    status = run(args, work)
+    if status == 0 and not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+        print(f"removed the work dir {work}")
+    elif status != 0:
+        print(f"kept the work dir for inspection: {work}", file=sys.stderr)
+    return status
+
+
+def run(args: argparse.Namespace, work: str) -> int:
+    """The three runs and the comparison; 0 when every loss after the resume point matches."""
     env = {"PJRT_DEVICE": "CPU"} if args.device == "xla" else {}
     common = ["--steps", str(args.steps), "--save-every", str(args.save_every), "--device", args.device]
 
@@ -62,12 +102,25 @@ def main() -> int:
     shutil.rmtree(ckpt, ignore_errors=True)
     if os.path.exists(log):
         os.remove(log)
+    crash_report = os.path.join(work, "crashing_run.stderr")
     rc = torchrun(
         [*common, "--ckpt-dir", ckpt, "--loss-log", log, "--crash-at-step", str(args.crash_at_step)],
         args.nproc,
         env,
+        stderr_path=crash_report,
     )
-    print(f"   crashing run exited with code {rc} (non-zero expected)", flush=True)
+    with open(crash_report) as f:
+        report = f.read()
+    if rc == 0 or not killed_by_sigkill(report):
+        print(f"the crashing run did not end with the planned SIGKILL (exit code {rc}); its stderr:", file=sys.stderr)
+        print(report, file=sys.stderr)
+        return 1
+    print(
+        f"   the training processes were SIGKILLed at step {args.crash_at_step} as planned: the simulated node "
+        "failure, not an error (torchrun's own report of it, 'failed (exitcode: -9)', is in crashing_run.stderr "
+        "in the work dir)",
+        flush=True,
+    )
     sys.path.insert(0, ROOT)
     import nxd_ckpt as nxd
 
@@ -80,6 +133,7 @@ def main() -> int:
         print("no complete checkpoint survived the crash", file=sys.stderr)
         return 1
     resume_step = int(latest.split("_")[-1])
+    print(f"   {latest}: {describe_files(ckpt, latest)}", flush=True)
 
     print(f"== 3/3 resumed run: from {latest} to step {args.steps}", flush=True)
     resumed_log = os.path.join(work, "resumed_losses.jsonl")
@@ -101,7 +155,7 @@ def main() -> int:
         return 1
     print(
         f"\nOK: resumed from {latest} after a crash at step {args.crash_at_step}; all {len(steps)} losses after "
-        f"the resume point equal the uninterrupted run's bit for bit. Work dir: {work}"
+        f"the resume point equal the uninterrupted run's bit for bit."
     )
     return 0
 

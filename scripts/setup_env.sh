@@ -1,42 +1,99 @@
 #!/usr/bin/env bash
 # Create (or reuse) a virtual environment for one test lane and print its python path on the last line.
-#   cpu: torch 2.13 CPU build + nxd_ckpt[test,s3]        xla: torch 2.9.0 + torch-xla 2.9.0 + nxd_ckpt[test,s3]
+#   cpu: torch 2.13.0 (CPU build) + nxd_ckpt[test,s3]      xla: torch 2.9.0 + torch-xla 2.9.0 + nxd_ckpt[test,s3]
 # Environments live outside the clone (NXD_CKPT_ENV_DIR, default ~/.cache/nxd-ckpt/envs) and are rebuilt only
 # when pyproject.toml or this script changes, so repeated CI runs on one machine skip the set-up.
+#
+# Where torch comes from, first match wins (each step says what it does and how big it is):
+#   1. the environment already has the pinned torch: kept (no download);
+#   2. python3 itself has the pinned torch (e.g. a Deep Learning AMI): the venv sees it (--system-site-packages);
+#   3. a local wheel pip can find without the network (pip's find-links): installed from there;
+#   4. NXD_CKPT_TORCH_INDEX (default for the cpu lane: https://download.pytorch.org/whl/cpu, the CPU build,
+#      ~190 MB download, ~0.75 GB installed); "pypi" uses PyPI, whose Linux torch is the CUDA build
+#      (~0.9 GB torch + ~3.5 GB of NVIDIA packages, ~6 GB installed). The xla lane uses PyPI by default (the
+#      combination the suite is tested with); NXD_CKPT_TORCH_INDEX=https://download.pytorch.org/whl/cpu tries the
+#      CPU build there too.
+# Needs: python3 >= 3.10 with the venv module (Debian/Ubuntu: apt-get install python3-venv), flock (util-linux).
 set -euo pipefail
 lane="${1:-cpu}"
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 env_dir="${NXD_CKPT_ENV_DIR:-$HOME/.cache/nxd-ckpt/envs}/$lane"
+cpu_index="https://download.pytorch.org/whl/cpu"
 case "$lane" in
-  cpu) torch_pins=(torch==2.13.0) ;;
-  xla) torch_pins=(torch==2.9.0 torch-xla==2.9.0) ;;
+  cpu) torch_version=2.13.0; extra_pins=(); default_index="$cpu_index"; installed_size="~1.3 GB" ;;
+  xla) torch_version=2.9.0; extra_pins=(torch-xla==2.9.0); default_index=pypi; installed_size="~7.3 GB" ;;
   *) echo "setup_env.sh: unknown lane '$lane' (expected cpu or xla)" >&2; exit 2 ;;
 esac
+torch_index="${NXD_CKPT_TORCH_INDEX:-$default_index}"
+say() { echo "[setup] $*" >&2; }
+
+# Prerequisites, checked before anything is created.
+python3 -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' 2>/dev/null \
+  || { say "python3 >= 3.10 is required (found: $(python3 --version 2>&1 || echo none))"; exit 1; }
+python3 -c 'import venv, ensurepip' 2>/dev/null \
+  || { say "python3's venv module is missing: install it (Debian/Ubuntu: apt-get install python3-venv)"; exit 1; }
+command -v flock >/dev/null || { say "flock is required (package util-linux)"; exit 1; }
+
 stamp_src="$(cat "$root/pyproject.toml" "$root/scripts/setup_env.sh" | sha256sum | cut -c1-16)"
 stamp_file="$env_dir/.nxd_ckpt_stamp"
 # One builder at a time: concurrent runs (several developers, CI jobs) wait instead of pip-installing into one env.
 mkdir -p "$(dirname "$env_dir")"
 exec 9>"$env_dir.lock"
 if ! flock -n 9; then
-  echo "[setup] waiting for another run that is setting up the $lane environment ..." >&2
+  say "waiting for another run that is setting up the $lane environment ..."
   flock 9
 fi
+
+# Prints the torch version importable by python "$1" when it is the pinned one (any build: +cpu, +cu128 ...).
+pinned_torch() {
+  "$1" -c "import sys, torch; v = torch.__version__; sys.exit(0 if v.split('+')[0] == '$torch_version' else 1)" \
+    2>/dev/null && "$1" -c "import torch; print(torch.__version__)"
+}
+
+install_torch() {
+  local py="$env_dir/bin/python" have
+  if have="$(pinned_torch "$py")"; then
+    say "keeping torch $have already installed in $env_dir (no download)"
+    return
+  fi
+  if "$py" -m pip install -q --no-deps --no-index "torch==$torch_version" >/dev/null 2>&1; then
+    say "torch $torch_version installed from a local wheel (pip's find-links; no download)"
+    return
+  fi
+  if [ "$torch_index" = pypi ]; then
+    say "downloading torch $torch_version from PyPI: on Linux x86_64 this is the CUDA build, ~0.9 GB plus"
+    say "  ~3.5 GB of NVIDIA packages (set NXD_CKPT_TORCH_INDEX=$cpu_index for the ~190 MB CPU build)"
+    "$py" -m pip install -q "torch==$torch_version" >&2
+  else
+    say "downloading the torch $torch_version CPU build from $torch_index (~190 MB; NXD_CKPT_TORCH_INDEX=pypi for PyPI's)"
+    if ! "$py" -m pip install -q --no-deps --index-url "$torch_index" "torch==$torch_version" >&2; then
+      say "could not install torch $torch_version from $torch_index. Install a CPU build yourself, e.g."
+      say "  $py -m pip install torch==$torch_version --index-url $cpu_index"
+      say "or set NXD_CKPT_TORCH_INDEX=pypi to take PyPI's (CUDA) build, then run this again."
+      exit 1
+    fi
+  fi
+}
+
 if [ -x "$env_dir/bin/python" ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp_src" ]; then
-  echo "[setup] $lane environment up to date: $env_dir" >&2
+  say "$lane environment up to date: $env_dir"
 else
   if [ -x "$env_dir/bin/python" ]; then why="pyproject.toml or setup_env.sh changed since it was built"; else why="first run"; fi
-  echo "[setup] building the $lane environment in $env_dir ($why): ${torch_pins[*]} + nxd_ckpt[test,s3] ..." >&2
-  if [ "$lane" = xla ]; then
-    echo "[setup] (a fresh xla environment downloads ~7 GB: torch 2.9.0 from PyPI is the CUDA build)" >&2
-  fi
+  say "building the $lane environment in $env_dir ($why): torch==$torch_version ${extra_pins[*]:+${extra_pins[*]} }+ nxd_ckpt[test,s3];"
+  say "  $installed_size on disk with torch from $( [ "$torch_index" = pypi ] && echo "PyPI (CUDA build)" || echo "the CPU build" ), a few minutes"
   start=$(date +%s)
-  python3 -m venv "$env_dir"
+  venv_opts=()
+  if [ ! -x "$env_dir/bin/python" ] && system_torch="$(pinned_torch python3)"; then
+    say "python3 already has torch $system_torch: the environment uses it (--system-site-packages, no download)"
+    venv_opts=(--system-site-packages)
+  fi
+  python3 -m venv "${venv_opts[@]}" "$env_dir"
   "$env_dir/bin/python" -m pip install -q --upgrade pip >&2
   # torch first and pinned, so nothing later can pull another (CUDA) build through a version range.
-  "$env_dir/bin/python" -m pip install -q "${torch_pins[@]}" >&2
-  "$env_dir/bin/python" -m pip install -q "${torch_pins[@]}" -e "$root[test,s3]" >&2
+  install_torch
+  "$env_dir/bin/python" -m pip install -q "torch==$torch_version" "${extra_pins[@]}" -e "$root[test,s3]" >&2
   echo "$stamp_src" > "$stamp_file"
-  echo "[setup] $lane environment ready in $(( $(date +%s) - start )) s" >&2
+  say "$lane environment ready in $(( $(date +%s) - start )) s, $(du -sh "$env_dir" 2>/dev/null | cut -f1) on disk"
 fi
 # The package itself is installed editable; make sure this clone is the one on the path.
 if ! "$env_dir/bin/python" -c "import nxd_ckpt, os, sys; sys.exit(0 if os.path.realpath(nxd_ckpt.__path__[0]).startswith(os.path.realpath('$root')) else 1)" 2>/dev/null; then

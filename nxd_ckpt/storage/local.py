@@ -27,6 +27,7 @@ class LocalStorage(Storage):
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = os.path.abspath(os.fspath(root))
+        _check_is_directory_path(self.root)
         self.url = self.root
         self._batch: list[str] | None = None
         self._batch_lock = threading.Lock()
@@ -232,3 +233,21 @@ def atomic_file(final: str) -> Iterator[str]:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _check_is_directory_path(root: str) -> None:
+    """``root`` and its nearest existing ancestor must be directories: a checkpoint directory under a regular file
+    (``notes.txt/ckpt``) would otherwise fail later with a raw NotADirectoryError naming some inner file."""
+    existing = root
+    while not os.path.exists(existing):
+        parent = os.path.dirname(existing)
+        if parent == existing:
+            return
+        existing = parent
+    if not os.path.isdir(existing):
+        if existing == root:
+            raise StorageError(f"checkpoint directory {root} is a regular file, not a directory; choose a directory")
+        raise StorageError(
+            f"checkpoint directory {root} cannot exist: {existing} is a regular file, not a directory; "
+            "choose another path"
+        )

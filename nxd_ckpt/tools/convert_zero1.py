@@ -14,7 +14,6 @@ interrupted run never leaves something that looks complete. xser in gives xser o
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import shutil
@@ -27,11 +26,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import layout, zero1
+from .. import layout, tags, zero1
 from ..errors import CheckpointError, FormatError
 from ..format import manifests
 from ..format.describe import TagDescription, describe
 from ..format.metadata import TagMetadata, write_metadata
+from ..log import format_bytes
 from ..storage import LocalStorage, storage_for
 from ..storage.local import atomic_file
 from ..zero1_io import (
@@ -74,7 +74,7 @@ class ConversionReport:
         return (
             f"converted ZeRO-1 optimizer {src} -> {dst} for TP={self.tp} PP={self.pp} "
             f"({'xser' if self.xser else 'plain'}): {len(self.files_written)} optimizer files, "
-            f"{self.bytes_converted / 1e6:.1f} MB, {self.files_copied} other files carried over, "
+            f"{format_bytes(self.bytes_converted)}, {self.files_copied} other files carried over, "
             f"{self.seconds:.2f} s -> {self.output_dir}"
         )
 
@@ -113,7 +113,8 @@ def convert_zero1(
         num_workers: (TP, PP) coordinates converted in parallel (each holds about one parameter at a time).
         overwrite: replace a checkpoint already in ``output_dir``.
         allow_pickle: read files holding arbitrary pickled classes (runs code from them: trusted files only).
-        progress: show progress (default: a bar on an interactive terminal, log lines otherwise).
+        progress: False hides the progress bar; otherwise it shows when stderr is a terminal (DEBUG log lines
+            every ~10% elsewhere).
 
     Raises:
         ValueError: bad arguments (``dp_size`` missing or < 1, both or neither direction, same dirs).
@@ -140,7 +141,7 @@ def convert_zero1(
     if convert_to_full == convert_to_sharded:
         raise ValueError("choose exactly one of convert_to_full / convert_to_sharded")
     if convert_to_sharded and (dp_size is None or not isinstance(dp_size, int) or dp_size < 1):
-        raise ValueError(f"--dp_size must be an integer >= 1 when converting to shards, got {dp_size!r}")
+        raise ValueError(f"--dp-size (dp_size) must be an integer >= 1 when converting to shards, got {dp_size!r}")
     if not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"num_workers must be an integer >= 1, got {num_workers!r}")
     in_root, in_tag = _split_tag_dir(input_dir, "input")
@@ -149,7 +150,7 @@ def convert_zero1(
     if os.path.realpath(in_dir) == os.path.realpath(out_dir):
         raise ValueError(f"output_dir must differ from input_dir ({in_dir}); write the conversion to a new tag")
     if convert_to_full and dp_size is not None:
-        logger.warning("--dp_size %s is ignored with --convert_to_full", dp_size)
+        logger.warning("--dp-size %s is ignored when converting to full", dp_size)
 
     in_storage = LocalStorage(in_root)
     info = _inspect_input(in_storage, in_tag, trusted=allow_pickle)
@@ -285,8 +286,14 @@ def _inspect_input(storage: LocalStorage, tag: str, *, trusted: bool) -> _InputL
     if shards and fulls:
         raise FormatError(f"{tag_dir}/optim holds both dp_rank_* shards and full_* files; keep one kind")
     if not shards and not fulls:
+        inner = [t.name for t in tags.list_tags(LocalStorage(tag_dir), include_incomplete=True)]
+        hint = (
+            f"; it holds the tags {', '.join(inner)}: pass one of those tag folders (or the directory with --tag)"
+            if inner
+            else ""
+        )
         raise FormatError(
-            f"{tag_dir} is not a ZeRO-1 checkpoint: {tag_dir}/optim has no dp_rank_*/full_* optimizer files"
+            f"{tag_dir} is not a ZeRO-1 checkpoint: {tag_dir}/optim has no dp_rank_*/full_* optimizer files{hint}"
         )
     desc = describe(storage, tag)
     meta = desc.metadata
@@ -467,18 +474,18 @@ def _convert_coordinate(
 
 
 class _Progress:
-    """Thread-safe progress: a tqdm bar on an interactive terminal, else an INFO line every ~10%."""
+    """Thread-safe progress: a tqdm bar when stderr is a terminal, else a DEBUG log line every ~10%."""
 
     def __init__(self, total: int, enabled: bool | None) -> None:
         self.total, self.done, self._lock = total, 0, threading.Lock()
         self._next_log = 0.1
         self._bar = None
         self._enabled = enabled is not False
-        if enabled is not False and (enabled or sys.stderr.isatty()):
+        if self._enabled and sys.stderr.isatty():
             try:
                 from tqdm import tqdm
 
-                self._bar = tqdm(total=total, unit="slot", desc="convert_zero1", file=sys.stderr)
+                self._bar = tqdm(total=total, unit="slot", desc="convert-zero1", file=sys.stderr)
             except ImportError:
                 self._bar = None
 
@@ -488,7 +495,7 @@ class _Progress:
             if self._bar is not None:
                 self._bar.update(n)
             elif self._enabled and self.total and self.done / self.total >= self._next_log:
-                logger.info("convert_zero1: %d/%d parameter slots (%s)", self.done, self.total, where)
+                logger.debug("convert-zero1: %d/%d parameter slots (%s)", self.done, self.total, where)
                 while self._next_log <= self.done / self.total:
                     self._next_log += 0.1
 
@@ -500,56 +507,11 @@ class _Progress:
 # --------------------------------------------------------------------------------------------- command line
 
 
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """The converter's flags (NxD's, plus --overwrite, --allow_pickle, --quiet); reused by the package CLI."""
-    parser = parser or argparse.ArgumentParser(
-        prog="convert_zero1_checkpoint",
-        description="Convert ZeRO-1 optimizer states of a checkpoint tag: to full, or to shards for a DP size.",
-    )
-    parser.add_argument("--input_dir", required=True, help="tag directory to read (e.g. ckpts/step_1200)")
-    parser.add_argument("--output_dir", required=True, help="tag directory to write (must not hold a checkpoint)")
-    parser.add_argument("--dp_size", type=int, default=None, help="DP size of the output shards")
-    parser.add_argument("--num_workers", type=int, default=1, help="(TP, PP) coordinates converted in parallel")
-    mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--convert_to_full", action="store_true", help="write optim/full_tp_rank_XX_pp_rank_YY.pt")
-    mode.add_argument("--convert_to_sharded", action="store_true", help="write optim/dp_rank_.. for --dp_size")
-    parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --output_dir")
-    parser.add_argument("--allow_pickle", action="store_true", help="read pickled classes (trusted files only)")
-    parser.add_argument("--quiet", action="store_true", help="no progress output")
-    return parser
-
-
-def run_from_args(args: argparse.Namespace) -> int:
-    """Run a conversion from parsed flags; print the outcome; return the exit code (0 ok, 1 failed, 2 usage)."""
-    if not logging.getLogger().handlers and not args.quiet:
-        logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        report = convert_zero1(
-            args.input_dir,
-            args.output_dir,
-            dp_size=args.dp_size,
-            convert_to_full=args.convert_to_full,
-            convert_to_sharded=args.convert_to_sharded,
-            num_workers=args.num_workers,
-            overwrite=args.overwrite,
-            allow_pickle=args.allow_pickle,
-            progress=False if args.quiet else None,
-        )
-    except ValueError as e:
-        print(f"convert_zero1: error: {e}", file=sys.stderr)
-        return 2
-    except (CheckpointError, OSError) as e:
-        print(f"convert_zero1: error: {e}", file=sys.stderr)
-        return 1
-    print(report.summary())
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point (``scripts/convert_zero1_checkpoint.py``, ``nxd-ckpt convert-zero1``)."""
-    parser = build_parser()
-    args = parser.parse_args(list(argv) if argv is not None else None)
-    return run_from_args(args)
+    """Command-line entry point (``scripts/convert_zero1_checkpoint.py``); flags in ``zero1_cli``."""
+    from .zero1_cli import main as cli_main
+
+    return cli_main(argv)
 
 
 if __name__ == "__main__":

@@ -144,7 +144,10 @@ def test_list(ckpt_dir, parallel_dirs, cli):
     assert "DP=2 TP=1 PP=1, ZeRO-1" in cli("list", str(parallel_dirs / "zero1"))[0]
     assert "TP=2" in cli("list", str(parallel_dirs / "tp2"))[0]
     assert "no checkpoints" in cli("list", str(parallel_dirs))[1]
-    assert f"{ckpt_dir} --tag step_1" in cli("list", str(ckpt_dir / "step_1"), check=1)[1]
+    # A tag folder: `list` suggests the directory holding it (list has no --tag), inspect suggests --tag.
+    hint = cli("list", str(ckpt_dir / "step_1"), check=1)[1]
+    assert f"nxd-ckpt list {ckpt_dir}\n" in hint and "--tag" not in hint
+    assert f"nxd-ckpt inspect {ckpt_dir} --tag step_1" in cli("inspect", str(ckpt_dir / "step_1"), check=1)[1]
 
 
 def test_inspect(ckpt_dir, cli):
@@ -291,3 +294,74 @@ def test_progress_bar_only_on_a_terminal(ckpt_dir):
     assert proc.wait(timeout=280) == 0
     assert proc.stdout.read().decode().startswith("step_2: OK")
     assert b"verify step_2:" in drawn and b"%|" in drawn
+
+
+def test_list_inspect_metadata_and_help_do_not_import_torch(ckpt_dir):
+    """`--help`, `list` and `inspect --metadata` never touch a tensor, so they must not pay for `import torch`."""
+    code = (
+        "import sys\n"
+        "from nxd_ckpt.cli import main\n"
+        "argv = sys.argv[1:]\n"
+        "status = main(argv)\n"
+        "assert status == 0, status\n"
+        "print('TORCH_IMPORTED' if 'torch' in sys.modules else 'TORCH_NOT_IMPORTED')\n"
+    )
+    for args in (["--help"], ["list", str(ckpt_dir)], ["list", str(ckpt_dir), "--json"], ["convert-zero1", "--help"]):
+        if args[-1] == "--help":  # argparse exits from --help: run the check at exit instead
+            probe = "import atexit, sys\natexit.register(lambda: print('TORCH', 'torch' in sys.modules))\n"
+            proc = subprocess.run(
+                [sys.executable, "-c", probe + "from nxd_ckpt.cli import main\nsys.exit(main(sys.argv[1:]))", *args],
+                capture_output=True,
+                text=True,
+                timeout=280,
+            )
+            assert proc.returncode == 0, proc.stderr
+            assert "TORCH False" in proc.stdout, args
+            continue
+        proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=280)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.rstrip().endswith("TORCH_NOT_IMPORTED"), (args, proc.stdout[-300:])
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "inspect", str(ckpt_dir), "--tag", "step_2", "--metadata"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "layout: DP=1 TP=1 PP=1, xser" in proc.stdout and "  xser: true" in proc.stdout
+    assert "optim/dp_rank_00_tp_rank_00_pp_rank_00.pt.tensors/" in proc.stdout
+    assert proc.stdout.rstrip().endswith("TORCH_NOT_IMPORTED")
+
+
+def test_convert_zero1_takes_the_checkpoint_directory_and_global_options(parallel_dirs, tmp_path, cli):
+    src_dir = str(parallel_dirs / "zero1")
+    # Global options before the subcommand, the checkpoint directory + --tag like every other command.
+    out, _ = cli("-v", "convert-zero1", src_dir, "--tag", "step_1", "--out", str(tmp_path / "a"), "--to-full")
+    assert (tmp_path / "a" / "step_1" / "optim" / "full_tp_rank_00_pp_rank_00.pt").exists()
+    assert (tmp_path / "a" / "step_1" / "done").exists()
+    assert out.count("converted ZeRO-1 optimizer DP=2 -> full") == 1
+    # Without --tag: the latest complete tag; hyphenated flags; a new tag name.
+    cli(
+        "--no-progress", "convert-zero1", src_dir, "--out", str(tmp_path / "b"), "--out-tag", "dp3",
+        "--to-sharded", "--dp-size", "3", "--num-workers", "2",
+    )  # fmt: skip
+    assert sorted(os.listdir(tmp_path / "b" / "dp3" / "optim"))[-1] == "dp_rank_02_tp_rank_00_pp_rank_00.pt"
+    # NxD's spellings stay aliases, and its --input_dir may name the checkpoint directory too (latest tag).
+    cli(
+        "convert-zero1", "--input_dir", src_dir, "--output_dir", str(tmp_path / "c" / "step_1"),
+        "--convert_to_sharded", "--dp_size", "1", "--allow_pickle",
+    )  # fmt: skip
+    assert (tmp_path / "c" / "step_1" / "optim" / "dp_rank_00_tp_rank_00_pp_rank_00.pt").exists()
+    # Summary once, on stdout; stderr (not a terminal) gets no progress lines; errors name the command.
+    proc = run("convert-zero1", f"{src_dir}/step_1", "--out", str(tmp_path / "d"), "--to-full")
+    assert proc.stdout.count("converted ZeRO-1") == 1 and proc.stderr == ""
+    proc = run("convert-zero1", src_dir, "--out", str(tmp_path / "e"), "--to-sharded", check=2)
+    assert proc.stderr.startswith("nxd-ckpt convert-zero1: error: --dp-size") and "convert_zero1" not in proc.stderr
+    proc = run("convert-zero1", src_dir, "--tag", "step_9", "--out", str(tmp_path / "e"), "--to-full", check=1)
+    assert "nxd-ckpt convert-zero1: error: checkpoint tag 'step_9'" in proc.stderr and "--tag" in proc.stderr
+    proc = run("convert-zero1", str(tmp_path), "--to-full", check=2)  # no output named: usage error
+    assert "usage: nxd-ckpt convert-zero1" in proc.stderr
+    proc = run(
+        "convert-zero1", f"{src_dir}/step_1", "--tag", "step_1", "--out", str(tmp_path / "f"), "--to-full", check=2
+    )
+    assert "is one checkpoint (a tag folder); drop --tag" in proc.stderr

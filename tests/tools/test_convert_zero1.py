@@ -279,7 +279,7 @@ def test_command_line(tmp_path, capsys):
     write_checkpoint(src, 4, tp=1, use_xser=False)
     args = ["--input_dir", f"{src}/{TAG}", "--output_dir", f"{tmp_path}/o/{TAG}", "--quiet"]
     assert main([*args, "--convert_to_sharded"]) == 2
-    assert "--dp_size must be an integer >= 1" in capsys.readouterr().err
+    assert "--dp-size (dp_size) must be an integer >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse: one of the two directions is required
         main(args)
     assert main([*args, "--convert_to_sharded", "--dp_size", "2", "--num_workers", "2"]) == 0

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
-from nxd_ckpt.log import ALL_RANKS_ENV, get_logger
+from nxd_ckpt.log import ALL_RANKS_ENV, format_bytes, format_rate, get_logger
 
 
 @pytest.fixture
@@ -39,9 +39,22 @@ def test_one_line_per_save_and_load_with_bytes_time_throughput_blocked(tmp_path,
     saves = [m for m in lines if m.startswith("saved step_1")]
     loads = [m for m in lines if m.startswith("loaded step_1")]
     assert len(saves) == 1 and len(loads) == 1, lines
-    model_mb = f"{sum(p.numel() * 4 for p in model.parameters()) / 1e6:.1f} MB"
+    size = format_bytes(sum(p.numel() * 4 for p in model.parameters()))
+    assert size == "263 KB"  # 256*256+256 floats: human-readable, not "0.3 MB"
     for line in saves + loads:
-        assert model_mb in line and re.search(r"\d+\.\d+ GB/s", line) and "blocked" in line, line
+        assert size in line and re.search(r"\d+(\.\d)? [KMGT]?B/s", line) and "blocked" in line, line
+
+
+def test_sizes_in_log_lines_are_readable_at_every_scale():
+    assert [format_bytes(n) for n in (0, 999, 12_345, 99_949, 456e6, 4.6e9)] == [
+        "0 B",
+        "999 B",
+        "12.3 KB",
+        "99.9 KB",
+        "456 MB",
+        "4.6 GB",
+    ]
+    assert format_rate(12_345, 0.01) == "1.2 MB/s" and format_rate(1, 0) == "-"
 
 
 def test_non_master_ranks_pass_only_warnings(monkeypatch, records):

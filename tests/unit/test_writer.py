@@ -103,3 +103,62 @@ def test_interpreter_exit_waits_for_pending_jobs(tmp_path):
     )
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     assert target.read_text() == "durable"
+
+
+_INTERRUPTED_SAVE = """
+import os, sys, threading, time
+import torch
+import nxd_ckpt as nxd
+from nxd_ckpt import statefile
+
+ckpt_dir = sys.argv[1]
+model = torch.nn.Linear(4, 4)
+nxd.save_checkpoint(ckpt_dir, "step_1", model=model)  # complete: the one that must stay the latest
+real_write, stuck = statefile.write_plain, threading.Event()
+
+def slow_write(*args, **kwargs):  # a storage that stalls: the async save of step_2 never finishes by itself
+    stuck.set()
+    time.sleep(120)
+    return real_write(*args, **kwargs)
+
+statefile.write_plain = slow_write
+nxd.save_checkpoint(ckpt_dir, "step_2", model=model, async_save=True)
+stuck.wait(60)
+print("saving", flush=True)
+raise KeyboardInterrupt  # the user's first Ctrl-C, while step_2 is being written
+"""
+
+
+def test_ctrl_c_during_an_async_save_says_what_it_waits_for_and_a_second_one_abandons_it(tmp_path):
+    """First interrupt: the process says what it waits for and what another Ctrl-C does. Second: it exits at
+    once, deliberately, leaving the tag without 'done' (so the previous checkpoint stays the latest)."""
+    import signal
+    import time
+
+    import nxd_ckpt as nxd
+
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _INTERRUPTED_SAVE, str(ckpt)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "saving"
+        notice = ""
+        deadline = time.monotonic() + 60
+        while "Press Ctrl-C again" not in notice and time.monotonic() < deadline:
+            notice += proc.stderr.readline()
+        assert "waiting for the background checkpoint job 'save step_2' to finish writing" in notice, notice
+        assert "the previous complete checkpoint stays the latest" in notice
+        proc.send_signal(signal.SIGINT)
+        _, rest = proc.communicate(timeout=60)  # abandoned: no 120 s wait
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "interrupted: abandoned the pending checkpoint job(s) 'save step_2' without writing 'done'" in rest
+    assert "Exception ignored" not in notice + rest
+    assert not (ckpt / "step_2" / "done").exists()
+    assert nxd.latest_checkpoint_tag(str(ckpt)) == "step_1"
