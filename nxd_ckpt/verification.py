@@ -167,7 +167,9 @@ class _Verifier:
             for p in range(pp):
                 if "model" in items:
                     out.append(f"{layout.MODEL_DIR}/{layout.state_file_name(0, t, p)}")
-                if "optimizer" in items:
+                if "optimizer" in items and meta.get("zero1_full"):  # merged by the offline converter
+                    out.append(layout.full_optim_file(self.tag, t, p)[len(self.tag) + 1 :])
+                elif "optimizer" in items:
                     out += [f"{layout.OPTIM_DIR}/{layout.state_file_name(d, t, p)}" for d in dps]
         if "scheduler" in items:
             out.append(layout.SCHEDULER_FILE)
