@@ -42,6 +42,22 @@ def validate_tag(tag: object) -> str:
     return tag
 
 
+RESAVE_PREFIX = ".nxd-resave."
+"""Hidden directory beside a complete tag that is being saved again (NxD's glob and tag listings skip it)."""
+REPLACED_PREFIX = ".nxd-replaced."
+"""Hidden name the old copy of a re-saved tag has between the swap and its deletion."""
+
+
+def resave_dir(tag: str) -> str:
+    """Where a re-save of the complete tag ``tag`` is written until it is complete and swapped in."""
+    return RESAVE_PREFIX + validate_tag(tag)
+
+
+def replaced_dir(tag: str) -> str:
+    """Where the old copy of ``tag`` goes while the re-saved one takes its name."""
+    return REPLACED_PREFIX + validate_tag(tag)
+
+
 def tag_path(tag: str, *parts: str) -> str:
     return "/".join((validate_tag(tag), *parts))
 

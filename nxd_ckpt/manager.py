@@ -132,6 +132,9 @@ class _SaveContext:
     items: tuple[str, ...]
     timeout_s: float
     monitor: StorageMonitor
+    resave_of: Storage | None = None
+    """Set when the tag already held a complete checkpoint: this save is written beside it (tags.ResaveStorage)
+    and swapped in by rank 0's commit; the storage the swap happens in."""
 
 
 class CheckpointManager:
@@ -422,26 +425,30 @@ class CheckpointManager:
         items: tuple[str, ...],
         timeout_s: float,
     ) -> _SaveContext:
-        """Rank 0 marks the tag as being saved (removing an old ``done`` first); all ranks agree on the save."""
+        """Rank 0 marks the tag as being saved (a complete one is re-saved beside it); all ranks agree on the save."""
 
-        def prepare() -> float:
+        def prepare() -> tuple[float, bool]:
             if coord.rank != 0:
-                return 0.0
-            replacing = storage.exists(layout.tag_path(tag, layout.DONE_MARKER))
-            storage.delete(layout.tag_path(tag, layout.DONE_MARKER))
+                return 0.0, False
+            tags.recover_resaves(storage)  # a re-save a crash interrupted is finished or dropped first
+            if storage.exists(layout.tag_path(tag, layout.DONE_MARKER)):
+                # The tag holds a complete checkpoint: write the new one beside it and swap it in once it is
+                # complete (tags.swap_in_resave), so the old one stays loadable until then.
+                tags.begin_resave(storage, tag)
+                return time.time(), True
+            # A new tag, or the leftovers of an interrupted save of it: rewritten in place.
             storage.delete(metadata_path(tag))
             integrity.remove_manifests(storage, tag)  # stale ones (e.g. another world size) would fail verify
             storage.write_bytes(layout.tag_path(tag, layout.CHECKPOINT_MARKER), b"1")
-            if replacing:  # make the removal of the old 'done' durable before files are rewritten; a new
-                storage.sync_dirs([tag, ""])  # tag skips these fsyncs (async saves block on this step)
-            return time.time()
+            return time.time(), False
 
-        created_at = coord.master_computes(prepare, f"starting checkpoint {tag!r}")
+        created_at, resave = coord.master_computes(prepare, f"starting checkpoint {tag!r}")
         self._seq += 1
+        target = tags.ResaveStorage(storage, tag) if resave else storage
         monitor = StorageMonitor(f"writing {tag!r} on rank {coord.rank}", timeout_s, url=storage.url)
         return _SaveContext(
             # records checksums for the manifest, over a storage whose every write the watchdog sees
-            storage=integrity.ChecksummingStorage(WatchedStorage(storage, monitor), tag, coord.rank),
+            storage=integrity.ChecksummingStorage(WatchedStorage(target, monitor), tag, coord.rank),
             tag=tag,
             seq=self._seq,
             created_at=created_at,
@@ -452,6 +459,7 @@ class CheckpointManager:
             items=items,
             timeout_s=timeout_s,
             monitor=monitor,
+            resave_of=storage if resave else None,
         )
 
     def _write_and_commit(
@@ -605,6 +613,8 @@ class CheckpointManager:
         ctx.storage.sync_dirs([ctx.tag, ""])  # the tag's entries are durable before 'done' can be
         ctx.storage.write_bytes(layout.tag_path(ctx.tag, layout.DONE_MARKER), b"1")
         ctx.storage.sync_dirs([ctx.tag])  # 'done' is durable before retention deletes older tags
+        if ctx.resave_of is not None:  # the complete re-save takes the tag's name from the old checkpoint
+            tags.swap_in_resave(ctx.resave_of, ctx.tag)
 
     def _log_save(self, report: SaveReport, coord: Coordinator) -> None:
         """One INFO line per save, on the master rank (async saves: when the commit outcome is known)."""
@@ -676,6 +686,7 @@ class CheckpointManager:
         storage = self._storage_for(checkpoint_dir)
 
         def resolve() -> tuple[str, TagDescription]:
+            tags.recover_resaves(storage, finish_only=True)  # a crash mid-swap: the complete copy gets its name
             resolved = tags.resolve_tag(storage, tag)
             return resolved, describe(storage, resolved)
 
@@ -758,6 +769,7 @@ class CheckpointManager:
         storage = self._storage_for(checkpoint_dir)
 
         def newest_first() -> list[str]:
+            tags.recover_resaves(storage, finish_only=True)
             return [t.name for t in reversed(tags.list_tags(storage))]
 
         with coord.deadline(resolve_timeout(options.get("timeout"))):

@@ -22,7 +22,7 @@ from typing import Any
 from . import layout, staging, statefile
 from .dist import Coordinator
 from .errors import FormatError, LayoutMismatchError
-from .rng import capture_rng_state, restore_rng_state
+from .rng import capture_rng_state, keep_streams_through_first_iterator, restore_rng_state
 from .storage import Storage
 from .topology import Topology
 
@@ -254,3 +254,5 @@ def _apply(payload: dict[str, Any], targets: dict[str, Any], single: bool, rank:
             obj.restore_state_rank(entry["state"])
     if payload.get("rng") is not None:
         restore_rng_state(payload["rng"], source=url)
+        for obj in targets.values():  # a rebuilt loader's first iterator must not draw from the restored streams
+            keep_streams_through_first_iterator(obj)

@@ -114,3 +114,37 @@ def _restore_xla(saved: int | None, source: str) -> None:
 
 def _keys(state: Any) -> str:
     return ", ".join(map(str, state)) if isinstance(state, dict) else type(state).__name__
+
+
+def keep_streams_through_first_iterator(loader: Any) -> bool:
+    """Make the first iterator ``loader`` creates after a resume leave the host random streams as they were.
+
+    Creating a torch ``DataLoader`` iterator draws its workers' base seed (and a shared seed) from the loader's
+    ``generator``, or from torch's global generator when it has none (Energon's ``SavableDataLoader``, and any
+    ``DataLoader`` built without ``generator=``). The run that saved made that draw when its iterator was created,
+    before the save; the resumed run makes it again, after the restore, which shifts every later dropout mask.
+    So the first ``_get_iterator`` call after the restore is wrapped: the Python, NumPy and torch CPU streams are
+    put back after it, as if the iterator had existed all along. Later iterators (new epochs) draw as usual.
+    Returns whether ``loader`` is a ``DataLoader`` that draws from the global generator (and so was wrapped).
+    """
+    from torch.utils.data import DataLoader
+
+    if not isinstance(loader, DataLoader) or getattr(loader, "generator", None) is not None:
+        return False
+    if getattr(loader.__dict__.get("_get_iterator"), "_nxd_ckpt_resume", False):
+        return True  # already wrapped by an earlier load that has not iterated yet
+    create = loader._get_iterator
+
+    def first_iterator_after_resume() -> Any:
+        python, numpy_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        try:
+            return create()
+        finally:
+            loader.__dict__.pop("_get_iterator", None)  # one iterator only
+            random.setstate(python)
+            np.random.set_state(numpy_state)
+            torch.set_rng_state(torch_state)
+
+    first_iterator_after_resume._nxd_ckpt_resume = True  # type: ignore[attr-defined]
+    loader.__dict__["_get_iterator"] = first_iterator_after_resume
+    return True

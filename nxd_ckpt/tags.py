@@ -8,16 +8,20 @@ that looks complete.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any, BinaryIO
 
 from . import layout
-from .errors import CheckpointNotFoundError, FormatError
+from .errors import CheckpointError, CheckpointNotFoundError, FormatError
 from .format.metadata import TagMetadata
 from .format.metadata import read_metadata as _read_tag_metadata
 from .storage import Storage
+from .storage.base import DelegatingStorage
 
 logger = logging.getLogger("nxd_ckpt")
 
@@ -173,3 +177,174 @@ def apply_retention(storage: Storage, keep: int, protect: set[str] = frozenset()
         except Exception as e:
             logger.warning("retention could not delete checkpoint %s in %s: %s", name, storage.url, e)
     return deleted
+
+
+# --------------------------------------------------------------------------------------------- re-saving a tag
+# Saving to a tag that already holds a complete checkpoint writes the new one beside it, in the hidden directory
+# layout.resave_dir(tag), through ResaveStorage (so every writer still names files by the tag). Rank 0 commits
+# it there ('done' included) and then swaps it in: on storage that can rename directories (a POSIX filesystem),
+# tag -> layout.replaced_dir(tag), resave_dir -> tag, sync, delete the old copy; elsewhere (S3) the old tag is
+# deleted ('done' first) and the new files are copied to its name ('done' last). At every moment one complete
+# copy exists: the old tag until the new one is complete, then the new one under either name. A crash in the
+# middle is finished by recover_resaves (rank 0, before every save and load): a complete re-save is swapped
+# in, an incomplete one is dropped, and an old copy whose replacement never arrived goes back to its name.
+
+
+class ResaveStorage(DelegatingStorage):
+    """The storage of a re-save: paths under ``tag/`` go to ``layout.resave_dir(tag)/``; the rest pass through."""
+
+    def __init__(self, inner: Storage, tag: str) -> None:
+        super().__init__(inner)
+        self.tag = layout.validate_tag(tag)
+        self.staging = layout.resave_dir(tag)
+
+    def _map(self, path: str) -> str:
+        if path == self.tag or path.startswith(self.tag + "/"):
+            return self.staging + path[len(self.tag) :]
+        return path
+
+    def _unmap(self, path: str) -> str:
+        if path == self.staging or path.startswith(self.staging + "/"):
+            return self.tag + path[len(self.staging) :]
+        return path
+
+    def deferred_fsync(self, *args: Any, **kwargs: Any) -> contextlib.AbstractContextManager[None]:
+        deferred = getattr(self.inner, "deferred_fsync", None)
+        return deferred(*args, **kwargs) if callable(deferred) else contextlib.nullcontext()
+
+    def open_write(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        return self.inner.open_write(self._map(path))
+
+    def write_bytes(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        self.inner.write_bytes(self._map(path), data)
+
+    def open_read(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        return self.inner.open_read(self._map(path))
+
+    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        return self.inner.read_bytes(self._map(path), offset, length)
+
+    def read_buffer(self, path: str, allocate: Any = None) -> Any:
+        return self.inner.read_buffer(self._map(path), allocate)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(self._map(path))
+
+    def list_dir(self, path: str = "") -> list[str]:
+        return self.inner.list_dir(self._map(path))
+
+    def size(self, path: str) -> int:
+        return self.inner.size(self._map(path))
+
+    def mtime(self, path: str) -> float:
+        return self.inner.mtime(self._map(path))
+
+    def delete(self, path: str) -> None:
+        self.inner.delete(self._map(path))
+
+    def delete_tree(self, path: str) -> None:
+        self.inner.delete_tree(self._map(path))
+
+    def sync_dirs(self, paths: Iterable[str]) -> None:
+        self.inner.sync_dirs({self._map(p) for p in paths})
+
+    def walk_files(self, path: str = "") -> list[str]:
+        return [self._unmap(p) for p in self.inner.walk_files(self._map(path))]
+
+
+def begin_resave(storage: Storage, tag: str) -> None:
+    """Rank 0: start writing a re-save of the complete ``tag`` beside it (a leftover attempt is dropped)."""
+    staging = layout.resave_dir(tag)
+    storage.delete_tree(staging)
+    storage.write_bytes(f"{staging}/{layout.CHECKPOINT_MARKER}", b"1")
+
+
+def swap_in_resave(storage: Storage, tag: str) -> None:
+    """Rank 0, after the re-save of ``tag`` is complete (with a durable ``done``) in its hidden directory:
+    give it the tag's name. Also finishes a swap a crash interrupted."""
+    staging, old = layout.resave_dir(tag), layout.replaced_dir(tag)
+    if not storage.exists(f"{staging}/{layout.DONE_MARKER}"):
+        raise CheckpointError(f"{storage.url}/{staging} is not complete; refusing to swap it in as {tag!r}")
+    rename_dir = getattr(storage, "rename_dir", None)
+    if callable(rename_dir):
+        if storage.list_dir(tag):
+            _delete_copy(storage, old)  # a replaced copy left by an earlier interrupted swap
+            rename_dir(tag, old)
+        rename_dir(staging, tag)
+        storage.sync_dirs([""])  # the swap is durable before the old copy goes
+        _delete_copy(storage, old)
+        return
+    # No directory rename (object stores): the complete copy in ``staging`` is what a crash from here keeps.
+    storage.delete(layout.tag_path(tag, layout.DONE_MARKER))
+    storage.delete_tree(tag)
+    files = [p for p in storage.walk_files(staging) if p != f"{staging}/{layout.DONE_MARKER}"]
+    for path in files:
+        storage.write_bytes(tag + path[len(staging) :], storage.read_bytes(path))
+    storage.sync_dirs({tag + p[len(staging) :].rsplit("/", 1)[0] for p in files} | {tag, ""})
+    storage.write_bytes(layout.tag_path(tag, layout.DONE_MARKER), b"1")
+    storage.sync_dirs([tag])
+    _delete_copy(storage, staging)
+
+
+def _delete_copy(storage: Storage, directory: str) -> None:
+    """Delete a hidden copy of a tag: ``done`` first, so a partial deletion never looks complete."""
+    if not storage.list_dir(directory):
+        return
+    storage.delete(f"{directory}/{layout.DONE_MARKER}")
+    storage.sync_dirs([directory])
+    storage.delete_tree(directory)
+
+
+def recover_resaves(storage: Storage, finish_only: bool = False) -> list[str]:
+    """Rank 0: finish or undo re-saves a crash interrupted (see above); return the tags touched.
+
+    ``finish_only`` (loads): only swap in complete re-saves and put back an old copy whose tag is missing;
+    leave unfinished re-saves alone (another job may be writing one right now)."""
+    touched = []
+    for name in storage.list_dir(""):
+        for prefix in (layout.RESAVE_PREFIX, layout.REPLACED_PREFIX):
+            if not name.startswith(prefix):
+                continue
+            tag = name[len(prefix) :]
+            try:
+                layout.validate_tag(tag)
+            except ValueError:
+                continue
+            if tag not in touched:
+                _recover_resave(storage, tag, finish_only)
+                touched.append(tag)
+    return touched
+
+
+def _recover_resave(storage: Storage, tag: str, finish_only: bool) -> None:
+    staging, old = layout.resave_dir(tag), layout.replaced_dir(tag)
+    if storage.exists(f"{staging}/{layout.DONE_MARKER}"):
+        logger.warning("finishing the interrupted re-save of checkpoint %s in %s", tag, storage.url)
+        swap_in_resave(storage, tag)
+        return
+    if finish_only:
+        if not storage.list_dir(tag) and storage.exists(f"{old}/{layout.DONE_MARKER}"):
+            _restore(storage, tag, old)
+        return
+    if storage.list_dir(staging):
+        logger.warning("dropping the unfinished re-save of checkpoint %s in %s (the old one stays)", tag, storage.url)
+        storage.delete_tree(staging)
+    if not storage.list_dir(old):
+        return
+    if storage.exists(layout.tag_path(tag, layout.DONE_MARKER)) or not storage.exists(f"{old}/{layout.DONE_MARKER}"):
+        _delete_copy(storage, old)
+        return
+    _restore(storage, tag, old)
+
+
+def _restore(storage: Storage, tag: str, old: str) -> None:
+    """Give the old copy of ``tag`` its name back (its replacement never became complete)."""
+    logger.warning("restoring checkpoint %s in %s from its copy %s", tag, storage.url, old)
+    rename_dir = getattr(storage, "rename_dir", None)
+    if storage.list_dir(tag):
+        storage.delete_tree(tag)
+    if callable(rename_dir):
+        rename_dir(old, tag)
+        storage.sync_dirs([""])
+    else:  # pragma: no cover - object stores never create the replaced copy
+        raise CheckpointError(f"cannot restore {storage.url}/{tag} from {old}: the storage cannot rename")

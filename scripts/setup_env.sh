@@ -34,6 +34,18 @@ python3 -c 'import venv, ensurepip' 2>/dev/null \
   || { say "python3's venv module is missing: install it (Debian/Ubuntu: apt-get install python3-venv)"; exit 1; }
 command -v flock >/dev/null || { say "flock is required (package util-linux)"; exit 1; }
 
+# The power-loss suite (tests/faults/test_power_loss.py) needs libfuse 3 and fusermount3 (Debian: fuse3). As root
+# with /dev/fuse present they are installed here when missing; elsewhere that suite says why it is skipped.
+if [ -e /dev/fuse ] && ! { command -v fusermount3 >/dev/null && ldconfig -p 2>/dev/null | grep -q 'libfuse3\.so'; }; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "[setup] installing fuse3 + libfuse3 (power-loss test filesystem) ..." >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 libfuse3-3; } >&2 \
+      || echo "[setup] could not install fuse3; the power-loss suite will fail with the reason" >&2
+  else
+    echo "[setup] fuse3/libfuse3 missing and not root: install them (apt-get install fuse3) for the power-loss suite" >&2
+  fi
+fi
+
 stamp_src="$(cat "$root/pyproject.toml" "$root/scripts/setup_env.sh" | sha256sum | cut -c1-16)"
 stamp_file="$env_dir/.nxd_ckpt_stamp"
 # One builder at a time: concurrent runs (several developers, CI jobs) wait instead of pip-installing into one env.

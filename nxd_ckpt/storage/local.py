@@ -183,6 +183,14 @@ class LocalStorage(Storage):
             raise StorageError(f"refusing to delete the whole checkpoint directory {self.root}")
         shutil.rmtree(full, ignore_errors=False) if os.path.isdir(full) else self.delete(path)
 
+    def rename_dir(self, src: str, dst: str) -> None:
+        """Atomically rename directory ``src`` to ``dst`` (which must not exist); durable once the parent
+        directory is synced."""
+        try:
+            os.rename(self._abs(src), self._abs(dst))
+        except OSError as e:
+            raise StorageError(f"cannot rename {self._abs(src)} to {self._abs(dst)}: {e.strerror or e}") from e
+
     def sync_dirs(self, paths: Iterator[str] | list[str] | set[str]) -> None:
         for path in sorted(set(paths)):
             full = self._abs(path)

@@ -155,3 +155,54 @@ def run_retention(ckpt_dir: str, keep: int, kill_after: int = -1) -> int:
     if p.exitcode is None or p.exitcode < 100:
         raise AssertionError(f"retention process failed (exit code {p.exitcode})")
     return p.exitcode - 100
+
+
+_MUTATIONS = ("replace", "rename", "unlink", "remove", "rmdir", "fsync", "mkdir")
+"""The os functions through which a save changes or makes durable what is on disk."""
+
+
+def _resave_child(ckpt_dir: str, tag: str, version: int, kill_after: int, options: dict[str, Any]) -> None:
+    """Save ``tag`` at ``version`` in one process, SIGKILLing it at its ``kill_after``-th filesystem mutation
+    (on any thread, so async writer threads too; never, if negative)."""
+    calls = [0]
+
+    def counted(real: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if calls[0] == kill_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+            calls[0] += 1
+            return real(*args, **kwargs)
+
+        return wrapper
+
+    for name in _MUTATIONS:
+        setattr(os, name, counted(getattr(os, name)))
+    report = nxd.save_checkpoint(
+        ckpt_dir,
+        tag,
+        model=model_state(version),
+        optimizer=optimizer_state(version),
+        user_content={"version": version},
+        **options,
+    )
+    report.wait()
+    nxd.finalize_checkpoint()
+    os._exit(100 + min(calls[0], 150))  # reports how many mutations a full run made
+
+
+def run_resave(
+    ckpt_dir: str, tag: str, version: int, kill_after: int = -1, options: dict[str, Any] | None = None
+) -> int:
+    """Save ``tag`` with the state of ``version`` (``model_state(version)``, user content ``{"version": v}``) in a
+    forked process killed at its ``kill_after``-th filesystem mutation; return the mutations a run that finished
+    made (-1 when it was killed)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    p = ctx.Process(target=_resave_child, args=(ckpt_dir, tag, version, kill_after, dict(options or {})), daemon=True)
+    p.start()
+    p.join(timeout=120)
+    if p.exitcode == -signal.SIGKILL:
+        return -1
+    if p.exitcode is None or p.exitcode < 100:
+        raise AssertionError(f"re-saving process failed (exit code {p.exitcode})")
+    return p.exitcode - 100

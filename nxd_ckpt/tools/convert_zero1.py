@@ -198,15 +198,22 @@ def convert_zero1(
 
     _write_metadata(out_storage, out_tag, info, dst_dp)
     _write_manifests(out_storage, out_tag)
-    out_storage.sync_dirs({out_tag, layout.tag_path(out_tag, layout.OPTIM_DIR)})
+    # Every directory of the tag (carried-over model/, xser .tensors/, extras) and the tag's own entry in the
+    # checkpoint directory are durable before 'done' is: a power cut must not leave 'done' beside lost files.
+    out_storage.sync_dirs({_relative(out_root, dirpath) for dirpath, _, _ in os.walk(out_dir)} | {""})
     out_storage.write_bytes(layout.tag_path(out_tag, layout.DONE_MARKER), b"1")
-    out_storage.sync_dirs({out_tag})
+    out_storage.sync_dirs({out_tag})  # 'done' itself is durable before the conversion returns
     report.seconds = time.perf_counter() - start
     logger.info("%s", report.summary())
     return report
 
 
 # --------------------------------------------------------------------------------------------- input / output
+
+
+def _relative(root: str, path: str) -> str:
+    """``path`` (under ``root``) as a storage key."""
+    return os.path.relpath(path, root).replace(os.sep, "/")
 
 
 def _is_remote(path: str | os.PathLike[str]) -> bool:

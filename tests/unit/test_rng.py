@@ -102,3 +102,57 @@ def test_xla_device_stream_continues_exactly(caplog):
     restore_rng_state(state)
     for want in expected:
         assert torch.equal(torch.nn.functional.dropout(x, 0.5).cpu(), want)
+
+
+def _stateful_loader(generator: torch.Generator | None = None, num_workers: int = 0):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    data = [torch.tensor([float(i)]) for i in range(12)]
+    return StatefulDataLoader(data, batch_size=2, shuffle=False, generator=generator, num_workers=num_workers)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_without_generator_resumes_the_global_stream_exactly(tmp_path, num_workers):
+    """A DataLoader without generator= draws its workers' base seed from torch's global stream whenever it
+    creates an iterator; after a resume that extra draw must not shift dropout. New epochs still draw."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    import nxd_ckpt as nxd
+
+    def loader():
+        return _stateful_loader(num_workers=num_workers)
+
+    torch.manual_seed(3)
+    run_a = loader()
+    it = iter(run_a)
+    seen = [next(it) for _ in range(2)]
+    nxd.save_checkpoint(str(tmp_path), "step_2", rank_state=run_a, save_rng=True)
+    reference = [(next(it), torch.rand(2)) for _ in range(4)] + [(list(iter(run_a)), torch.rand(2))]
+    assert seen
+
+    torch.manual_seed(77)
+    resumed = loader()
+    nxd.load_checkpoint(str(tmp_path), "step_2", rank_state=resumed)
+    it = iter(resumed)
+    got = [(next(it), torch.rand(2)) for _ in range(4)] + [(list(iter(resumed)), torch.rand(2))]
+    for (want_batch, want_draw), (got_batch, got_draw) in zip(reference, got, strict=True):
+        assert torch.equal(want_draw, got_draw)
+        if isinstance(want_batch, list):  # the next epoch: a new iterator, drawing its seed as run A's did
+            assert all(torch.equal(a, b) for a, b in zip(want_batch, got_batch, strict=True))
+        else:
+            assert torch.equal(want_batch, got_batch)
+
+
+def test_only_loaders_drawing_from_the_global_stream_are_wrapped():
+    from nxd_ckpt.rng import keep_streams_through_first_iterator
+
+    pytest.importorskip("torchdata.stateful_dataloader")
+    assert not keep_streams_through_first_iterator(_stateful_loader(torch.Generator().manual_seed(1)))
+    assert not keep_streams_through_first_iterator(object())
+    loader = _stateful_loader()
+    assert keep_streams_through_first_iterator(loader) and keep_streams_through_first_iterator(loader)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    iter(loader)
+    assert torch.equal(torch.get_rng_state(), before)  # the first iterator's seed draw was undone
+    iter(loader)
+    assert not torch.equal(torch.get_rng_state(), before)  # later ones draw as usual

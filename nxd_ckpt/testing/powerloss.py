@@ -1,0 +1,390 @@
+"""Power-loss simulation: a FUSE pass-through filesystem that remembers only what was made durable.
+
+SIGKILL keeps every write the kernel accepted; a power cut keeps only what was fsynced. ``PowerLossMount`` mounts
+a FUSE layer (libfuse 3 through the ``mfusepy`` ctypes binding, served by a child process) over a backing
+directory. Every operation passes through to the backing directory, and the server appends a journal of the
+durability events it sees:
+
+- ``fsync``/``fdatasync`` of a file: the file's bytes at that moment become its durable content;
+- ``fsync`` of a directory (``fsyncdir``): the directory's entries at that moment (name -> inode) become its
+  durable entries;
+- writes, creates, renames, unlinks, mkdir/rmdir are journaled for the record but change nothing durable.
+
+``CrashJournal.materialize(cut, dest)`` builds the state a power cut after the first ``cut`` durability events
+leaves behind: starting from the mount's root, each directory holds exactly the entries of its last
+``fsyncdir`` (nothing if it was never synced), and each file holds exactly its bytes of its last ``fsync``
+(empty if it was never synced). That is the worst case POSIX allows for losing data (a real filesystem may keep
+more), so the state only changes at durability events: those are the distinct cut points.
+
+Inodes are identified by the server, not by the backing filesystem's inode numbers, which are reused after an
+unlink. A test marks moments in the journal (``mark(label)``, e.g. "save of step_2 returned") by looking up
+``/.powerloss-mark-<label>`` on the mount, which the server journals and answers with ENOENT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import pickle
+import shutil
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+MARK_PREFIX = ".powerloss-mark-"
+
+
+def fuse_unavailable_reason() -> str | None:
+    """Why FUSE tests cannot run here (None when they can)."""
+    if not os.path.exists("/dev/fuse"):
+        return "/dev/fuse is missing (no FUSE in this kernel/container): the power-loss suite needs it"
+    if shutil.which("fusermount3") is None:
+        return "fusermount3 is not installed (apt-get install fuse3); scripts/setup_env.sh installs it as root"
+    try:
+        import mfusepy  # noqa: F401
+    except (ImportError, OSError) as e:
+        return f"the mfusepy FUSE binding or libfuse3 cannot be loaded ({e}); install nxd-ckpt[test] and libfuse3"
+    return None
+
+
+# --------------------------------------------------------------------------------------------- server side
+
+
+def _serve(backing: str, mountpoint: str, journal_path: str) -> None:
+    """Child process: serve the pass-through filesystem until unmounted."""
+    import mfusepy
+    from mfusepy import FUSE, FuseOSError, Operations
+
+    class Recorder(Operations):
+        use_ns = True
+
+        def __init__(self) -> None:
+            self.root = os.path.realpath(backing)
+            self._mutex = threading.RLock()
+            self.journal = open(journal_path, "ab")  # noqa: SIM115 - lives as long as the server
+            self.uids: dict[int, int] = {}
+            self.next_uid = 1
+            self._snapshot_initial_state()
+
+        # -- journal
+        def _log(self, *event: Any) -> None:
+            pickle.dump(event, self.journal)
+            self.journal.flush()
+
+        def _uid(self, st_ino: int, fresh: bool = False) -> int:
+            if fresh or st_ino not in self.uids:
+                self.uids[st_ino] = self.next_uid
+                self.next_uid += 1
+            return self.uids[st_ino]
+
+        def _entries(self, full: str) -> dict[str, tuple[int, bool]]:
+            out = {}
+            for name in os.listdir(full):
+                st = os.lstat(os.path.join(full, name))
+                out[name] = (self._uid(st.st_ino), stat.S_ISDIR(st.st_mode))
+            return out
+
+        def _snapshot_initial_state(self) -> None:
+            """Whatever the backing directory holds at mount time counts as durable."""
+            self._log("root", self._uid(os.lstat(self.root).st_ino))
+            for dirpath, _dirs, files in os.walk(self.root):
+                self._log("dir", self._uid(os.lstat(dirpath).st_ino), self._entries(dirpath), "<mount>")
+                for name in files:
+                    full = os.path.join(dirpath, name)
+                    with open(full, "rb") as f:
+                        self._log("file", self._uid(os.fstat(f.fileno()).st_ino), f.read(), "<mount>")
+
+        def _full(self, path: str) -> str:
+            return os.path.join(self.root, path.lstrip("/"))
+
+        # -- metadata
+        def getattr(self, path: str, fh: int | None = None) -> dict[str, Any]:
+            if path.startswith(f"/{MARK_PREFIX}"):
+                with self._mutex:
+                    self._log("mark", path[len(MARK_PREFIX) + 1 :])
+                raise FuseOSError(errno.ENOENT)
+            try:
+                st = os.fstat(fh) if fh is not None else os.lstat(self._full(path))
+            except OSError as e:
+                raise FuseOSError(e.errno) from None
+            keys = ("st_mode", "st_nlink", "st_uid", "st_gid", "st_size", "st_atime", "st_mtime", "st_ctime")
+            out = {k: getattr(st, k) for k in keys}
+            for k in ("st_atime", "st_mtime", "st_ctime"):
+                out[k] = getattr(st, k + "_ns")
+            return out
+
+        def access(self, path: str, amode: int) -> int:
+            if not os.access(self._full(path), amode):
+                raise FuseOSError(errno.EACCES)
+            return 0
+
+        def readdir(self, path: str, fh: int) -> list[str]:
+            return [".", "..", *os.listdir(self._full(path))]
+
+        def statfs(self, path: str) -> dict[str, int]:
+            st = os.statvfs(self._full(path))
+            keys = ("f_bavail", "f_bfree", "f_blocks", "f_bsize", "f_favail", "f_ffree", "f_files", "f_flag")
+            return {k: getattr(st, k) for k in (*keys, "f_frsize", "f_namemax")}
+
+        def chmod(self, path: str, mode: int) -> int:
+            os.chmod(self._full(path), mode)
+            return 0
+
+        def utimens(self, path: str, times: tuple[int, int] | None = None) -> int:
+            os.utime(self._full(path), ns=times)
+            return 0
+
+        # -- namespace changes (journaled; durable only once the parent directory is fsynced)
+        def mkdir(self, path: str, mode: int) -> int:
+            with self._mutex:
+                full = self._full(path)
+                os.mkdir(full, mode)
+                self._uid(os.lstat(full).st_ino, fresh=True)
+                self._log("op", "mkdir", path)
+            return 0
+
+        def rmdir(self, path: str) -> int:
+            with self._mutex:
+                os.rmdir(self._full(path))
+                self._log("op", "rmdir", path)
+            return 0
+
+        def unlink(self, path: str) -> int:
+            with self._mutex:
+                os.unlink(self._full(path))
+                self._log("op", "unlink", path)
+            return 0
+
+        def rename(self, old: str, new: str) -> int:
+            with self._mutex:
+                os.rename(self._full(old), self._full(new))
+                self._log("op", "rename", old, new)
+            return 0
+
+        # -- files
+        def create(self, path: str, mode: int, fi: Any = None) -> int:
+            with self._mutex:
+                fd = os.open(self._full(path), os.O_RDWR | os.O_CREAT | os.O_TRUNC, mode)
+                self._uid(os.fstat(fd).st_ino, fresh=True)
+                self._log("op", "create", path)
+            return fd
+
+        def open(self, path: str, flags: int) -> int:
+            flags &= ~(os.O_DIRECT | os.O_CREAT | os.O_EXCL)
+            with self._mutex:
+                fd = os.open(self._full(path), flags)
+                if flags & os.O_TRUNC:
+                    self._log("op", "truncate", path)
+            return fd
+
+        def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
+            return os.pread(fh, size, offset)
+
+        def write(self, path: str, data: bytes, offset: int, fh: int) -> int:
+            with self._mutex:
+                n = os.pwrite(fh, data, offset)
+                self._log("op", "write", path, offset, n)
+            return n
+
+        def truncate(self, path: str, length: int, fh: int | None = None) -> int:
+            with self._mutex:
+                if fh is not None:
+                    os.ftruncate(fh, length)
+                else:
+                    os.truncate(self._full(path), length)
+                self._log("op", "truncate", path, length)
+            return 0
+
+        def flush(self, path: str, fh: int) -> int:
+            return 0
+
+        def release(self, path: str, fh: int) -> int:
+            os.close(fh)
+            return 0
+
+        def fsync(self, path: str, datasync: int, fh: int) -> int:
+            with self._mutex:
+                st = os.fstat(fh)
+                data = os.pread(fh, st.st_size, 0) if st.st_size else b""
+                self._log("file", self._uid(st.st_ino), data, path)
+            return 0
+
+        # -- directories
+        def opendir(self, path: str) -> int:
+            return 0
+
+        def releasedir(self, path: str, fh: int) -> int:
+            return 0
+
+        def fsyncdir(self, path: str, datasync: int, fh: int) -> int:
+            with self._mutex:
+                full = self._full(path)
+                self._log("dir", self._uid(os.lstat(full).st_ino), self._entries(full), path)
+            return 0
+
+    del mfusepy
+    FUSE(Recorder(), mountpoint, foreground=True, nothreads=False, fsname="nxd_powerloss")
+
+
+# --------------------------------------------------------------------------------------------- test side
+
+
+@dataclass
+class CrashJournal:
+    """The durability events of one mount, and the post-crash states they allow."""
+
+    root: int
+    events: list[tuple] = field(default_factory=list)
+    """Durability events only: ("file", uid, bytes, path) and ("dir", uid, entries, path)."""
+    marks: list[tuple[int, str]] = field(default_factory=list)
+    """(number of durability events before the mark, label)."""
+    ops: list[tuple[int, tuple]] = field(default_factory=list)
+    """(number of durability events before it, op) for every journaled namespace/data operation."""
+    initial: int = 0
+    """Events that describe the state at mount time (cut points start after them)."""
+
+    @classmethod
+    def read(cls, path: str) -> CrashJournal:
+        journal: CrashJournal | None = None
+        with open(path, "rb") as f:
+            while True:
+                try:
+                    event = pickle.load(f)
+                except EOFError:
+                    break
+                if event[0] == "root":
+                    journal = cls(root=event[1])
+                    continue
+                assert journal is not None, "journal does not start with the root"
+                if event[0] in ("file", "dir"):
+                    journal.events.append(event)
+                    if event[-1] == "<mount>":
+                        journal.initial = len(journal.events)
+                elif event[0] == "mark":
+                    journal.marks.append((len(journal.events), event[1]))
+                else:
+                    journal.ops.append((len(journal.events), event))
+        if journal is None:
+            raise RuntimeError(f"power-loss journal {path} is empty: the FUSE server never started")
+        return journal
+
+    def cut_points(self) -> list[int]:
+        """Every distinct post-crash state after mounting: a cut before each durability event, and at the end."""
+        return list(range(self.initial, len(self.events) + 1))
+
+    def marks_before(self, cut: int) -> list[str]:
+        return [label for n, label in self.marks if n <= cut]
+
+    def describe(self, cut: int) -> str:
+        """The durability event a cut comes just before (for failure messages)."""
+        if cut >= len(self.events):
+            return "after the last durability event"
+        kind, _uid, _payload, path = self.events[cut]
+        return f"before fsync{'dir' if kind == 'dir' else ''} of {path} (event {cut})"
+
+    def materialize(self, cut: int, dest: str) -> None:
+        """Write to ``dest`` (created) what survives a power cut after the first ``cut`` durability events."""
+        files: dict[int, bytes] = {}
+        dirs: dict[int, dict[str, tuple[int, bool]]] = {}
+        for kind, uid, payload, _path in self.events[:cut]:
+            if kind == "file":
+                files[uid] = payload
+            else:
+                dirs[uid] = payload
+        os.makedirs(dest, exist_ok=True)
+
+        def build(uid: int, where: str, depth: int) -> None:
+            if depth > 64:
+                raise RuntimeError("directory cycle in the power-loss journal")
+            for name, (child, is_dir) in dirs.get(uid, {}).items():
+                target = os.path.join(where, name)
+                if is_dir:
+                    os.mkdir(target)
+                    build(child, target, depth + 1)
+                else:
+                    with open(target, "wb") as f:
+                        f.write(files.get(child, b""))
+
+        build(self.root, dest, 0)
+
+
+class PowerLossMount:
+    """Context manager: a recording FUSE mount of ``backing`` at ``mountpoint`` (both created)."""
+
+    def __init__(self, backing: str, mountpoint: str, journal_path: str, startup_timeout: float = 30.0) -> None:
+        self.backing = os.fspath(backing)
+        self.mountpoint = os.fspath(mountpoint)
+        self.journal_path = os.fspath(journal_path)
+        self.startup_timeout = startup_timeout
+        self._proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> PowerLossMount:
+        reason = fuse_unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(reason)
+        os.makedirs(self.backing, exist_ok=True)
+        os.makedirs(self.mountpoint, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.journal_path)
+        self._log = open(self.journal_path + ".server.log", "wb")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "nxd_ckpt.testing.powerloss", self.backing, self.mountpoint, self.journal_path],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        )
+        deadline = time.monotonic() + self.startup_timeout
+        while not os.path.ismount(self.mountpoint):
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                self._stop()
+                raise RuntimeError(f"the power-loss FUSE server did not mount {self.mountpoint}: {self._server_log()}")
+            time.sleep(0.02)
+        return self
+
+    def mark(self, label: str) -> None:
+        """Journal a moment (between durability events), e.g. 'saved step_2'."""
+        os.path.exists(os.path.join(self.mountpoint, MARK_PREFIX + label))
+
+    def journal(self) -> CrashJournal:
+        return CrashJournal.read(self.journal_path)
+
+    def _server_log(self) -> str:
+        with contextlib.suppress(OSError), open(self.journal_path + ".server.log", "rb") as f:
+            return f.read()[-4000:].decode(errors="replace")
+        return ""
+
+    def _stop(self) -> None:
+        if self._proc is None:
+            return
+        if os.path.ismount(self.mountpoint):
+            subprocess.run(["fusermount3", "-u", self.mountpoint], check=False, capture_output=True, timeout=30)
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(timeout=30)
+            subprocess.run(["fusermount3", "-uz", self.mountpoint], check=False, capture_output=True, timeout=30)
+        self._proc = None
+        self._log.close()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop()
+
+
+@contextlib.contextmanager
+def mounted(base: str) -> Iterator[PowerLossMount]:
+    """A recording mount under ``base`` (backing/, mnt/, journal.pkl)."""
+    with PowerLossMount(
+        os.path.join(base, "backing"), os.path.join(base, "mnt"), os.path.join(base, "journal.pkl")
+    ) as m:
+        yield m
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1], sys.argv[2], sys.argv[3])

@@ -1,0 +1,102 @@
+"""Re-saving a tag that holds a complete checkpoint keeps the old one loadable until the new one is complete.
+
+The new checkpoint is written beside the old one (a hidden directory) and swapped in by rank 0's commit; a crash
+in between is finished or undone by the next save or load (tags.recover_resaves). Proven here by a SIGKILL at
+every filesystem mutation of a re-save (sync and async, plain and xser); the power-loss suite
+(test_power_loss.py) cuts power at every fsync of 2-rank re-saves.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+import nxd_ckpt as nxd
+from nxd_ckpt import layout
+from nxd_ckpt.testing.crashloop import model_state, optimizer_state, run_resave
+from nxd_ckpt.testing.fakes import assert_state_equal
+
+TAG = "step_7"
+
+
+def _load(ckpt: str, tag: str | None = None) -> int:
+    """Load ``tag`` (default: latest) verified; check it bit-exactly against its version; return the version."""
+    model: dict = {}
+    optimizer: dict = {}
+    content = nxd.load_checkpoint(ckpt, tag, model=model, optimizer=optimizer)
+    version = content["version"]
+    assert_state_equal(model, model_state(version))
+    assert_state_equal(optimizer, optimizer_state(version))
+    return version
+
+
+def _hidden(ckpt: str) -> list[str]:
+    return sorted(n for n in os.listdir(ckpt) if n.startswith("."))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"async_save": True, "use_xser": True}],
+    ids=["sync-plain", "async-xser"],
+)
+def test_sigkill_at_every_mutation_of_a_resave(tmp_path, options):
+    pristine = str(tmp_path / "pristine")
+    assert run_resave(pristine, TAG, version=1, options=options) > 0
+    full = str(tmp_path / "full")
+    shutil.copytree(pristine, full)
+    mutations = run_resave(full, TAG, version=2, options=options)
+    assert _load(full) == 2 and _hidden(full) == [] and mutations > 10
+    swapped_at = None
+    for kill_after in range(mutations):
+        ckpt = str(tmp_path / f"k{kill_after}")
+        shutil.copytree(pristine, ckpt)
+        assert run_resave(ckpt, TAG, version=2, kill_after=kill_after, options=options) == -1
+        # The tag stays loadable after any kill: the old version until the new one was complete, then the new.
+        assert nxd.list_checkpoint_tags(ckpt) == [TAG] or _hidden(ckpt), kill_after
+        version = _load(ckpt, TAG)  # loading finishes a swap the kill interrupted
+        assert version in (1, 2), kill_after
+        if version == 2:
+            swapped_at = kill_after if swapped_at is None else swapped_at
+        else:
+            assert swapped_at is None, f"kill point {kill_after} went back to the old version after {swapped_at}"
+        assert nxd.verify(ckpt, TAG).ok
+        assert nxd.list_checkpoint_tags(ckpt) == [TAG]
+        if kill_after % 3 == 0:  # (every third point, for time) the next save cleans up and re-saving works
+            assert run_resave(ckpt, TAG, version=3, options=options) > 0
+            assert _load(ckpt) == 3 and _hidden(ckpt) == [] and nxd.verify(ckpt, TAG).ok
+        shutil.rmtree(ckpt)
+    assert swapped_at is not None and swapped_at > mutations // 2
+    print(f"\n[re-save] {mutations} kill points, the new version is loadable from kill point {swapped_at} on")
+
+
+def test_resave_writes_beside_and_leaves_nothing_behind(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    nxd.save_checkpoint(ckpt, TAG, model=model_state(1), optimizer=optimizer_state(1), user_content={"version": 1})
+    nxd.save_checkpoint(ckpt, "step_8", model=model_state(5), optimizer=optimizer_state(5), user_content={"version": 5})
+    nxd.save_checkpoint(ckpt, TAG, model=model_state(2), optimizer=optimizer_state(2), user_content={"version": 2})
+    assert _load(ckpt) == 2  # the re-saved tag is the newest, as with NxD's same-tag overwrite
+    assert nxd.list_checkpoint_tags(ckpt) == ["step_8", TAG] and _hidden(ckpt) == []
+    assert sorted(os.listdir(os.path.join(ckpt, TAG))) == sorted(os.listdir(os.path.join(ckpt, "step_8")))
+
+
+def test_an_unfinished_resave_is_dropped_and_a_finished_one_swapped_in(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    nxd.save_checkpoint(ckpt, TAG, model=model_state(1), optimizer=optimizer_state(1), user_content={"version": 1})
+    staged = str(tmp_path / "staged")
+    nxd.save_checkpoint(staged, TAG, model=model_state(2), optimizer=optimizer_state(2), user_content={"version": 2})
+    # A complete re-save whose swap never happened (crash right after its 'done'): a load swaps it in.
+    shutil.copytree(os.path.join(staged, TAG), os.path.join(ckpt, layout.resave_dir(TAG)))
+    assert _load(ckpt) == 2 and _hidden(ckpt) == []
+    # An unfinished one (no 'done'): loads leave it alone (another job may be writing it); the next save drops it.
+    shutil.copytree(os.path.join(staged, TAG), os.path.join(ckpt, layout.resave_dir(TAG)))
+    os.unlink(os.path.join(ckpt, layout.resave_dir(TAG), layout.DONE_MARKER))
+    assert _load(ckpt) == 2 and _hidden(ckpt) == [layout.resave_dir(TAG)]
+    nxd.save_checkpoint(ckpt, "step_9", model=model_state(3), optimizer=optimizer_state(3), user_content={"version": 3})
+    assert _hidden(ckpt) == [] and _load(ckpt, TAG) == 2
+    # The swap's middle (old copy renamed away, new one not yet in place): a load finishes it.
+    shutil.copytree(os.path.join(staged, TAG), os.path.join(ckpt, layout.resave_dir(TAG)))
+    os.rename(os.path.join(ckpt, TAG), os.path.join(ckpt, layout.replaced_dir(TAG)))
+    assert _load(ckpt, TAG) == 2 and _hidden(ckpt) == []
