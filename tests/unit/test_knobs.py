@@ -29,15 +29,23 @@ def test_unset_or_empty_is_the_default(monkeypatch):
         monkeypatch.setenv(name, "  ")
     assert knobs.direct_io() is True and knobs.xla_transfer_thread() is True and knobs.log_all_ranks() is False
     assert knobs.io_threads() == 4 and knobs.xser_inline_bytes() == 64 << 10
-    assert knobs.commit_timeout_s() == 1800.0 and knobs.replica_reads() == "auto" and knobs.s3_endpoint_url() is None
+    assert knobs.timeout_s() == 1800.0 and knobs.replica_reads() == "auto" and knobs.s3_endpoint_url() is None
 
 
 @pytest.mark.parametrize(
     ("raw", "seconds"), [("90", 90.0), ("90s", 90.0), ("5m", 300.0), ("1.5h", 5400.0), ("250ms", 0.25)]
 )
 def test_durations(monkeypatch, raw, seconds):
-    monkeypatch.setenv("NXD_CKPT_COMMIT_TIMEOUT_S", raw)
-    assert knobs.commit_timeout_s() == seconds
+    monkeypatch.setenv("NXD_CKPT_TIMEOUT_S", raw)
+    assert knobs.timeout_s() == seconds
+
+
+def test_timeout_old_name_is_read_when_the_new_one_is_unset(monkeypatch):
+    monkeypatch.delenv("NXD_CKPT_TIMEOUT_S", raising=False)
+    monkeypatch.setenv("NXD_CKPT_COMMIT_TIMEOUT_S", "5m")
+    assert knobs.timeout_s() == 300.0
+    monkeypatch.setenv("NXD_CKPT_TIMEOUT_S", "20")
+    assert knobs.timeout_s() == 20.0
 
 
 @pytest.mark.parametrize(
@@ -47,8 +55,8 @@ def test_durations(monkeypatch, raw, seconds):
         ("NXD_CKPT_IO_THREADS", "four", knobs.io_threads, "integer >= 1"),
         ("NXD_CKPT_IO_THREADS", "0", knobs.io_threads, "integer >= 1"),
         ("NXD_CKPT_XSER_INLINE_BYTES", "-1", knobs.xser_inline_bytes, "integer >= 0"),
-        ("NXD_CKPT_COMMIT_TIMEOUT_S", "soon", knobs.commit_timeout_s, "duration"),
-        ("NXD_CKPT_COMMIT_TIMEOUT_S", "0", knobs.commit_timeout_s, "duration > 0"),
+        ("NXD_CKPT_TIMEOUT_S", "soon", knobs.timeout_s, "duration"),
+        ("NXD_CKPT_TIMEOUT_S", "0", knobs.timeout_s, "duration > 0"),
         ("NXD_CKPT_REPLICA_READS", "gossip", knobs.replica_reads, "auto, broadcast"),
     ],
 )
