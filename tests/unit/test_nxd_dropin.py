@@ -152,3 +152,22 @@ def test_dcp_optimizer_state_is_refused_clearly(tmp_path):
     (tmp_path / "s1" / "optim" / ".metadata").write_bytes(b"dcp")
     with pytest.raises(FormatError, match="Distributed Checkpoint"):
         nxd.load_checkpoint(str(tmp_path), "s1", model=TinyMLP(), optimizer={}, verify=False)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_xser_info_marks_expert_parameters_like_nxd(tmp_path, async_save, monkeypatch):
+    """NxD records ``expert_model_parallel`` per tensor in the xser info file; the mark lives on parameters and
+    must survive ``state_dict()`` (detached tensors) and async staging (host copies in reused buffers)."""
+    monkeypatch.setenv("NXD_CKPT_XSER_INLINE_BYTES", "0")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[1].weight.expert_model_parallel = True
+    for step in (1, 2):  # the second async save reuses the first one's host buffers
+        report = nxd.save_checkpoint(str(tmp_path), f"s{step}", model=model, use_xser=True, async_save=async_save)
+        report.wait()
+        path = tmp_path / f"s{step}" / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt"
+        info = torch.load(str(path) + ".info.pt")
+        flags = {tuple(v["shape"]): v["expert_model_parallel"] for v in info.values()}
+        assert flags == {(4, 4): False, (4,): False, (2, 4): True, (2,): False}
+    m2 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    nxd.load_checkpoint(str(tmp_path), model=m2)
+    assert_state_equal(model.state_dict(), m2.state_dict())
