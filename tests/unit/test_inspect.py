@@ -37,6 +37,8 @@ class RemoteLikeStorage(Storage):
     """Delegates to a LocalStorage but is not one (as S3 is not): reads go through ranged ``read_bytes`` calls,
     whose byte counts are recorded."""
 
+    ranged_reads = True  # the capability S3 declares: partial reads go by ranges
+
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.inner = LocalStorage(root)
         self.url = self.inner.url
