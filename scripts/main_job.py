@@ -117,8 +117,8 @@ def run(args: argparse.Namespace, work: str) -> int:
         return 1
     print(
         f"   the training processes were SIGKILLed at step {args.crash_at_step} as planned: the simulated node "
-        "failure, not an error (torchrun's own report of it, 'failed (exitcode: -9)', is in crashing_run.stderr "
-        "in the work dir)",
+        "failure, not an error (torchrun's report of it, 'failed (exitcode: -9)' and a ChildFailedError, goes to "
+        "crashing_run.stderr in the work dir)",
         flush=True,
     )
     sys.path.insert(0, ROOT)

@@ -99,3 +99,30 @@ def test_pyproject_license_is_an_spdx_string():
     assert any(r.replace(" ", "").startswith("setuptools>=77") for r in meta["build-system"]["requires"])
     # Test runs do not leave their checkpoints behind ($TMPDIR/pytest-of-$USER held ~230 MB per run).
     assert meta["tool"]["pytest"]["ini_options"]["tmp_path_retention_policy"] == "failed"
+
+
+def _main_job_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("main_job", REPO / "scripts" / "main_job.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_main_job_recognises_its_planned_crash_and_names_its_files_honestly(tmp_path, monkeypatch):
+    import torch
+
+    import nxd_ckpt as nxd
+
+    main_job = _main_job_module()
+    torchrun_report = "E1123 api.py:1002] failed (exitcode: -9) local_rank: 0 (pid: 1091)\nChildFailedError"
+    assert main_job.killed_by_sigkill(torchrun_report)
+    assert not main_job.killed_by_sigkill("failed (exitcode: 1) local_rank: 0\nValueError: boom")
+
+    small = {"w": torch.zeros(4, 4)}  # 64 bytes: inline in the xser reference file
+    nxd.save_checkpoint(tmp_path, "small", model=small, use_xser=True)
+    assert "all single torch.save-readable files: xser was asked for" in main_job.describe_files(str(tmp_path), "small")
+    monkeypatch.setenv("NXD_CKPT_XSER_INLINE_BYTES", "0")
+    nxd.save_checkpoint(tmp_path, "split", model=small, use_xser=True)
+    assert "1 of them xser (one file per tensor)" in main_job.describe_files(str(tmp_path), "split")
