@@ -208,9 +208,14 @@ class ResaveStorage(DelegatingStorage):
             return self.tag + path[len(self.staging) :]
         return path
 
-    def deferred_fsync(self, *args: Any, **kwargs: Any) -> contextlib.AbstractContextManager[None]:
-        deferred = getattr(self.inner, "deferred_fsync", None)
-        return deferred(*args, **kwargs) if callable(deferred) else contextlib.nullcontext()
+    def local_path(self, path: str) -> str | None:
+        return self.inner.local_path(self._map(path))
+
+    def write_from_local_file(self, path: str, local_file: str) -> None:
+        self.inner.write_from_local_file(self._map(path), local_file)
+
+    def open_sequential(self, path: str, direct: bool = False) -> contextlib.AbstractContextManager[BinaryIO]:
+        return self.inner.open_sequential(self._map(path), direct)
 
     def open_write(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
         return self.inner.open_write(self._map(path))

@@ -174,12 +174,13 @@ class WatchedStorage(DelegatingStorage):
         with self.monitor.call("syncing the directories of", ", ".join(paths) or "."):
             self.inner.sync_dirs(paths)
 
-    def deferred_fsync(self, *args: Any, **kwargs: Any) -> AbstractContextManager[None]:
-        """The backend's fsync batch (if it has one), its final flush watched as one call."""
-        inner = getattr(self.inner, "deferred_fsync", None)
-        if not callable(inner):
-            return contextlib.nullcontext()
-        return self._watched_batch(inner(*args, **kwargs))
+    def write_from_local_file(self, path: str, local_file: str) -> None:
+        with self.monitor.call("writing", path):
+            self.inner.write_from_local_file(path, local_file)
+
+    def durability_batch(self) -> AbstractContextManager[None]:
+        """The backend's fsync batch, its final flush watched as one call."""
+        return self._watched_batch(self.inner.durability_batch())
 
     @contextlib.contextmanager
     def _watched_batch(self, batch: AbstractContextManager[None]) -> Iterator[None]:

@@ -233,6 +233,9 @@ class DelegatingStorage(Storage):
     def open_read(self, path: str) -> AbstractContextManager[BinaryIO]:
         return self.inner.open_read(path)
 
+    def open_sequential(self, path: str, direct: bool = False) -> AbstractContextManager[BinaryIO]:
+        return self.inner.open_sequential(path, direct)
+
     def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         return self.inner.read_bytes(path, offset, length)
 
