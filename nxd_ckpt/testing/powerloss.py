@@ -37,6 +37,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..storage.local import RENAME_EXCHANGE, rename_exchange
+
 MARK_PREFIX = ".powerloss-mark-"
 
 
@@ -145,8 +147,7 @@ def _serve(backing: str, mountpoint: str, journal_path: str) -> None:
             with self._mutex:
                 full = self._full(path)
                 os.mkdir(full, mode)
-                self._uid(os.lstat(full).st_ino, fresh=True)
-                self._log("op", "mkdir", path)
+                self._log("op", "mkdir", path, self._uid(os.lstat(full).st_ino, fresh=True))
             return 0
 
         def rmdir(self, path: str) -> int:
@@ -167,12 +168,25 @@ def _serve(backing: str, mountpoint: str, journal_path: str) -> None:
                 self._log("op", "rename", old, new)
             return 0
 
+        def rename_flags(self, old: str, new: str, flags: int) -> int:
+            """rename2 with flags: RENAME_EXCHANGE is passed through (journaled as one operation)."""
+            if flags == 0:
+                return self.rename(old, new)
+            if flags != RENAME_EXCHANGE:
+                raise FuseOSError(errno.EINVAL)
+            with self._mutex:
+                try:
+                    rename_exchange(self._full(old), self._full(new))
+                except OSError as e:
+                    raise FuseOSError(e.errno) from None
+                self._log("op", "exchange", old, new)
+            return 0
+
         # -- files
         def create(self, path: str, mode: int, fi: Any = None) -> int:
             with self._mutex:
                 fd = os.open(self._full(path), os.O_RDWR | os.O_CREAT | os.O_TRUNC, mode)
-                self._uid(os.fstat(fd).st_ino, fresh=True)
-                self._log("op", "create", path)
+                self._log("op", "create", path, self._uid(os.fstat(fd).st_ino, fresh=True))
             return fd
 
         def open(self, path: str, flags: int) -> int:
@@ -228,26 +242,38 @@ def _serve(backing: str, mountpoint: str, journal_path: str) -> None:
                 self._log("dir", self._uid(os.lstat(full).st_ino), self._entries(full), path)
             return 0
 
+    class FlagPassingFUSE(FUSE):
+        """mfusepy drops rename2's flags (a RENAME_EXCHANGE would silently become a plain rename): pass them."""
+
+        def rename_fuse_3(self, old: bytes, new: bytes, flags: int) -> int:
+            return self.operations.rename_flags(old.decode(), new.decode(), flags)
+
     del mfusepy
-    FUSE(Recorder(), mountpoint, foreground=True, nothreads=False, fsname="nxd_powerloss")
+    FlagPassingFUSE(Recorder(), mountpoint, foreground=True, nothreads=False, fsname="nxd_powerloss")
 
 
 # --------------------------------------------------------------------------------------------- test side
 
 
+Tree = dict[int, dict[str, tuple[int, bool]]]
+"""Directories by inode: name -> (inode, is_dir)."""
+
+
 @dataclass
 class CrashJournal:
-    """The durability events of one mount, and the post-crash states they allow."""
+    """Everything one mount journaled, in order, and the post-crash states it allows under two models.
+
+    ``strict`` (``materialize``): only what was fsynced survives, file data and directory entries alike (the
+    worst case POSIX allows). ``ordered`` (``materialize_ordered``): namespace operations (create, mkdir,
+    rename, unlink, rmdir) survive in the order they happened, as on a filesystem that journals metadata, but file
+    data survives only if fsynced (a renamed-in file that was not synced comes back empty).
+    """
 
     root: int
-    events: list[tuple] = field(default_factory=list)
-    """Durability events only: ("file", uid, bytes, path) and ("dir", uid, entries, path)."""
-    marks: list[tuple[int, str]] = field(default_factory=list)
-    """(number of durability events before the mark, label)."""
-    ops: list[tuple[int, tuple]] = field(default_factory=list)
-    """(number of durability events before it, op) for every journaled namespace/data operation."""
-    initial: int = 0
-    """Events that describe the state at mount time (cut points start after them)."""
+    sequence: list[tuple] = field(default_factory=list)
+    """Every journaled event after the mount-time snapshot, in order."""
+    initial: list[tuple] = field(default_factory=list)
+    """The mount-time snapshot: ("dir"/"file", uid, payload, "<mount>") events."""
 
     @classmethod
     def read(cls, path: str) -> CrashJournal:
@@ -260,43 +286,95 @@ class CrashJournal:
                     break
                 if event[0] == "root":
                     journal = cls(root=event[1])
-                    continue
-                assert journal is not None, "journal does not start with the root"
-                if event[0] in ("file", "dir"):
-                    journal.events.append(event)
-                    if event[-1] == "<mount>":
-                        journal.initial = len(journal.events)
-                elif event[0] == "mark":
-                    journal.marks.append((len(journal.events), event[1]))
+                elif journal is None:
+                    raise RuntimeError(f"power-loss journal {path} does not start with the root")
+                elif event[0] in ("file", "dir") and event[-1] == "<mount>":
+                    journal.initial.append(event)
                 else:
-                    journal.ops.append((len(journal.events), event))
+                    journal.sequence.append(event)
         if journal is None:
             raise RuntimeError(f"power-loss journal {path} is empty: the FUSE server never started")
         return journal
 
+    @property
+    def durability_events(self) -> list[int]:
+        """Positions in ``sequence`` of the fsyncs (files and directories)."""
+        return [i for i, e in enumerate(self.sequence) if e[0] in ("file", "dir")]
+
     def cut_points(self) -> list[int]:
-        """Every distinct post-crash state after mounting: a cut before each durability event, and at the end."""
-        return list(range(self.initial, len(self.events) + 1))
+        """Strict model: cut positions in ``sequence`` that can give distinct states (before each fsync, and
+        at the end): under this model nothing else changes what survives."""
+        return [*self.durability_events, len(self.sequence)]
+
+    def ordered_cut_points(self) -> list[int]:
+        """Ordered model: before every fsync and every namespace operation, and at the end."""
+        changes = ("file", "dir")
+        names = ("create", "mkdir", "rename", "exchange", "unlink", "rmdir")
+        return [i for i, e in enumerate(self.sequence) if e[0] in changes or (e[0] == "op" and e[1] in names)] + [
+            len(self.sequence)
+        ]
 
     def marks_before(self, cut: int) -> list[str]:
-        return [label for n, label in self.marks if n <= cut]
+        return [e[1] for e in self.sequence[:cut] if e[0] == "mark"]
 
     def describe(self, cut: int) -> str:
-        """The durability event a cut comes just before (for failure messages)."""
-        if cut >= len(self.events):
-            return "after the last durability event"
-        kind, _uid, _payload, path = self.events[cut]
-        return f"before fsync{'dir' if kind == 'dir' else ''} of {path} (event {cut})"
+        """The event a cut comes just before (for failure messages)."""
+        if cut >= len(self.sequence):
+            return "after the last event"
+        event = self.sequence[cut]
+        if event[0] in ("file", "dir"):
+            return f"before fsync{'dir' if event[0] == 'dir' else ''} of {event[3]} (event {cut})"
+        return f"before {' '.join(map(str, event[1:]))} (event {cut})"
 
-    def materialize(self, cut: int, dest: str) -> None:
-        """Write to ``dest`` (created) what survives a power cut after the first ``cut`` durability events."""
+    def _durable(self, cut: int) -> tuple[dict[int, bytes], Tree]:
         files: dict[int, bytes] = {}
-        dirs: dict[int, dict[str, tuple[int, bool]]] = {}
-        for kind, uid, payload, _path in self.events[:cut]:
+        dirs: Tree = {}
+        for kind, uid, payload, _path in [*self.initial, *(e for e in self.sequence[:cut] if e[0] in ("file", "dir"))]:
             if kind == "file":
                 files[uid] = payload
             else:
-                dirs[uid] = payload
+                dirs[uid] = dict(payload)
+        return files, dirs
+
+    def materialize(self, cut: int, dest: str) -> None:
+        """Strict model: write to ``dest`` what survives a power cut before ``sequence[cut]``."""
+        files, dirs = self._durable(cut)
+        self._build(dirs, files, dest)
+
+    def materialize_ordered(self, cut: int, dest: str) -> None:
+        """Ordered model: the namespace as it was before ``sequence[cut]``, file data as last fsynced."""
+        files, _ = self._durable(cut)
+        _, tree = self._durable(0)  # the mount-time namespace, then every namespace operation replayed
+        for event in self.sequence[:cut]:
+            if event[0] != "op":
+                continue
+            op = event[1]
+            if op in ("create", "mkdir"):
+                parent, name = self._parent(tree, event[2])
+                tree[parent][name] = (event[3], op == "mkdir")
+                if op == "mkdir":
+                    tree[event[3]] = {}
+            elif op in ("unlink", "rmdir"):
+                parent, name = self._parent(tree, event[2])
+                tree[parent].pop(name, None)
+            elif op == "exchange":
+                a_parent, a_name = self._parent(tree, event[2])
+                b_parent, b_name = self._parent(tree, event[3])
+                tree[a_parent][a_name], tree[b_parent][b_name] = tree[b_parent][b_name], tree[a_parent][a_name]
+            elif op == "rename":
+                old_parent, old_name = self._parent(tree, event[2])
+                new_parent, new_name = self._parent(tree, event[3])
+                tree[new_parent][new_name] = tree[old_parent].pop(old_name)
+        self._build(tree, files, dest)
+
+    def _parent(self, tree: Tree, path: str) -> tuple[int, str]:
+        parts = [p for p in path.split("/") if p]
+        uid = self.root
+        for part in parts[:-1]:
+            uid = tree[uid][part][0]
+        return uid, parts[-1]
+
+    def _build(self, dirs: Tree, files: dict[int, bytes], dest: str) -> None:
         os.makedirs(dest, exist_ok=True)
 
         def build(uid: int, where: str, depth: int) -> None:
