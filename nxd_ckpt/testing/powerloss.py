@@ -1,20 +1,20 @@
-"""Power-loss simulation: a FUSE pass-through filesystem that remembers only what was made durable.
+"""Power-loss simulation: a FUSE pass-through filesystem that journals what was made durable, and when.
 
 SIGKILL keeps every write the kernel accepted; a power cut keeps only what was fsynced. ``PowerLossMount`` mounts
 a FUSE layer (libfuse 3 through the ``mfusepy`` ctypes binding, served by a child process) over a backing
-directory. Every operation passes through to the backing directory, and the server appends a journal of the
-durability events it sees:
+directory. Every operation passes through to the backing directory, and the server journals, in order:
 
-- ``fsync``/``fdatasync`` of a file: the file's bytes at that moment become its durable content;
-- ``fsync`` of a directory (``fsyncdir``): the directory's entries at that moment (name -> inode) become its
-  durable entries;
-- writes, creates, renames, unlinks, mkdir/rmdir are journaled for the record but change nothing durable.
+- ``fsync``/``fdatasync`` of a file, with the file's bytes at that moment;
+- ``fsync`` of a directory (``fsyncdir``), with the directory's entries at that moment (name -> inode);
+- every create, mkdir, rename (``RENAME_EXCHANGE`` included), unlink, rmdir, write and truncate.
 
-``CrashJournal.materialize(cut, dest)`` builds the state a power cut after the first ``cut`` durability events
-leaves behind: starting from the mount's root, each directory holds exactly the entries of its last
-``fsyncdir`` (nothing if it was never synced), and each file holds exactly its bytes of its last ``fsync``
-(empty if it was never synced). That is the worst case POSIX allows for losing data (a real filesystem may keep
-more), so the state only changes at durability events: those are the distinct cut points.
+``CrashJournal`` rebuilds from the journal the state a power cut before any journaled event leaves behind, under
+two models. *Strict* (``materialize``): each directory holds exactly the entries of its last ``fsyncdir``
+(nothing if it was never synced) and each file exactly its bytes of its last ``fsync`` (empty if never synced),
+the worst case POSIX allows; this state changes only at fsyncs, so those are its cut points. *Ordered*
+(``materialize_ordered``): namespace operations survive in the order they happened (a metadata-journaling
+filesystem) but file data only as last fsynced, so a file renamed into place before its fsync comes back empty;
+its cut points are every fsync and every namespace operation.
 
 Inodes are identified by the server, not by the backing filesystem's inode numbers, which are reused after an
 unlink. A test marks moments in the journal (``mark(label)``, e.g. "save of step_2 returned") by looking up
@@ -24,6 +24,7 @@ unlink. A test marks moments in the journal (``mark(label)``, e.g. "save of step
 from __future__ import annotations
 
 import contextlib
+import ctypes.util
 import errno
 import os
 import pickle
@@ -48,11 +49,18 @@ def fuse_unavailable_reason() -> str | None:
         return "/dev/fuse is missing (no FUSE in this kernel/container): the power-loss suite needs it"
     if shutil.which("fusermount3") is None:
         return "fusermount3 is not installed (apt-get install fuse3); scripts/setup_env.sh installs it as root"
+    if _libfuse3() is None:
+        return "libfuse 3 is not installed (apt-get install fuse3 libfuse3-3); scripts/setup_env.sh installs it as root"
     try:
         import mfusepy  # noqa: F401
     except (ImportError, OSError) as e:
         return f"the mfusepy FUSE binding or libfuse3 cannot be loaded ({e}); install nxd-ckpt[test] and libfuse3"
     return None
+
+
+def _libfuse3() -> str | None:
+    """libfuse 3's library name (mfusepy would prefer libfuse 2 where both are installed; rename2 flags need 3)."""
+    return os.environ.get("FUSE_LIBRARY_PATH") or ctypes.util.find_library("fuse3")
 
 
 # --------------------------------------------------------------------------------------------- server side
@@ -415,7 +423,7 @@ class PowerLossMount:
             [sys.executable, "-m", "nxd_ckpt.testing.powerloss", self.backing, self.mountpoint, self.journal_path],
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+            env={**os.environ, "PYTHONWARNINGS": "ignore", "FUSE_LIBRARY_PATH": _libfuse3() or ""},
         )
         deadline = time.monotonic() + self.startup_timeout
         while not os.path.ismount(self.mountpoint):
