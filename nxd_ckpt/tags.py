@@ -270,8 +270,15 @@ def swap_in_resave(storage: Storage, tag: str) -> None:
     staging, old = layout.resave_dir(tag), layout.replaced_dir(tag)
     if not storage.exists(f"{staging}/{layout.DONE_MARKER}"):
         raise CheckpointError(f"{storage.url}/{staging} is not complete; refusing to swap it in as {tag!r}")
+    exchange = getattr(storage, "exchange_dirs", None)
+    if callable(exchange) and storage.list_dir(tag) and exchange(staging, tag):
+        # One atomic step: the tag now holds the new checkpoint and the hidden directory the old one (older
+        # by its creation time, which is how recovery tells the two apart if a crash comes before the deletion).
+        storage.sync_dirs([""])
+        _delete_copy(storage, staging)
+        return
     rename_dir = getattr(storage, "rename_dir", None)
-    if callable(rename_dir):
+    if callable(rename_dir):  # two renames: between them the tag is missing (a load or save finishes the swap)
         if storage.list_dir(tag):
             _delete_copy(storage, old)  # a replaced copy left by an earlier interrupted swap
             rename_dir(tag, old)
@@ -289,6 +296,31 @@ def swap_in_resave(storage: Storage, tag: str) -> None:
     storage.write_bytes(layout.tag_path(tag, layout.DONE_MARKER), b"1")
     storage.sync_dirs([tag])
     _delete_copy(storage, staging)
+
+
+def _is_older_copy(storage: Storage, directory: str, tag: str) -> bool:
+    """Whether the complete checkpoint in ``directory`` is older than the complete ``tag`` (so it is the old copy
+    an exchange put there, not a re-save waiting to be swapped in)."""
+    if not storage.exists(layout.tag_path(tag, layout.DONE_MARKER)):
+        return False
+    try:
+        hidden = _metadata_at(storage, directory)
+        current = read_metadata(storage, tag)
+    except FormatError:
+        return False
+    if not hidden or not current or "created_at" not in hidden or "created_at" not in current:
+        return False
+    return float(hidden["created_at"]) <= float(current["created_at"])
+
+
+def _metadata_at(storage: Storage, directory: str) -> dict | None:
+    path = f"{directory}/{layout.METADATA_FILE}"
+    if not storage.exists(path):
+        return None
+    try:
+        return json.loads(storage.read_bytes(path))
+    except ValueError as e:
+        raise FormatError(f"{storage.url}/{path} is not valid JSON: {e}") from e
 
 
 def _delete_copy(storage: Storage, directory: str) -> None:
@@ -323,9 +355,13 @@ def recover_resaves(storage: Storage, finish_only: bool = False) -> list[str]:
 
 def _recover_resave(storage: Storage, tag: str, finish_only: bool) -> None:
     staging, old = layout.resave_dir(tag), layout.replaced_dir(tag)
-    if storage.exists(f"{staging}/{layout.DONE_MARKER}"):
+    if storage.exists(f"{staging}/{layout.DONE_MARKER}") and not _is_older_copy(storage, staging, tag):
         logger.warning("finishing the interrupted re-save of checkpoint %s in %s", tag, storage.url)
         swap_in_resave(storage, tag)
+        return
+    if storage.exists(f"{staging}/{layout.DONE_MARKER}"):  # the old copy an exchange left: delete it
+        if not finish_only:
+            _delete_copy(storage, staging)
         return
     if finish_only:
         if not storage.list_dir(tag) and storage.exists(f"{old}/{layout.DONE_MARKER}"):

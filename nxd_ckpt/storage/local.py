@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import functools
 import os
 import shutil
 import threading
@@ -191,6 +194,17 @@ class LocalStorage(Storage):
         except OSError as e:
             raise StorageError(f"cannot rename {self._abs(src)} to {self._abs(dst)}: {e.strerror or e}") from e
 
+    def exchange_dirs(self, a: str, b: str) -> bool:
+        """Atomically swap directories ``a`` and ``b`` (Linux ``renameat2(RENAME_EXCHANGE)``); False when this
+        system or filesystem cannot, so the caller falls back to two renames."""
+        try:
+            rename_exchange(self._abs(a), self._abs(b))
+        except OSError as e:
+            if e.errno in _EXCHANGE_UNSUPPORTED:
+                return False
+            raise StorageError(f"cannot exchange {self._abs(a)} and {self._abs(b)}: {e.strerror or e}") from e
+        return True
+
     def sync_dirs(self, paths: Iterator[str] | list[str] | set[str]) -> None:
         for path in sorted(set(paths)):
             full = self._abs(path)
@@ -202,6 +216,27 @@ class LocalStorage(Storage):
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+
+RENAME_EXCHANGE = 2
+_EXCHANGE_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV}
+
+
+def rename_exchange(a: str, b: str) -> None:
+    """``renameat2(a, b, RENAME_EXCHANGE)``: both paths exist before and after, with their contents swapped.
+    Raises OSError (ENOSYS where libc or the kernel lacks it, EINVAL where the filesystem does)."""
+    renameat2 = getattr(_libc(), "renameat2", None)
+    if renameat2 is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available in this C library")
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _fsync_path(path: str) -> None:

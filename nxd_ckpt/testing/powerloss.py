@@ -1,20 +1,20 @@
-"""Power-loss simulation: a FUSE pass-through filesystem that remembers only what was made durable.
+"""Power-loss simulation: a FUSE pass-through filesystem that journals what was made durable, and when.
 
 SIGKILL keeps every write the kernel accepted; a power cut keeps only what was fsynced. ``PowerLossMount`` mounts
 a FUSE layer (libfuse 3 through the ``mfusepy`` ctypes binding, served by a child process) over a backing
-directory. Every operation passes through to the backing directory, and the server appends a journal of the
-durability events it sees:
+directory. Every operation passes through to the backing directory, and the server journals, in order:
 
-- ``fsync``/``fdatasync`` of a file: the file's bytes at that moment become its durable content;
-- ``fsync`` of a directory (``fsyncdir``): the directory's entries at that moment (name -> inode) become its
-  durable entries;
-- writes, creates, renames, unlinks, mkdir/rmdir are journaled for the record but change nothing durable.
+- ``fsync``/``fdatasync`` of a file, with the file's bytes at that moment;
+- ``fsync`` of a directory (``fsyncdir``), with the directory's entries at that moment (name -> inode);
+- every create, mkdir, rename (``RENAME_EXCHANGE`` included), unlink, rmdir, write and truncate.
 
-``CrashJournal.materialize(cut, dest)`` builds the state a power cut after the first ``cut`` durability events
-leaves behind: starting from the mount's root, each directory holds exactly the entries of its last
-``fsyncdir`` (nothing if it was never synced), and each file holds exactly its bytes of its last ``fsync``
-(empty if it was never synced). That is the worst case POSIX allows for losing data (a real filesystem may keep
-more), so the state only changes at durability events: those are the distinct cut points.
+``CrashJournal`` rebuilds from the journal the state a power cut before any journaled event leaves behind, under
+two models. *Strict* (``materialize``): each directory holds exactly the entries of its last ``fsyncdir``
+(nothing if it was never synced) and each file exactly its bytes of its last ``fsync`` (empty if never synced),
+the worst case POSIX allows; this state changes only at fsyncs, so those are its cut points. *Ordered*
+(``materialize_ordered``): namespace operations survive in the order they happened (a metadata-journaling
+filesystem) but file data only as last fsynced, so a file renamed into place before its fsync comes back empty;
+its cut points are every fsync and every namespace operation.
 
 Inodes are identified by the server, not by the backing filesystem's inode numbers, which are reused after an
 unlink. A test marks moments in the journal (``mark(label)``, e.g. "save of step_2 returned") by looking up
@@ -24,6 +24,7 @@ unlink. A test marks moments in the journal (``mark(label)``, e.g. "save of step
 from __future__ import annotations
 
 import contextlib
+import ctypes.util
 import errno
 import os
 import pickle
@@ -37,6 +38,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..storage.local import RENAME_EXCHANGE, rename_exchange
+
 MARK_PREFIX = ".powerloss-mark-"
 
 
@@ -46,11 +49,18 @@ def fuse_unavailable_reason() -> str | None:
         return "/dev/fuse is missing (no FUSE in this kernel/container): the power-loss suite needs it"
     if shutil.which("fusermount3") is None:
         return "fusermount3 is not installed (apt-get install fuse3); scripts/setup_env.sh installs it as root"
+    if _libfuse3() is None:
+        return "libfuse 3 is not installed (apt-get install fuse3 libfuse3-3); scripts/setup_env.sh installs it as root"
     try:
         import mfusepy  # noqa: F401
     except (ImportError, OSError) as e:
         return f"the mfusepy FUSE binding or libfuse3 cannot be loaded ({e}); install nxd-ckpt[test] and libfuse3"
     return None
+
+
+def _libfuse3() -> str | None:
+    """libfuse 3's library name (mfusepy would prefer libfuse 2 where both are installed; rename2 flags need 3)."""
+    return os.environ.get("FUSE_LIBRARY_PATH") or ctypes.util.find_library("fuse3")
 
 
 # --------------------------------------------------------------------------------------------- server side
@@ -145,8 +155,7 @@ def _serve(backing: str, mountpoint: str, journal_path: str) -> None:
             with self._mutex:
                 full = self._full(path)
                 os.mkdir(full, mode)
-                self._uid(os.lstat(full).st_ino, fresh=True)
-                self._log("op", "mkdir", path)
+                self._log("op", "mkdir", path, self._uid(os.lstat(full).st_ino, fresh=True))
             return 0
 
         def rmdir(self, path: str) -> int:
@@ -167,12 +176,25 @@ def _serve(backing: str, mountpoint: str, journal_path: str) -> None:
                 self._log("op", "rename", old, new)
             return 0
 
+        def rename_flags(self, old: str, new: str, flags: int) -> int:
+            """rename2 with flags: RENAME_EXCHANGE is passed through (journaled as one operation)."""
+            if flags == 0:
+                return self.rename(old, new)
+            if flags != RENAME_EXCHANGE:
+                raise FuseOSError(errno.EINVAL)
+            with self._mutex:
+                try:
+                    rename_exchange(self._full(old), self._full(new))
+                except OSError as e:
+                    raise FuseOSError(e.errno) from None
+                self._log("op", "exchange", old, new)
+            return 0
+
         # -- files
         def create(self, path: str, mode: int, fi: Any = None) -> int:
             with self._mutex:
                 fd = os.open(self._full(path), os.O_RDWR | os.O_CREAT | os.O_TRUNC, mode)
-                self._uid(os.fstat(fd).st_ino, fresh=True)
-                self._log("op", "create", path)
+                self._log("op", "create", path, self._uid(os.fstat(fd).st_ino, fresh=True))
             return fd
 
         def open(self, path: str, flags: int) -> int:
@@ -228,26 +250,38 @@ def _serve(backing: str, mountpoint: str, journal_path: str) -> None:
                 self._log("dir", self._uid(os.lstat(full).st_ino), self._entries(full), path)
             return 0
 
+    class FlagPassingFUSE(FUSE):
+        """mfusepy drops rename2's flags (a RENAME_EXCHANGE would silently become a plain rename): pass them."""
+
+        def rename_fuse_3(self, old: bytes, new: bytes, flags: int) -> int:
+            return self.operations.rename_flags(old.decode(), new.decode(), flags)
+
     del mfusepy
-    FUSE(Recorder(), mountpoint, foreground=True, nothreads=False, fsname="nxd_powerloss")
+    FlagPassingFUSE(Recorder(), mountpoint, foreground=True, nothreads=False, fsname="nxd_powerloss")
 
 
 # --------------------------------------------------------------------------------------------- test side
 
 
+Tree = dict[int, dict[str, tuple[int, bool]]]
+"""Directories by inode: name -> (inode, is_dir)."""
+
+
 @dataclass
 class CrashJournal:
-    """The durability events of one mount, and the post-crash states they allow."""
+    """Everything one mount journaled, in order, and the post-crash states it allows under two models.
+
+    ``strict`` (``materialize``): only what was fsynced survives, file data and directory entries alike (the
+    worst case POSIX allows). ``ordered`` (``materialize_ordered``): namespace operations (create, mkdir,
+    rename, unlink, rmdir) survive in the order they happened, as on a filesystem that journals metadata, but file
+    data survives only if fsynced (a renamed-in file that was not synced comes back empty).
+    """
 
     root: int
-    events: list[tuple] = field(default_factory=list)
-    """Durability events only: ("file", uid, bytes, path) and ("dir", uid, entries, path)."""
-    marks: list[tuple[int, str]] = field(default_factory=list)
-    """(number of durability events before the mark, label)."""
-    ops: list[tuple[int, tuple]] = field(default_factory=list)
-    """(number of durability events before it, op) for every journaled namespace/data operation."""
-    initial: int = 0
-    """Events that describe the state at mount time (cut points start after them)."""
+    sequence: list[tuple] = field(default_factory=list)
+    """Every journaled event after the mount-time snapshot, in order."""
+    initial: list[tuple] = field(default_factory=list)
+    """The mount-time snapshot: ("dir"/"file", uid, payload, "<mount>") events."""
 
     @classmethod
     def read(cls, path: str) -> CrashJournal:
@@ -260,43 +294,95 @@ class CrashJournal:
                     break
                 if event[0] == "root":
                     journal = cls(root=event[1])
-                    continue
-                assert journal is not None, "journal does not start with the root"
-                if event[0] in ("file", "dir"):
-                    journal.events.append(event)
-                    if event[-1] == "<mount>":
-                        journal.initial = len(journal.events)
-                elif event[0] == "mark":
-                    journal.marks.append((len(journal.events), event[1]))
+                elif journal is None:
+                    raise RuntimeError(f"power-loss journal {path} does not start with the root")
+                elif event[0] in ("file", "dir") and event[-1] == "<mount>":
+                    journal.initial.append(event)
                 else:
-                    journal.ops.append((len(journal.events), event))
+                    journal.sequence.append(event)
         if journal is None:
             raise RuntimeError(f"power-loss journal {path} is empty: the FUSE server never started")
         return journal
 
+    @property
+    def durability_events(self) -> list[int]:
+        """Positions in ``sequence`` of the fsyncs (files and directories)."""
+        return [i for i, e in enumerate(self.sequence) if e[0] in ("file", "dir")]
+
     def cut_points(self) -> list[int]:
-        """Every distinct post-crash state after mounting: a cut before each durability event, and at the end."""
-        return list(range(self.initial, len(self.events) + 1))
+        """Strict model: cut positions in ``sequence`` that can give distinct states (before each fsync, and
+        at the end): under this model nothing else changes what survives."""
+        return [*self.durability_events, len(self.sequence)]
+
+    def ordered_cut_points(self) -> list[int]:
+        """Ordered model: before every fsync and every namespace operation, and at the end."""
+        changes = ("file", "dir")
+        names = ("create", "mkdir", "rename", "exchange", "unlink", "rmdir")
+        return [i for i, e in enumerate(self.sequence) if e[0] in changes or (e[0] == "op" and e[1] in names)] + [
+            len(self.sequence)
+        ]
 
     def marks_before(self, cut: int) -> list[str]:
-        return [label for n, label in self.marks if n <= cut]
+        return [e[1] for e in self.sequence[:cut] if e[0] == "mark"]
 
     def describe(self, cut: int) -> str:
-        """The durability event a cut comes just before (for failure messages)."""
-        if cut >= len(self.events):
-            return "after the last durability event"
-        kind, _uid, _payload, path = self.events[cut]
-        return f"before fsync{'dir' if kind == 'dir' else ''} of {path} (event {cut})"
+        """The event a cut comes just before (for failure messages)."""
+        if cut >= len(self.sequence):
+            return "after the last event"
+        event = self.sequence[cut]
+        if event[0] in ("file", "dir"):
+            return f"before fsync{'dir' if event[0] == 'dir' else ''} of {event[3]} (event {cut})"
+        return f"before {' '.join(map(str, event[1:]))} (event {cut})"
 
-    def materialize(self, cut: int, dest: str) -> None:
-        """Write to ``dest`` (created) what survives a power cut after the first ``cut`` durability events."""
+    def _durable(self, cut: int) -> tuple[dict[int, bytes], Tree]:
         files: dict[int, bytes] = {}
-        dirs: dict[int, dict[str, tuple[int, bool]]] = {}
-        for kind, uid, payload, _path in self.events[:cut]:
+        dirs: Tree = {}
+        for kind, uid, payload, _path in [*self.initial, *(e for e in self.sequence[:cut] if e[0] in ("file", "dir"))]:
             if kind == "file":
                 files[uid] = payload
             else:
-                dirs[uid] = payload
+                dirs[uid] = dict(payload)
+        return files, dirs
+
+    def materialize(self, cut: int, dest: str) -> None:
+        """Strict model: write to ``dest`` what survives a power cut before ``sequence[cut]``."""
+        files, dirs = self._durable(cut)
+        self._build(dirs, files, dest)
+
+    def materialize_ordered(self, cut: int, dest: str) -> None:
+        """Ordered model: the namespace as it was before ``sequence[cut]``, file data as last fsynced."""
+        files, _ = self._durable(cut)
+        _, tree = self._durable(0)  # the mount-time namespace, then every namespace operation replayed
+        for event in self.sequence[:cut]:
+            if event[0] != "op":
+                continue
+            op = event[1]
+            if op in ("create", "mkdir"):
+                parent, name = self._parent(tree, event[2])
+                tree[parent][name] = (event[3], op == "mkdir")
+                if op == "mkdir":
+                    tree[event[3]] = {}
+            elif op in ("unlink", "rmdir"):
+                parent, name = self._parent(tree, event[2])
+                tree[parent].pop(name, None)
+            elif op == "exchange":
+                a_parent, a_name = self._parent(tree, event[2])
+                b_parent, b_name = self._parent(tree, event[3])
+                tree[a_parent][a_name], tree[b_parent][b_name] = tree[b_parent][b_name], tree[a_parent][a_name]
+            elif op == "rename":
+                old_parent, old_name = self._parent(tree, event[2])
+                new_parent, new_name = self._parent(tree, event[3])
+                tree[new_parent][new_name] = tree[old_parent].pop(old_name)
+        self._build(tree, files, dest)
+
+    def _parent(self, tree: Tree, path: str) -> tuple[int, str]:
+        parts = [p for p in path.split("/") if p]
+        uid = self.root
+        for part in parts[:-1]:
+            uid = tree[uid][part][0]
+        return uid, parts[-1]
+
+    def _build(self, dirs: Tree, files: dict[int, bytes], dest: str) -> None:
         os.makedirs(dest, exist_ok=True)
 
         def build(uid: int, where: str, depth: int) -> None:
@@ -337,7 +423,7 @@ class PowerLossMount:
             [sys.executable, "-m", "nxd_ckpt.testing.powerloss", self.backing, self.mountpoint, self.journal_path],
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONWARNINGS": "ignore"},
+            env={**os.environ, "PYTHONWARNINGS": "ignore", "FUSE_LIBRARY_PATH": _libfuse3() or ""},
         )
         deadline = time.monotonic() + self.startup_timeout
         while not os.path.ismount(self.mountpoint):

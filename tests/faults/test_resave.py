@@ -100,3 +100,27 @@ def test_an_unfinished_resave_is_dropped_and_a_finished_one_swapped_in(tmp_path)
     shutil.copytree(os.path.join(staged, TAG), os.path.join(ckpt, layout.resave_dir(TAG)))
     os.rename(os.path.join(ckpt, TAG), os.path.join(ckpt, layout.replaced_dir(TAG)))
     assert _load(ckpt, TAG) == 2 and _hidden(ckpt) == []
+
+
+def test_the_old_copy_an_exchange_leaves_is_deleted_not_swapped_back(tmp_path):
+    ckpt, old = str(tmp_path / "ckpt"), str(tmp_path / "old")
+    nxd.save_checkpoint(old, TAG, model=model_state(1), optimizer=optimizer_state(1), user_content={"version": 1})
+    nxd.save_checkpoint(ckpt, TAG, model=model_state(2), optimizer=optimizer_state(2), user_content={"version": 2})
+    # A crash right after the atomic exchange: the tag holds the new checkpoint, the hidden directory the old one.
+    shutil.copytree(os.path.join(old, TAG), os.path.join(ckpt, layout.resave_dir(TAG)))
+    assert _load(ckpt) == 2
+    nxd.save_checkpoint(ckpt, "step_9", model=model_state(3), optimizer=optimizer_state(3), user_content={"version": 3})
+    assert _hidden(ckpt) == [] and _load(ckpt, TAG) == 2
+
+
+def test_resave_without_atomic_exchange_uses_two_renames(tmp_path, monkeypatch):
+    """Filesystems without renameat2(RENAME_EXCHANGE) (e.g. some network filesystems) rename twice."""
+    from nxd_ckpt.storage import LocalStorage
+
+    monkeypatch.setattr(LocalStorage, "exchange_dirs", lambda self, a, b: False)
+    ckpt = str(tmp_path / "ckpt")
+    for version in (1, 2):
+        nxd.save_checkpoint(
+            ckpt, TAG, model=model_state(version), optimizer=optimizer_state(version), user_content={"version": version}
+        )
+    assert _load(ckpt) == 2 and _hidden(ckpt) == [] and nxd.verify(ckpt, TAG).ok

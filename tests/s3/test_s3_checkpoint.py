@@ -166,3 +166,22 @@ def test_a_denied_upload_fails_the_save_and_keeps_the_previous_checkpoint(
     restored = make_training(seed=9)[0]
     nxd.load_checkpoint(s3_url, model=restored)
     assert_state_equal(expected, restored.state_dict())
+
+
+def test_resave_of_a_complete_tag_on_s3(s3_url):
+    """No directory rename on S3: the re-save is written beside the tag, then copied over it ('done' last)."""
+    from nxd_ckpt import layout
+    from nxd_ckpt.storage import storage_for
+    from nxd_ckpt.testing.crashloop import model_state, optimizer_state
+
+    for version in (1, 2):
+        nxd.save_checkpoint(
+            s3_url, "step_1", model=model_state(version), optimizer=optimizer_state(version), user_content=version
+        )
+        model: dict = {}
+        assert nxd.load_checkpoint(s3_url, model=model) == version
+        assert_state_equal(model, model_state(version))
+        assert nxd.verify(s3_url, "step_1").ok
+    storage = storage_for(s3_url)
+    assert not any(name.startswith((layout.RESAVE_PREFIX, layout.REPLACED_PREFIX)) for name in storage.list_dir(""))
+    assert nxd.list_checkpoint_tags(s3_url) == ["step_1"]
