@@ -270,19 +270,17 @@ def swap_in_resave(storage: Storage, tag: str) -> None:
     staging, old = layout.resave_dir(tag), layout.replaced_dir(tag)
     if not storage.exists(f"{staging}/{layout.DONE_MARKER}"):
         raise CheckpointError(f"{storage.url}/{staging} is not complete; refusing to swap it in as {tag!r}")
-    exchange = getattr(storage, "exchange_dirs", None)
-    if callable(exchange) and storage.list_dir(tag) and exchange(staging, tag):
+    if storage.renames_dirs and storage.list_dir(tag) and storage.exchange_dirs(staging, tag):
         # One atomic step: the tag now holds the new checkpoint and the hidden directory the old one (older
         # by its creation time, which is how recovery tells the two apart if a crash comes before the deletion).
         storage.sync_dirs([""])
         _delete_copy(storage, staging)
         return
-    rename_dir = getattr(storage, "rename_dir", None)
-    if callable(rename_dir):  # two renames: between them the tag is missing (a load or save finishes the swap)
+    if storage.renames_dirs:  # two renames: between them the tag is missing (a load or save finishes the swap)
         if storage.list_dir(tag):
             _delete_copy(storage, old)  # a replaced copy left by an earlier interrupted swap
-            rename_dir(tag, old)
-        rename_dir(staging, tag)
+            storage.rename_dir(tag, old)
+        storage.rename_dir(staging, tag)
         storage.sync_dirs([""])  # the swap is durable before the old copy goes
         _delete_copy(storage, old)
         return
@@ -308,19 +306,17 @@ def _is_older_copy(storage: Storage, directory: str, tag: str) -> bool:
         current = read_metadata(storage, tag)
     except FormatError:
         return False
-    if not hidden or not current or "created_at" not in hidden or "created_at" not in current:
+    if hidden is None or current is None or hidden.created_at is None or current.created_at is None:
         return False
-    return float(hidden["created_at"]) <= float(current["created_at"])
+    return hidden.created_at <= current.created_at
 
 
-def _metadata_at(storage: Storage, directory: str) -> dict | None:
+def _metadata_at(storage: Storage, directory: str) -> TagMetadata | None:
+    """The metadata of a hidden copy of a tag (its folder is not a tag name); FormatError if damaged."""
     path = f"{directory}/{layout.METADATA_FILE}"
     if not storage.exists(path):
         return None
-    try:
-        return json.loads(storage.read_bytes(path))
-    except ValueError as e:
-        raise FormatError(f"{storage.url}/{path} is not valid JSON: {e}") from e
+    return TagMetadata.from_json(storage.read_bytes(path), f"{storage.url}/{path}")
 
 
 def _delete_copy(storage: Storage, directory: str) -> None:
@@ -381,11 +377,10 @@ def _recover_resave(storage: Storage, tag: str, finish_only: bool) -> None:
 def _restore(storage: Storage, tag: str, old: str) -> None:
     """Give the old copy of ``tag`` its name back (its replacement never became complete)."""
     logger.warning("restoring checkpoint %s in %s from its copy %s", tag, storage.url, old)
-    rename_dir = getattr(storage, "rename_dir", None)
     if storage.list_dir(tag):
         storage.delete_tree(tag)
-    if callable(rename_dir):
-        rename_dir(old, tag)
+    if storage.renames_dirs:
+        storage.rename_dir(old, tag)
         storage.sync_dirs([""])
     else:  # pragma: no cover - object stores never create the replaced copy
         raise CheckpointError(f"cannot restore {storage.url}/{tag} from {old}: the storage cannot rename")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-from nxd_ckpt.tools.convert_zero1 import main
+from nxd_ckpt.tools.zero1_cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

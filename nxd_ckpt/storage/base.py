@@ -74,6 +74,17 @@ class Storage(abc.ABC):
         with open(local_file, "rb") as src, self.open_write(path) as dst:
             shutil.copyfileobj(src, dst, 8 << 20)
 
+    renames_dirs: bool = False
+    """Whether ``rename_dir`` works (a POSIX filesystem); object stores have no directories to rename."""
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        """Atomically rename directory ``src`` to ``dst`` (which must not exist), where ``renames_dirs``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot rename directories ({self.url})")
+
+    def exchange_dirs(self, a: str, b: str) -> bool:
+        """Atomically swap directories ``a`` and ``b``; False where the storage or filesystem cannot."""
+        return False
+
     @abc.abstractmethod
     def open_write(self, path: str) -> AbstractContextManager[BinaryIO]:
         """A writable binary stream; the file appears at ``path`` only when the block exits without error.
@@ -214,6 +225,16 @@ class DelegatingStorage(Storage):
     @property  # type: ignore[override]
     def whole_file_reads(self) -> bool:
         return self.inner.whole_file_reads
+
+    @property  # type: ignore[override]
+    def renames_dirs(self) -> bool:
+        return self.inner.renames_dirs
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        self.inner.rename_dir(src, dst)
+
+    def exchange_dirs(self, a: str, b: str) -> bool:
+        return self.inner.exchange_dirs(a, b)
 
     def durability_batch(self) -> AbstractContextManager[None]:
         return self.inner.durability_batch()

@@ -186,6 +186,8 @@ class LocalStorage(Storage):
             raise StorageError(f"refusing to delete the whole checkpoint directory {self.root}")
         shutil.rmtree(full, ignore_errors=False) if os.path.isdir(full) else self.delete(path)
 
+    renames_dirs = True
+
     def rename_dir(self, src: str, dst: str) -> None:
         """Atomically rename directory ``src`` to ``dst`` (which must not exist); durable once the parent
         directory is synced."""

@@ -20,7 +20,6 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -509,17 +508,3 @@ class _Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-
-
-# --------------------------------------------------------------------------------------------- command line
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point (``scripts/convert_zero1_checkpoint.py``); flags in ``zero1_cli``."""
-    from .zero1_cli import main as cli_main
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -89,6 +89,19 @@ class _Spy(Storage):
     def write_from_local_file(self, path, local_file):  # type: ignore[no-untyped-def]
         return self._hit("write_from_local_file")
 
+    def open_sequential(self, path, direct=False):  # type: ignore[no-untyped-def]
+        return self._hit("open_sequential", _null())
+
+    def rename_dir(self, src, dst):  # type: ignore[no-untyped-def]
+        return self._hit("rename_dir")
+
+    def exchange_dirs(self, a, b):  # type: ignore[no-untyped-def]
+        return self._hit("exchange_dirs", True)
+
+    @property
+    def renames_dirs(self):  # type: ignore[no-untyped-def, override]
+        return self._hit("renames_dirs", True)
+
     @property
     def host_page_cache(self):  # type: ignore[no-untyped-def, override]
         return self._hit("host_page_cache", True)
@@ -116,7 +129,16 @@ def _call(storage: Storage, name: str) -> None:
         getattr(storage, name)
         return
     params = [p for p in inspect.signature(attr).parameters.values() if p.name != "self" and p.default is p.empty]
-    args = {"path": "f", "paths": ["d"], "data": b"", "local_file": __file__}
+    args = {
+        "path": "f",
+        "paths": ["d"],
+        "data": b"",
+        "local_file": __file__,
+        "src": "a",
+        "dst": "b",
+        "a": "a",
+        "b": "b",
+    }
     getattr(storage, name)(*[args[p.name] for p in params])
 
 
