@@ -100,6 +100,7 @@ def load_target(obj: Any, role: str, *, strict: bool = True, source: str = "") -
     (bounded host buffers, bulk transfers), unless NXD_CKPT_XLA_TRANSFER_THREAD=0 keeps transfers off the
     reader threads (then device targets are placed after the read, as before)."""
     check = None
+    current: Any = None
     if role == "model" and not isinstance(obj, dict):
         current = model_state(obj)
         tree = dict(current)
@@ -108,14 +109,17 @@ def load_target(obj: Any, role: str, *, strict: bool = True, source: str = "") -
             live.update(obj.named_buffers(remove_duplicate=False))
             tree = {k: live.get(k, v) if isinstance(v, torch.Tensor) else v for k, v in current.items()}
             if not _is_instance_of_loaded(obj, PP_MODEL_CLASSES):
+                # Shapes only: holding the state dict's tensors would keep old device buffers alive all load.
+                expected = {k: _shape_only(v) for k, v in current.items()}
 
                 def check(meta: Any) -> None:
-                    check_model_state(current, meta, strict=strict, source=source)
+                    check_model_state(expected, meta, strict=strict, source=source)
 
     elif role == "optimizer" and not isinstance(obj, dict):
         tree = optimizer_state(obj)
     else:
         tree = obj
+    del current
     tensors = [t for _, t in iter_tensors(tree)]
     if not tensors:
         return None
@@ -155,6 +159,10 @@ def _check_target_device(obj: Any, state: Any, device: torch.device | None, role
                 f"device={str(device)!r} applies to dict targets only; this {role} lives on {have}. Move it there "
                 f"first ({role}.to({str(device)!r}) for a module) and load without device=, or pass a dict"
             )
+
+
+def _shape_only(value: Any) -> Any:
+    return torch.empty(value.shape, dtype=value.dtype, device="meta") if isinstance(value, torch.Tensor) else value
 
 
 def _fill_dict(target: dict, state: Any, role: str, device: torch.device | None = None) -> None:

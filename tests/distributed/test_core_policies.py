@@ -26,7 +26,7 @@ def test_retention_latest_and_failed_save(tmp_path):
     model, opt, _ = make_training(seed=0)
     for step in range(1, 5):
         nxd.save_checkpoint(ckpt, f"step_{step}", model=model, optimizer=opt, num_kept_ckpts=2)
-    assert nxd.list_checkpoint_tags(ckpt) == ["step_3", "step_4"]
+    assert _listed_after_retention(ckpt) == ["step_3", "step_4"]
     # A save that fails on the master only: every rank raises the same type, no 'done', the previous latest stays.
     if dist.get_rank() == 0:
         with pytest.raises(RuntimeError, match="cannot be pickled") as raised:
@@ -40,7 +40,16 @@ def test_retention_latest_and_failed_save(tmp_path):
     nxd.load_checkpoint(ckpt, model=TinyMLP())
     # The job goes on: the next save works and retention still keeps two complete tags.
     nxd.save_checkpoint(ckpt, "step_6", model=model, num_kept_ckpts=2)
-    assert nxd.list_checkpoint_tags(ckpt) == ["step_4", "step_6"]
+    assert _listed_after_retention(ckpt) == ["step_4", "step_6"]
+
+
+def _listed_after_retention(ckpt: str) -> list[str]:
+    """Retention deletes on rank 0's writer thread after the save returns: rank 0's listing waits for it;
+    other ranks list once rank 0 has."""
+    if dist.get_rank() == 0:
+        nxd.list_checkpoint_tags(ckpt)
+    dist.barrier()
+    return nxd.list_checkpoint_tags(ckpt)
 
 
 @run_with_ranks(4)
