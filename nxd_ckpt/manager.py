@@ -308,7 +308,7 @@ class CheckpointManager:
         call_start, waited = report._started, report.waited_s
         if waited >= 0.001 and coord.rank == 0:
             logger.info("save of %s waited %.2f s for the previous save to finish writing", tag, waited)
-        topo = coord.run_all(self.topology, "reading the parallel layout")
+        topo = coord.run_all(self.topology, f"starting checkpoint {tag!r}")  # every rank's layout, checked
         storage = self._storage_for(checkpoint_dir)
         zero1 = bool(zero1_optimizer) or adapters.is_zero1_optimizer(optimizer)
         items = tuple(
@@ -535,7 +535,14 @@ class CheckpointManager:
             lease.release()
             if ctx.monitor.cancelled:  # an abandoned writer thread may still read them: never reuse them
                 self._staging_pool.clear()
-        barrier.arrive(error)
+        try:
+            barrier.arrive(error)
+        except Exception as store_error:
+            if error is None:
+                raise
+            # The store is gone (rank 0 gave up and exited): this rank's own failure is what the caller needs.
+            logger.warning("rank %d could not report its failure to rank 0's commit: %s", coord.rank, store_error)
+            raise error from store_error
 
         if coord.rank == 0:
             commit_error: BaseException | None = None
