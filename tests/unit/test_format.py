@@ -71,6 +71,13 @@ def test_metadata_golden_bytes():
     assert TagMetadata.from_json(GOLDEN_METADATA) == SAVED
 
 
+def test_metadata_records_context_and_expert_parallel_sizes_in_the_layout():
+    meta = SAVED.with_changes(cp=2, ep=4)
+    golden = GOLDEN_METADATA.replace(b'  "dp": 4,\n', b'  "dp": 4,\n  "cp": 2,\n  "ep": 4,\n')
+    assert meta.to_json() == golden
+    assert TagMetadata.from_json(golden) == meta
+
+
 def test_manifest_golden_bytes():
     records = {
         "model/dp_rank_00_tp_rank_01_pp_rank_00.pt": manifests.FileRecord(1048576, "9c1f00aa11bb22cc", 3),
