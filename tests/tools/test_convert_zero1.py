@@ -17,7 +17,8 @@ from nxd_ckpt import layout, statefile
 from nxd_ckpt.errors import CheckpointError, FormatError
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.fakes import assert_state_equal
-from nxd_ckpt.tools.convert_zero1 import convert_zero1, main
+from nxd_ckpt.tools.convert_zero1 import convert_zero1
+from nxd_ckpt.tools.zero1_cli import main
 
 pytestmark = pytest.mark.usefixtures("xser_file_per_tensor")  # these tests look at individual tensor files
 
