@@ -193,28 +193,30 @@ def test_fallback_loads_the_newest_verified_tag_on_every_rank_with_the_callers_o
 
 
 def test_commit_barrier_over_a_real_tcpstore_with_threads():
-    """Rank 0 learns every arrival and error through the store; the others get the published outcome."""
+    """Rank 0 learns every arrival and error through the store; the others get the published outcome, as the
+    failing rank's own exception type."""
     from nxd_ckpt.commit import CommitBarrier
-    from nxd_ckpt.errors import RemoteRankError
 
     world = ThreadWorld(3)
 
     def commit(rank: int, failing: int | None) -> object:
-        barrier = CommitBarrier(world.store, "session", 1 if failing is None else 2, rank, 3)
-        barrier.arrive("disk full" if rank == failing else None)
+        seq = 1 if failing is None else 2
+        barrier = CommitBarrier(world.store, "session", seq, rank, 3, timeout_s=20.0, tag=f"t{seq}")
+        barrier.arrive(OSError(28, "disk full") if rank == failing else None)
         if rank != 0:
             try:
                 barrier.wait_outcome()
-            except RemoteRankError as e:
-                return str(e)
+            except OSError as e:
+                return f"{type(e).__name__}: {e}"
             return "ok"
-        errors = barrier.wait_all_arrived()
-        barrier.publish_outcome("; ".join(errors.values()) if errors else None)
-        return errors
+        failures = barrier.wait_all_arrived()
+        barrier.publish_outcome(failures[min(failures)] if failures else None)
+        return {r: f.qualname for r, f in failures.items()}
 
     assert world.run(lambda r: commit(r, None)) == [{}, "ok", "ok"]
     outcome = world.run(lambda r: commit(r, 2))
-    assert outcome[0] == {2: "disk full"} and outcome[1] == outcome[2] == "disk full"
+    assert outcome[0] == {2: "OSError"}
+    assert outcome[1] == outcome[2] and outcome[1].startswith("OSError: rank 2 failed") and "disk full" in outcome[1]
 
 
 def test_async_saves_commit_from_the_writer_threads(tmp_path):
