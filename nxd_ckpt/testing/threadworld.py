@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import dist as nxd_dist
-from ..dist import Coordinator
+from ..dist import Coordinator, resolve_timeout
 
 T = TypeVar("T")
 
@@ -90,36 +90,37 @@ class _PeerExited(RuntimeError):
 
 
 class ThreadCoordinator(Coordinator):
-    """``dist.Coordinator`` for one rank of a ThreadWorld (same collective semantics, threads instead of gloo)."""
+    """``dist.Coordinator`` for one rank of a ThreadWorld: the same steps, deadlines and failure carrying (the
+    store waits run on the world's real TCPStore), with threads exchanging objects instead of gloo."""
 
-    def __init__(self, world: ThreadWorld, rank: int) -> None:  # no torch.distributed involved
+    def __init__(self, world: ThreadWorld, rank: int, timeout_s: float | None = None) -> None:
+        # no torch.distributed involved: the fields Coordinator.__init__ would read from it are set here
         self.world = world
         self.distributed = world.size > 1
         self.rank = rank
         self.world_size = world.size
+        self.timeout_s = resolve_timeout(timeout_s if timeout_s is not None else world.timeout_s)
         self._group = None
+        self._own_group = True
         self._subgroups: dict[tuple[int, ...], Any] = {}
+        self._session: str | None = None
+        self._step = 0
+        self._hosts: list[str] | None = None
 
     @property
     def store(self) -> Any | None:
         return self.world.store if self.distributed else None
 
-    def barrier(self) -> None:
-        self.world.exchange(self.rank, None)
+    def host_names(self) -> list[str]:
+        return ["localhost"] * self.world_size  # one host: replicas share reads through the page cache
 
-    def broadcast_object(self, obj: T, src: int = 0, group: Any | None = None) -> T:
-        self._whole_world(group)
-        return self.world.exchange(self.rank, obj)[src]  # type: ignore[no-any-return]
-
-    def all_gather_object(self, obj: T, group: Any | None = None) -> list[T]:
-        self._whole_world(group)
-        return self.world.exchange(self.rank, obj)
-
-    def gather_object(self, obj: T, dst: int = 0) -> list[T] | None:
+    def gather_object(self, obj: T, dst: int = 0, phase: str = "gathering") -> list[T] | None:
+        self._arrive_and_wait(phase)
         out = self.world.exchange(self.rank, obj)
         return out if self.rank == dst else None
 
-    def scatter_object(self, objs: list[T] | None, src: int = 0) -> T:
+    def scatter_object(self, objs: list[T] | None, src: int = 0, phase: str = "scattering") -> T:
+        self._arrive_and_wait(phase)
         return self.world.exchange(self.rank, objs)[src][self.rank]  # type: ignore[no-any-return]
 
     def subgroup(self, ranks: list[int]) -> Any:
@@ -127,6 +128,14 @@ class ThreadCoordinator(Coordinator):
 
     def broadcast_tensor(self, tensor: Any, src: int, group: Any) -> None:
         raise NotImplementedError("ThreadWorld does not model DP replica subgroups: use a layout without them")
+
+    def _broadcast(self, obj: Any, src: int, group: Any | None) -> Any:
+        self._whole_world(group)
+        return self.world.exchange(self.rank, obj)[src]
+
+    def _all_gather(self, obj: Any, group: Any | None) -> list[Any]:
+        self._whole_world(group)
+        return self.world.exchange(self.rank, obj)
 
     @staticmethod
     def _whole_world(group: Any | None) -> None:
