@@ -121,11 +121,9 @@ class CrashLoop:
             raise AssertionError(f"a saving rank exited on its own before the kill (exit codes {crashed})")
 
 
-def _retention_child(ckpt_dir: str, keep: int, kill_after: int) -> None:
-    """Apply retention, SIGKILLing this process at its ``kill_after``-th unlink/rmdir (never, if negative)."""
-    from nxd_ckpt import tags
-    from nxd_ckpt.storage import LocalStorage
-
+def _kill_at_call(kill_after: int, names: tuple[str, ...]) -> list[int]:
+    """Wrap the ``os`` functions ``names`` so this process SIGKILLs itself at their ``kill_after``-th call in all
+    (never, if negative); returns the call counter (``[n]``)."""
     calls = [0]
 
     def counted(real: Any) -> Any:
@@ -137,7 +135,17 @@ def _retention_child(ckpt_dir: str, keep: int, kill_after: int) -> None:
 
         return wrapper
 
-    os.unlink, os.remove, os.rmdir = counted(os.unlink), counted(os.remove), counted(os.rmdir)
+    for name in names:
+        setattr(os, name, counted(getattr(os, name)))
+    return calls
+
+
+def _retention_child(ckpt_dir: str, keep: int, kill_after: int) -> None:
+    """Apply retention, SIGKILLing this process at its ``kill_after``-th unlink/rmdir (never, if negative)."""
+    from nxd_ckpt import tags
+    from nxd_ckpt.storage import LocalStorage
+
+    calls = _kill_at_call(kill_after, ("unlink", "remove", "rmdir"))
     tags.apply_retention(LocalStorage(ckpt_dir), keep)
     os._exit(100 + min(calls[0], 100))  # reports how many deletions a full run made
 
@@ -164,19 +172,7 @@ _MUTATIONS = ("replace", "rename", "unlink", "remove", "rmdir", "fsync", "mkdir"
 def _resave_child(ckpt_dir: str, tag: str, version: int, kill_after: int, options: dict[str, Any]) -> None:
     """Save ``tag`` at ``version`` in one process, SIGKILLing it at its ``kill_after``-th filesystem mutation
     (on any thread, so async writer threads too; never, if negative)."""
-    calls = [0]
-
-    def counted(real: Any) -> Any:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if calls[0] == kill_after:
-                os.kill(os.getpid(), signal.SIGKILL)
-            calls[0] += 1
-            return real(*args, **kwargs)
-
-        return wrapper
-
-    for name in _MUTATIONS:
-        setattr(os, name, counted(getattr(os, name)))
+    calls = _kill_at_call(kill_after, _MUTATIONS)
     report = nxd.save_checkpoint(
         ckpt_dir,
         tag,
