@@ -2,7 +2,7 @@
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import (
+from nxd_ckpt.errors import (
     AsyncSaveError,
     CheckpointError,
     CheckpointNotFoundError,
@@ -18,7 +18,7 @@ from .errors import (
     StorageStallError,
     UnsafeCheckpointError,
 )
-from .log import enable_logging
+from nxd_ckpt.log import enable_logging
 
 # Everything that needs torch is imported on first use (PEP 562), so ``nxd-ckpt list`` and ``--help`` start
 # without importing torch; ``import nxd_ckpt`` followed by any of these names behaves as an eager import.
@@ -37,13 +37,13 @@ _LAZY = {
     "SaveReport": "manager",
     "destroy_model_parallel": "parallel_state",
     "initialize_model_parallel": "parallel_state",
-    "Topology": "topology",
-    "VerifyReport": "verification",
-    "verify": "verification",
+    "Topology": "dist.topology",
+    "VerifyReport": "format.verification",
+    "verify": "format.verification",
 }
 
 if TYPE_CHECKING:
-    from .api import (
+    from nxd_ckpt.api import (
         finalize_checkpoint,
         get_manager,
         has_checkpoint,
@@ -53,11 +53,11 @@ if TYPE_CHECKING:
         reset_manager,
         save_checkpoint,
     )
-    from .inspect import Checkpoint, open_checkpoint
-    from .manager import CheckpointManager, SaveReport
-    from .parallel_state import destroy_model_parallel, initialize_model_parallel
-    from .topology import Topology
-    from .verification import VerifyReport, verify
+    from nxd_ckpt.dist.topology import Topology
+    from nxd_ckpt.format.verification import VerifyReport, verify
+    from nxd_ckpt.inspect import Checkpoint, open_checkpoint
+    from nxd_ckpt.manager import CheckpointManager, SaveReport
+    from nxd_ckpt.parallel_state import destroy_model_parallel, initialize_model_parallel
 
 
 def __getattr__(name: str) -> Any:

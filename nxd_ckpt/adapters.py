@@ -12,10 +12,11 @@ from typing import Any
 
 import torch
 
-from . import staging, xla
-from .errors import StateMismatchError
-from .statefile import LoadTarget
-from .tree import EXPERT_ATTR, iter_tensors
+from nxd_ckpt import xla
+from nxd_ckpt.errors import StateMismatchError
+from nxd_ckpt.save import staging
+from nxd_ckpt.statefile import LoadTarget
+from nxd_ckpt.tree import EXPERT_ATTR, iter_tensors
 
 logger = logging.getLogger("nxd_ckpt")
 
@@ -130,7 +131,7 @@ def load_target(obj: Any, role: str, *, strict: bool = True, source: str = "") -
 
 def meta_tensor_names(state: Any) -> list[str]:
     """Paths of tensors on the ``meta`` device (shape only, no data) in a state."""
-    from .tree import iter_tensors
+    from nxd_ckpt.tree import iter_tensors
 
     return [path for path, t in iter_tensors(state) if t.device.type == "meta"]
 
@@ -150,7 +151,7 @@ def _check_target_device(obj: Any, state: Any, device: torch.device | None, role
     one asked for is an error rather than silently ignored."""
     if device is None:
         return
-    from .tree import iter_tensors
+    from nxd_ckpt.tree import iter_tensors
 
     devices = {t.device for _, t in iter_tensors(state)}
     for have in devices:

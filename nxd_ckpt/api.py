@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from . import tags
-from .log import get_logger
-from .manager import CheckpointManager, SaveReport
-from .storage import storage_for
+from nxd_ckpt.format import tags
+from nxd_ckpt.log import get_logger
+from nxd_ckpt.manager import CheckpointManager, SaveReport
+from nxd_ckpt.storage import storage_for
 
 
 class _DefaultManager:

@@ -16,17 +16,18 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, BinaryIO
 
-from . import __version__, layout, tags
-from .errors import CheckpointError, UnsafeCheckpointError
-from .inspect import Checkpoint, open_checkpoint
-from .lazy import lazy_module
-from .storage import DelegatingStorage, Storage, storage_for
-from .tools import zero1_cli
+from nxd_ckpt import __version__
+from nxd_ckpt.errors import CheckpointError, UnsafeCheckpointError
+from nxd_ckpt.format import layout, tags
+from nxd_ckpt.inspect import Checkpoint, open_checkpoint
+from nxd_ckpt.lazy import lazy_module
+from nxd_ckpt.storage import DelegatingStorage, Storage, storage_for
+from nxd_ckpt.tools import zero1_cli
 
 # Imported on first use: `list`, `--help` and usage errors never import torch (2-3 s); see tests/cli.
-completeness = lazy_module("nxd_ckpt.completeness")
-verification = lazy_module("nxd_ckpt.verification")
-export = lazy_module("nxd_ckpt.export")
+completeness = lazy_module("nxd_ckpt.format.completeness")
+verification = lazy_module("nxd_ckpt.format.verification")
+export = lazy_module("nxd_ckpt.tools.export")
 
 PROG = "nxd-ckpt"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

@@ -26,11 +26,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import layout, tags
-from .errors import CheckpointNotFoundError, FormatError
-from .format.describe import TagDescription, describe, layout_text
-from .lazy import lazy_module
-from .storage import Storage, storage_for
+from nxd_ckpt.errors import CheckpointNotFoundError, FormatError
+from nxd_ckpt.format import layout, tags
+from nxd_ckpt.format.describe import TagDescription, describe, layout_text
+from nxd_ckpt.lazy import lazy_module
+from nxd_ckpt.storage import Storage, storage_for
 
 # torch and the modules needing it load on first use: listing tags and layouts never touches a tensor.
 torch = lazy_module("torch")

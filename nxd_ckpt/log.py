@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from . import knobs
+from nxd_ckpt import knobs
 
 LOGGER_NAME = "nxd_ckpt"
 ALL_RANKS_ENV = "NXD_CKPT_LOG_ALL_RANKS"
@@ -21,7 +21,7 @@ ALL_RANKS_ENV = "NXD_CKPT_LOG_ALL_RANKS"
 
 def process_rank() -> int:
     """This process's global rank: torch.distributed's once initialised, else the launcher's RANK, else 0."""
-    from . import dist
+    from nxd_ckpt.dist import coordinator as dist
 
     if dist.is_distributed():
         return dist.world_rank()

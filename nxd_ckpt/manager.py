@@ -35,10 +35,9 @@ from typing import Any
 
 import torch
 
-from . import adapters, integrity, layout, plan, staging, statefile, tags, tree, xla, zero1_io
-from . import rank_state as rank_states
-from .commit import CommitBarrier
-from .dist import (
+from nxd_ckpt import adapters, statefile, tree, xla
+from nxd_ckpt import rank_state as rank_states
+from nxd_ckpt.dist.coordinator import (
     Coordinator,
     RankFailure,
     format_exception,
@@ -46,21 +45,25 @@ from .dist import (
     mark_origin,
     resolve_timeout,
 )
-from .errors import (
+from nxd_ckpt.dist.topology import Topology
+from nxd_ckpt.errors import (
     CheckpointTimeoutError,
     FormatError,
     IntegrityError,
     LayoutMismatchError,
     RemoteRankError,
 )
-from .format.describe import TagDescription, describe
-from .format.metadata import FORMAT_VERSION, TagMetadata, metadata_path, write_metadata
-from .log import format_bytes, format_rate
-from .parallel_state import current_topology
-from .storage import Storage, storage_for
-from .topology import Topology
-from .watchdog import StorageMonitor, WatchedStorage, run_watched
-from .writer import AsyncWriter
+from nxd_ckpt.format import integrity, layout, tags
+from nxd_ckpt.format.describe import TagDescription, describe
+from nxd_ckpt.format.metadata import FORMAT_VERSION, TagMetadata, metadata_path, write_metadata
+from nxd_ckpt.load import zero1_io
+from nxd_ckpt.log import format_bytes, format_rate
+from nxd_ckpt.parallel_state import current_topology
+from nxd_ckpt.save import plan, staging
+from nxd_ckpt.save.commit import CommitBarrier
+from nxd_ckpt.save.writer import AsyncWriter
+from nxd_ckpt.storage import Storage, storage_for
+from nxd_ckpt.watchdog import StorageMonitor, WatchedStorage, run_watched
 
 logger = logging.getLogger("nxd_ckpt")
 
@@ -820,7 +823,7 @@ class CheckpointManager:
 
 
 def _tensors(state: Any) -> list[torch.Tensor]:
-    from .tree import iter_tensors
+    from nxd_ckpt.tree import iter_tensors
 
     return [t for _, t in iter_tensors(state)]
 

@@ -19,12 +19,14 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from . import layout, staging, statefile
-from .dist import Coordinator
-from .errors import FormatError, LayoutMismatchError
-from .rng import capture_rng_state, keep_streams_through_first_iterator, restore_rng_state
-from .storage import Storage
-from .topology import Topology
+from nxd_ckpt import statefile
+from nxd_ckpt.dist.coordinator import Coordinator
+from nxd_ckpt.dist.topology import Topology
+from nxd_ckpt.errors import FormatError, LayoutMismatchError
+from nxd_ckpt.format import layout
+from nxd_ckpt.rng import capture_rng_state, keep_streams_through_first_iterator, restore_rng_state
+from nxd_ckpt.save import staging
+from nxd_ckpt.storage import Storage
 
 logger = logging.getLogger("nxd_ckpt")
 

@@ -21,14 +21,16 @@ from typing import Any
 
 import torch
 
-from . import knobs, layout, plan
-from .dist import Coordinator, format_exception
-from .errors import FormatError, StorageError
-from .serialization import plain, readinto, torchzip, xser
-from .serialization.inmemory import BufferReader, allocate
-from .storage import Storage
-from .topology import Topology
-from .tree import map_tensors, tensor_bytes
+from nxd_ckpt import knobs
+from nxd_ckpt.dist.coordinator import Coordinator, format_exception
+from nxd_ckpt.dist.topology import Topology
+from nxd_ckpt.errors import FormatError, StorageError
+from nxd_ckpt.format import layout
+from nxd_ckpt.save import plan
+from nxd_ckpt.serialization import plain, readinto, torchzip, xser
+from nxd_ckpt.serialization.inmemory import BufferReader, allocate
+from nxd_ckpt.storage import Storage
+from nxd_ckpt.tree import map_tensors, tensor_bytes
 
 PACK_BELOW_BYTES = 1 << 20
 """Tensors smaller than this are broadcast packed together (one collective per ``PACK_BYTES``), not one by one."""

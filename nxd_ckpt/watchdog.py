@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, BinaryIO, TypeVar
 
-from .dist import stall_limit_s
-from .errors import CheckpointError, CheckpointTimeoutError, StorageStallError
-from .storage.base import DelegatingStorage, Storage
+from nxd_ckpt.dist.coordinator import stall_limit_s
+from nxd_ckpt.errors import CheckpointError, CheckpointTimeoutError, StorageStallError
+from nxd_ckpt.storage.base import DelegatingStorage, Storage
 
 T = TypeVar("T")
 

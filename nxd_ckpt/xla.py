@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from .errors import DeviceUnavailableError
-from .tree import iter_tensors, map_tensors
+from nxd_ckpt.errors import DeviceUnavailableError
+from nxd_ckpt.tree import iter_tensors, map_tensors
 
 BATCH_BYTES_ENV = "NXD_CKPT_XLA_TRANSFER_BATCH_BYTES"
 DEFAULT_BATCH_BYTES = 256 << 20  # 4 x 256 MiB beat 1 x 1 GiB on XLA:CPU (0.86 s vs 1.08 s)
@@ -77,7 +77,7 @@ def is_xla(t: torch.Tensor) -> bool:
 
 def batch_bytes_from_env() -> int:
     """The transfer batch budget in bytes (NXD_CKPT_XLA_TRANSFER_BATCH_BYTES, default 256 MiB)."""
-    from . import knobs
+    from nxd_ckpt import knobs
 
     return knobs.xla_transfer_batch_bytes()
 

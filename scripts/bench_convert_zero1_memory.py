@@ -24,7 +24,7 @@ _CHILD = r"""
 import json, sys, time
 import torch
 import nxd_ckpt.tools.convert_zero1 as tool
-from nxd_ckpt import zero1
+from nxd_ckpt.load import zero1
 
 def status_mb(key):
     with open("/proc/self/status") as f:
@@ -57,7 +57,9 @@ def make_input(tag_dir: str, params: int, rows: int, cols: int, use_xser: bool) 
     """Write the DP=4 shards; return (total optimizer bytes, largest parameter's full optimizer bytes)."""
     import torch
 
-    from nxd_ckpt import layout, statefile, zero1
+    from nxd_ckpt import statefile
+    from nxd_ckpt.format import layout
+    from nxd_ckpt.load import zero1
     from nxd_ckpt.storage import LocalStorage
 
     root, tag = os.path.split(tag_dir)

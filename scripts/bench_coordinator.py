@@ -27,7 +27,7 @@ def _free_port() -> int:
 def _rank(rank: int, world: int, port: int, steps: int, out: mp.Queue) -> None:
     import torch.distributed as tdist
 
-    from nxd_ckpt.dist import Coordinator
+    from nxd_ckpt.dist.coordinator import Coordinator
 
     tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     coord = Coordinator()

@@ -21,7 +21,7 @@ import torch
 import xxhash
 
 import nxd_ckpt as nxd
-from nxd_ckpt import integrity
+from nxd_ckpt.format import integrity
 
 
 def hash_throughput(nbytes: int) -> dict[str, float]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import layout
-from ..storage import Storage
-from .metadata import TagMetadata, read_metadata
+from nxd_ckpt.format import layout
+from nxd_ckpt.format.metadata import TagMetadata, read_metadata
+from nxd_ckpt.storage import Storage
 
 ITEMS = ("model", "optimizer", "scheduler", "user_content")
 

@@ -12,11 +12,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from .. import layout
-from ..errors import FormatError, IntegrityError
-from ..hashing import Hasher, hash_bytes
-from ..storage import Storage, check_relative_path
-from .metadata import TagMetadata, metadata_path
+from nxd_ckpt.errors import FormatError, IntegrityError
+from nxd_ckpt.format import layout
+from nxd_ckpt.format.hashing import Hasher, hash_bytes
+from nxd_ckpt.format.metadata import TagMetadata, metadata_path
+from nxd_ckpt.storage import Storage, check_relative_path
 
 ALGORITHM = "xxh3_64"
 MANIFEST_FORMAT = "nxd_ckpt.manifest"

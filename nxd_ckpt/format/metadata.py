@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .. import layout
-from ..errors import FormatError
+from nxd_ckpt.errors import FormatError
+from nxd_ckpt.format import layout
 
 FORMAT = "nxd_ckpt"
 FORMAT_VERSION = 1

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import FormatError
-from . import torchzip
+from nxd_ckpt.errors import FormatError
+from nxd_ckpt.serialization import torchzip
 
 
 def allocate(size: int) -> np.ndarray:

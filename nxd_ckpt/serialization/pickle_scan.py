@@ -12,8 +12,8 @@ import pickletools
 import zipfile
 from typing import BinaryIO
 
-from ..errors import FormatError
-from .torchzip import allowed_global_names
+from nxd_ckpt.errors import FormatError
+from nxd_ckpt.serialization.torchzip import allowed_global_names
 
 
 def allowed_globals() -> set[str]:

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 import torch._weights_only_unpickler
 
-from . import inmemory, torchzip
-from .pickle_scan import scan_torch_file
-from .torchzip import register_safe_globals
+from nxd_ckpt.serialization import inmemory, torchzip
+from nxd_ckpt.serialization.pickle_scan import scan_torch_file
+from nxd_ckpt.serialization.torchzip import register_safe_globals
 
 __all__ = ["load", "load_buffer", "register_safe_globals", "save"]
 

@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from ..errors import FormatError
+from nxd_ckpt.errors import FormatError
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIG = 0x04034B50

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from ..errors import FormatError
-from . import torchzip
+from nxd_ckpt.errors import FormatError
+from nxd_ckpt.serialization import torchzip
 
 RECORD_ATTR = "_nxd_ckpt_record"
 """Attribute set on each meta storage: the name of the zip record (``data/<key>``'s key) holding its bytes."""

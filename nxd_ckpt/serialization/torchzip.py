@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch._weights_only_unpickler as _weights_only
 
-from ..errors import FormatError, UnsafeCheckpointError
+from nxd_ckpt.errors import FormatError, UnsafeCheckpointError
 
 StorageSource = Callable[[str, torch.dtype, int], torch.UntypedStorage]
 """(record key, dtype, bytes) -> the untyped storage holding that record's data."""

@@ -25,9 +25,9 @@ from typing import IO, Any
 import numpy as np
 import torch
 
-from ..errors import FormatError
-from ..tree import EXPERT_ATTR
-from . import inmemory, plain, tensorfile, torchzip
+from nxd_ckpt.errors import FormatError
+from nxd_ckpt.serialization import inmemory, plain, tensorfile, torchzip
+from nxd_ckpt.tree import EXPERT_ATTR
 
 XSER_MODULE = "torch_xla.utils.serialization"
 _REF_NAME = "TensorReference"
@@ -113,7 +113,7 @@ def encode(
 def classify(state: Any, *, inline_below: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The distinct tensors of ``state`` in depth-first order, split into those kept inline (fewer than
     ``inline_below`` bytes) and those that get a file each (their index is their tid)."""
-    from ..tree import iter_tensors
+    from nxd_ckpt.tree import iter_tensors
 
     inline: list[torch.Tensor] = []
     files: list[torch.Tensor] = []
@@ -142,7 +142,7 @@ def tensor_nbytes(tensor: torch.Tensor) -> int:
 
 def inline_nbytes(ref_data: Any) -> int:
     """Bytes of the distinct tensors kept inside reference data."""
-    from ..tree import iter_tensors
+    from nxd_ckpt.tree import iter_tensors
 
     return sum(tensor_nbytes(t) for t in {id(t): t for _, t in iter_tensors(ref_data)}.values())
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from .base import DelegatingStorage, Storage, check_relative_path
-from .local import LocalStorage
+from nxd_ckpt.storage.base import DelegatingStorage, Storage, check_relative_path
+from nxd_ckpt.storage.local import LocalStorage
 
 __all__ = ["DelegatingStorage", "LocalStorage", "Storage", "check_relative_path", "storage_for"]
 
@@ -16,7 +16,7 @@ def storage_for(checkpoint_dir: str | os.PathLike[str] | Storage) -> Storage:
         return checkpoint_dir
     url = os.fspath(checkpoint_dir)
     if url.startswith("s3://"):
-        from .s3 import S3Storage  # imported lazily: boto3 is optional
+        from nxd_ckpt.storage.s3 import S3Storage  # imported lazily: boto3 is optional
 
         return S3Storage(url)
     if "://" in url:

@@ -23,7 +23,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from ..errors import InvalidTagError
+from nxd_ckpt.errors import InvalidTagError
 
 _PIECE_BYTES = 4 << 20
 Allocator = Callable[[int], np.ndarray]

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import knobs
+from nxd_ckpt import knobs
 
 CHUNK_BYTES = 16 << 20
 BLOCK_BYTES = 4096

@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import BinaryIO
 
-from ..errors import StorageError
-from . import direct
-from . import direct as direct_io
-from .base import Storage, check_relative_path
+from nxd_ckpt.errors import StorageError
+from nxd_ckpt.storage import direct
+from nxd_ckpt.storage import direct as direct_io
+from nxd_ckpt.storage.base import Storage, check_relative_path
 
 WRITE_BUFFER_BYTES = 8 << 20
 

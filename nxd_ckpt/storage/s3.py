@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO, TypeVar, cast
 
-from .. import knobs
-from ..errors import StorageError
-from .base import Storage, check_relative_path
+from nxd_ckpt import knobs
+from nxd_ckpt.errors import StorageError
+from nxd_ckpt.storage.base import Storage, check_relative_path
 
 logger = logging.getLogger("nxd_ckpt")
 

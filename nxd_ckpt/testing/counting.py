@@ -7,8 +7,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-from ..storage import LocalStorage
-from ..storage import direct as direct_io
+from nxd_ckpt.storage import LocalStorage
+from nxd_ckpt.storage import direct as direct_io
 
 
 class _CountingFile:

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import xla
-from ..tree import iter_tensors
+from nxd_ckpt import xla
+from nxd_ckpt.tree import iter_tensors
 
 TEST_DEVICE_ENV = "NXD_CKPT_TEST_DEVICE"
 

@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..storage.local import RENAME_EXCHANGE, rename_exchange
+from nxd_ckpt.storage.local import RENAME_EXCHANGE, rename_exchange
 
 MARK_PREFIX = ".powerloss-mark-"
 

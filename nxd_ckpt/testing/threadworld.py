@@ -13,8 +13,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .. import dist as nxd_dist
-from ..dist import Coordinator, resolve_timeout
+from nxd_ckpt.dist import coordinator as nxd_dist
+from nxd_ckpt.dist.coordinator import Coordinator, resolve_timeout
 
 T = TypeVar("T")
 

@@ -1,6 +1,6 @@
 """A small, real ZeRO-1 AdamW over a gloo DP group, for tests: training really runs sharded.
 
-Each DP rank owns a dim-0 chunk (padded, as in ``nxd_ckpt.zero1``) of every parameter: its fp32 master shard and
+Each DP rank owns a dim-0 chunk (padded, as in ``nxd_ckpt.load.zero1``) of every parameter: its fp32 master shard and
 the Adam moments of that shard live in an inner ``torch.optim.AdamW``. ``step`` all-reduces (averages) the
 gradients over the DP group, updates the local shard, and all-gathers the shards back into the full parameters.
 ``state_dict`` has the layout of torch_xla's ``ZeroRedundancyOptimizer`` (``base_state``, ``shape_info``,
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import zero1
+from nxd_ckpt.load import zero1
 
 _INNER_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
 

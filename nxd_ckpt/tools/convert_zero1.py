@@ -25,15 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import layout, tags, zero1
-from ..errors import CheckpointError, FormatError
-from ..format import manifests
-from ..format.describe import TagDescription, describe
-from ..format.metadata import TagMetadata, write_metadata
-from ..log import format_bytes
-from ..storage import LocalStorage, storage_for
-from ..storage.local import atomic_file
-from ..zero1_io import (
+from nxd_ckpt.errors import CheckpointError, FormatError
+from nxd_ckpt.format import layout, manifests, tags
+from nxd_ckpt.format.describe import TagDescription, describe
+from nxd_ckpt.format.metadata import TagMetadata, write_metadata
+from nxd_ckpt.load import zero1
+from nxd_ckpt.load.zero1_io import (
     PlainShardWriter,
     ShardFile,
     XserShardWriter,
@@ -43,6 +40,9 @@ from ..zero1_io import (
     skeleton,
     source_paths,
 )
+from nxd_ckpt.log import format_bytes
+from nxd_ckpt.storage import LocalStorage, storage_for
+from nxd_ckpt.storage.local import atomic_file
 
 logger = logging.getLogger("nxd_ckpt.convert_zero1")
 

@@ -19,9 +19,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .. import layout, tags
-from ..errors import CheckpointError
-from ..storage import storage_for
+from nxd_ckpt.errors import CheckpointError
+from nxd_ckpt.format import layout, tags
+from nxd_ckpt.storage import storage_for
 
 SCRIPT_PROG = "convert_zero1_checkpoint.py"
 
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace, prog: str = SCRIPT_PROG) -> int:
     except (CheckpointError, OSError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
-    from .convert_zero1 import convert_zero1  # torch: only once there is something to convert
+    from nxd_ckpt.tools.convert_zero1 import convert_zero1  # torch: only once there is something to convert
 
     try:
         report = convert_zero1(

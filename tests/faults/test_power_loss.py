@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
-from nxd_ckpt import tags
+from nxd_ckpt.format import tags
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.fakes import assert_state_equal
 from nxd_ckpt.testing.multiprocess import run_on_ranks

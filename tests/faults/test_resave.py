@@ -14,7 +14,7 @@ import shutil
 import pytest
 
 import nxd_ckpt as nxd
-from nxd_ckpt import layout
+from nxd_ckpt.format import layout
 from nxd_ckpt.testing.crashloop import model_state, optimizer_state, run_resave
 from nxd_ckpt.testing.fakes import assert_state_equal
 

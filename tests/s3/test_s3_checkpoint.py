@@ -170,7 +170,7 @@ def test_a_denied_upload_fails_the_save_and_keeps_the_previous_checkpoint(
 
 def test_resave_of_a_complete_tag_on_s3(s3_url):
     """No directory rename on S3: the re-save is written beside the tag, then copied over it ('done' last)."""
-    from nxd_ckpt import layout
+    from nxd_ckpt.format import layout
     from nxd_ckpt.storage import storage_for
     from nxd_ckpt.testing.crashloop import model_state, optimizer_state
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nxd_ckpt import layout, statefile
+from nxd_ckpt import statefile
 from nxd_ckpt.errors import CheckpointError
+from nxd_ckpt.format import layout
 from nxd_ckpt.storage.s3 import S3Storage
 from nxd_ckpt.tools.convert_zero1 import convert_zero1
 

@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import nxd_ckpt as nxd
-from nxd_ckpt import layout, statefile
+from nxd_ckpt import statefile
 from nxd_ckpt.errors import CheckpointError, FormatError
+from nxd_ckpt.format import layout
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.fakes import assert_state_equal
 from nxd_ckpt.tools.convert_zero1 import convert_zero1
@@ -398,9 +399,10 @@ def _views(root: str) -> dict:
     import contextlib
     import io
 
-    from nxd_ckpt import cli, zero1_io
+    from nxd_ckpt import cli
+    from nxd_ckpt.dist.topology import Topology
     from nxd_ckpt.format.describe import describe
-    from nxd_ckpt.topology import Topology
+    from nxd_ckpt.load import zero1_io
 
     def run_cli(*args: str) -> tuple[int, str]:
         out = io.StringIO()

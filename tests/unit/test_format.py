@@ -11,12 +11,11 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
-from nxd_ckpt import layout
 from nxd_ckpt.errors import FormatError, IntegrityError
-from nxd_ckpt.format import manifests
+from nxd_ckpt.format import layout, manifests
 from nxd_ckpt.format.describe import describe, expected_files
+from nxd_ckpt.format.hashing import hash_bytes
 from nxd_ckpt.format.metadata import TagMetadata, read_metadata
-from nxd_ckpt.hashing import hash_bytes
 from nxd_ckpt.storage import LocalStorage
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -9,7 +9,7 @@ import pytest
 import torch
 import xxhash
 
-from nxd_ckpt import hashing
+from nxd_ckpt.format import hashing
 
 SIZES = [0, 1, 7, 64 << 10, (1 << 20) + 3]
 

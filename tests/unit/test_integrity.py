@@ -1,4 +1,4 @@
-"""Checksums and manifests (nxd_ckpt.integrity), verify(), verified loads and the fall back to an intact tag."""
+"""Checksums and manifests (nxd_ckpt.format.integrity), verify(), verified loads and the fall back to an intact tag."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
-from nxd_ckpt import integrity, layout
 from nxd_ckpt.errors import FormatError, IntegrityError
+from nxd_ckpt.format import integrity, layout
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_steps
 
@@ -253,7 +253,7 @@ def test_scan_torch_file_reads_globals_without_running_them():
     buf = io.BytesIO()
     torch.save({"t": torch.ones(3), "ns": __import__("argparse").Namespace(a=1)}, buf)
     buf.seek(0)
-    from nxd_ckpt.verification import scan_torch_file
+    from nxd_ckpt.format.verification import scan_torch_file
 
     names = scan_torch_file(buf)
     assert "argparse.Namespace" in names and "torch._utils._rebuild_tensor_v2" in names

@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 import nxd_ckpt as nxd
-from nxd_ckpt import adapters, layout, statefile
+from nxd_ckpt import adapters, statefile
 from nxd_ckpt.errors import IntegrityError, StateMismatchError
+from nxd_ckpt.format import layout
 from nxd_ckpt.serialization import readinto, xser
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.storage import direct as direct_io

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
-from nxd_ckpt import layout, plan
+from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.errors import CheckpointError
-from nxd_ckpt.format import manifests
+from nxd_ckpt.format import layout, manifests
 from nxd_ckpt.manager import CheckpointManager
+from nxd_ckpt.save import plan
 from nxd_ckpt.storage import DelegatingStorage, LocalStorage
 from nxd_ckpt.testing.threadworld import ThreadWorld
-from nxd_ckpt.topology import Topology
 
 # --------------------------------------------------------------------------------------------- the write plan
 
@@ -196,7 +196,7 @@ def test_fallback_loads_the_newest_verified_tag_on_every_rank_with_the_callers_o
 def test_commit_barrier_over_a_real_tcpstore_with_threads():
     """Rank 0 learns every arrival and error through the store; the others get the published outcome, as the
     failing rank's own exception type."""
-    from nxd_ckpt.commit import CommitBarrier
+    from nxd_ckpt.save.commit import CommitBarrier
 
     world = ThreadWorld(3)
 

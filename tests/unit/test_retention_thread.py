@@ -7,7 +7,8 @@ import os
 import threading
 
 import nxd_ckpt as nxd
-from nxd_ckpt import tags, writer
+from nxd_ckpt.format import tags
+from nxd_ckpt.save import writer
 from nxd_ckpt.testing.fakes import TinyMLP
 
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
-from nxd_ckpt import integrity
 from nxd_ckpt.errors import FormatError, IntegrityError, UnsafeCheckpointError
+from nxd_ckpt.format import integrity
 from nxd_ckpt.serialization import xser
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.fakes import assert_state_equal, make_training

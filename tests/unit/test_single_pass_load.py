@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
-from nxd_ckpt import layout
 from nxd_ckpt.errors import IntegrityError
+from nxd_ckpt.format import layout
 from nxd_ckpt.serialization import plain, xser
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.counting import ReadCountingStorage

@@ -7,7 +7,7 @@ import collections
 import pytest
 import torch
 
-from nxd_ckpt import staging
+from nxd_ckpt.save import staging
 from nxd_ckpt.testing.fakes import assert_state_equal
 
 

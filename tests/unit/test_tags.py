@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from nxd_ckpt import tags
 from nxd_ckpt.errors import CheckpointNotFoundError
+from nxd_ckpt.format import tags
 from nxd_ckpt.storage import LocalStorage
 
 

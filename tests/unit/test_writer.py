@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from nxd_ckpt.errors import AsyncSaveError
-from nxd_ckpt.writer import THREAD_NAME, AsyncWriter
+from nxd_ckpt.save.writer import THREAD_NAME, AsyncWriter
 
 
 def test_jobs_run_in_submission_order_on_one_named_thread():
@@ -93,7 +93,7 @@ def test_interpreter_exit_waits_for_pending_jobs(tmp_path):
     script = textwrap.dedent(
         f"""
         import threading
-        from nxd_ckpt.writer import AsyncWriter
+        from nxd_ckpt.save.writer import AsyncWriter
         writer = AsyncWriter()
         gate = threading.Event()
         writer.submit(lambda: gate.wait(0.5), name="slow")

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nxd_ckpt import zero1
 from nxd_ckpt.errors import FormatError
+from nxd_ckpt.load import zero1
 from nxd_ckpt.testing.fakes import assert_state_equal
 
 

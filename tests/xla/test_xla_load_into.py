@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
-from nxd_ckpt import adapters, staging, statefile
+from nxd_ckpt import adapters, statefile
+from nxd_ckpt.save import staging
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.fakes import assert_state_equal
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
-from nxd_ckpt import staging, statefile, xla
+from nxd_ckpt import statefile, xla
+from nxd_ckpt.save import staging
 from nxd_ckpt.testing.fakes import assert_state_equal
 
 pytestmark = pytest.mark.xla

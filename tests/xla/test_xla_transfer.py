@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
-from nxd_ckpt import staging, xla
+from nxd_ckpt import xla
+from nxd_ckpt.save import staging
 from nxd_ckpt.testing.fakes import make_training, train_steps
 from nxd_ckpt.tree import iter_tensors
 

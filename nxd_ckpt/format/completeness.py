@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import layout
-from .errors import CheckpointError, UnsafeCheckpointError
-from .format.describe import expected_files
-from .inspect import Checkpoint
+from nxd_ckpt.errors import CheckpointError, UnsafeCheckpointError
+from nxd_ckpt.format import layout
+from nxd_ckpt.format.describe import expected_files
+from nxd_ckpt.inspect import Checkpoint
 
 __all__ = ["Checkpoint", "Problem", "check_readable", "check_structure", "implied_state_files"]
 

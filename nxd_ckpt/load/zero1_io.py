@@ -20,14 +20,16 @@ from typing import Any
 
 import torch
 
-from . import layout, statefile, tree, zero1
-from .errors import FormatError
-from .format.describe import TagDescription
-from .serialization import torchzip, xser
-from .storage import Storage
-from .storage.local import publish, temp_name
-from .topology import Topology
-from .zero1 import EntryPath
+from nxd_ckpt import statefile, tree
+from nxd_ckpt.dist.topology import Topology
+from nxd_ckpt.errors import FormatError
+from nxd_ckpt.format import layout
+from nxd_ckpt.format.describe import TagDescription
+from nxd_ckpt.load import zero1
+from nxd_ckpt.load.zero1 import EntryPath
+from nxd_ckpt.serialization import torchzip, xser
+from nxd_ckpt.storage import Storage
+from nxd_ckpt.storage.local import publish, temp_name
 
 _PAGE = mmap.PAGESIZE
 _MADV_DONTNEED = 4

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .errors import InvalidTagError
+from nxd_ckpt.errors import InvalidTagError
 
 CHECKPOINT_MARKER = "checkpoint"
 DONE_MARKER = "done"

@@ -16,12 +16,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from . import layout
-from .errors import CheckpointError, CheckpointNotFoundError, FormatError
-from .format.metadata import TagMetadata
-from .format.metadata import read_metadata as _read_tag_metadata
-from .storage import Storage
-from .storage.base import DelegatingStorage
+from nxd_ckpt.errors import CheckpointError, CheckpointNotFoundError, FormatError
+from nxd_ckpt.format import layout
+from nxd_ckpt.format.metadata import TagMetadata
+from nxd_ckpt.format.metadata import read_metadata as _read_tag_metadata
+from nxd_ckpt.storage import Storage
+from nxd_ckpt.storage.base import DelegatingStorage
 
 logger = logging.getLogger("nxd_ckpt")
 

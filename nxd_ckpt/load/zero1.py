@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .errors import FormatError
+from nxd_ckpt.errors import FormatError
 
 BASE_STATE = "base_state"
 SHAPE_INFO = "shape_info"

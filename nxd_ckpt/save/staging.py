@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from . import knobs, xla
-from .statefile import LoadTarget
-from .tree import iter_tensors, map_tensors
+from nxd_ckpt import knobs, xla
+from nxd_ckpt.statefile import LoadTarget
+from nxd_ckpt.tree import iter_tensors, map_tensors
 
 
 def has_device_tensors(tree: Any) -> bool:

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .errors import CheckpointTimeoutError, RemoteRankError
+from nxd_ckpt.errors import CheckpointTimeoutError, RemoteRankError
 
 logger = logging.getLogger("nxd_ckpt")
 
@@ -93,7 +93,7 @@ def local_store(timeout_s: float) -> Any:
 def default_timeout_s() -> float:
     """The deadline of every phase: ``NXD_CKPT_TIMEOUT_S`` (or the older ``NXD_CKPT_COMMIT_TIMEOUT_S``), default
     1800 s (``knobs.timeout_s``)."""
-    from . import knobs
+    from nxd_ckpt import knobs
 
     return knobs.timeout_s()
 

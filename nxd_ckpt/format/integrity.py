@@ -21,9 +21,10 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from . import layout
-from .errors import StorageError
-from .format.manifests import (
+from nxd_ckpt.errors import StorageError
+from nxd_ckpt.format import layout
+from nxd_ckpt.format.hashing import hash_bytes
+from nxd_ckpt.format.manifests import (
     ALGORITHM,
     MANIFEST_FORMAT,
     MANIFEST_PREFIX,
@@ -38,11 +39,10 @@ from .format.manifests import (
     read_index,
     read_manifests,
 )
-from .hashing import hash_bytes
-from .storage import DelegatingStorage, Storage
-from .storage.base import Allocator, read_whole
-from .verification import VerifyReport
-from .verification import verify as verify_report
+from nxd_ckpt.format.verification import VerifyReport
+from nxd_ckpt.format.verification import verify as verify_report
+from nxd_ckpt.storage import DelegatingStorage, Storage
+from nxd_ckpt.storage.base import Allocator, read_whole
 
 # The manifest format (records, sealing, parsing, the one reader) lives in format/manifests.py; these names are
 # re-exported for callers of this module.

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import layout
-from .errors import CheckpointError, FormatError
-from .inspect import Checkpoint, ObjectInfo
-from .storage import LocalStorage
+from nxd_ckpt.errors import CheckpointError, FormatError
+from nxd_ckpt.format import layout
+from nxd_ckpt.inspect import Checkpoint, ObjectInfo
+from nxd_ckpt.storage import LocalStorage
 
 SAFETENSORS_DTYPES = {
     "float64": "F64",

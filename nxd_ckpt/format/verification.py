@@ -19,13 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from . import completeness, layout, tags
-from .errors import CheckpointError, CheckpointNotFoundError, FormatError, IntegrityError
-from .format import manifests
-from .format.describe import describe, expected_files
-from .format.metadata import TagMetadata, read_metadata
-from .serialization.pickle_scan import allowed_globals, scan_torch_file
-from .storage import Storage, storage_for
+from nxd_ckpt.errors import CheckpointError, CheckpointNotFoundError, FormatError, IntegrityError
+from nxd_ckpt.format import completeness, layout, manifests, tags
+from nxd_ckpt.format.describe import describe, expected_files
+from nxd_ckpt.format.metadata import TagMetadata, read_metadata
+from nxd_ckpt.serialization.pickle_scan import allowed_globals, scan_torch_file
+from nxd_ckpt.storage import Storage, storage_for
 
 _MARKERS = {layout.CHECKPOINT_MARKER, layout.DONE_MARKER}
 

@@ -14,8 +14,8 @@ import pickle
 import time
 from typing import Any
 
-from .dist import RankFailure, arrive, missing_ranks, resolve_timeout, wait_for
-from .errors import CheckpointTimeoutError
+from nxd_ckpt.dist.coordinator import RankFailure, arrive, missing_ranks, resolve_timeout, wait_for
+from nxd_ckpt.errors import CheckpointTimeoutError
 
 _PREFIX = "nxd_ckpt/commit"
 

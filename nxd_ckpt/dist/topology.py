@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from .errors import CheckpointError
+from nxd_ckpt.errors import CheckpointError
 
 GroupList = tuple[tuple[int, ...], ...]
 Platform = Literal["trn1", "trn2", "trn3", "generic"]
@@ -56,7 +56,7 @@ def _freeze(groups: object) -> GroupList:
 def detect_platform(platform: str | None = None) -> str:
     """The Neuron platform: ``platform`` if given, else NXD_CKPT_PLATFORM, else torch_neuronx's answer, else
     "generic" (no Neuron SDK: NxD's plain row-major layout)."""
-    from . import knobs
+    from nxd_ckpt import knobs
 
     value = platform or knobs.platform()
     if not value:

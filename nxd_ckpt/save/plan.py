@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from . import knobs, layout
-from .serialization import xser
-from .topology import Topology
-from .tree import iter_tensors
+from nxd_ckpt import knobs
+from nxd_ckpt.dist.topology import Topology
+from nxd_ckpt.format import layout
+from nxd_ckpt.serialization import xser
+from nxd_ckpt.tree import iter_tensors
 
 STATE_KINDS = ("model", "optimizer")
 """Kinds whose files are state files (plain or xser, possibly spread over replicas); the rest are plain."""

@@ -1,0 +1,2 @@
+"""Everything between ranks: ``coordinator`` (the only module that calls torch.distributed: collectives that
+carry failures, deadlines on the store) and ``topology`` (the rank table of TP/PP/DP/EP/CP groups)."""
