@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from nxd_ckpt import knobs
+from nxd_ckpt import knobs, tree
 from nxd_ckpt.dist.coordinator import Coordinator, format_exception
 from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.errors import FormatError, StorageError
@@ -80,19 +80,12 @@ def write_plain(storage: Storage, path: str, state: Any, *, host: HostCopy | Non
     return [path]
 
 
-Path = tuple[Any, ...]
+Path = tree.Path
 
 
-def tensor_paths(tree: Any, prefix: Path = ()) -> Iterator[tuple[Path, torch.Tensor]]:
-    """(path, tensor) for every tensor of nested dicts/lists/tuples; a path is the tuple of keys/indices."""
-    if isinstance(tree, torch.Tensor):
-        yield prefix, tree
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from tensor_paths(v, (*prefix, k))
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            yield from tensor_paths(v, (*prefix, i))
+def tensor_paths(state: Any) -> Iterator[tuple[Path, torch.Tensor]]:
+    """(path, tensor) for every tensor of nested state; a path is the tuple of keys/indices (``tree.leaves``)."""
+    return tree.leaves(state)
 
 
 class LoadTarget:
@@ -469,18 +462,8 @@ def _missing_tensor(storage: Storage, path: str, tid: int) -> FormatError:
 def _tid_paths(ref_data: Any) -> dict[int, Path]:
     """The path in the state of each tid's first reference."""
     out: dict[int, Path] = {}
-
-    def walk(obj: Any, prefix: Path) -> None:
-        if xser.is_reference(obj):
-            out.setdefault(int(obj.tid), prefix)
-        elif isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(v, (*prefix, k))
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                walk(v, (*prefix, i))
-
-    walk(ref_data, ())
+    for path, ref in tree.leaves(ref_data, xser.is_reference):
+        out.setdefault(int(ref.tid), path)
     return out
 
 
