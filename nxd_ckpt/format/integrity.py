@@ -42,7 +42,7 @@ from nxd_ckpt.format.manifests import (
 from nxd_ckpt.format.verification import VerifyReport
 from nxd_ckpt.format.verification import verify as verify_report
 from nxd_ckpt.storage import DelegatingStorage, Storage
-from nxd_ckpt.storage.base import Allocator, read_whole
+from nxd_ckpt.storage.base import Allocator, ForwardWriter, read_whole
 
 # The manifest format (records, sealing, parsing, the one reader) lives in format/manifests.py; these names are
 # re-exported for callers of this module.
@@ -86,7 +86,7 @@ def _ancestors(path: str, stop: str) -> set[str]:
 
 
 # --------------------------------------------------------------------------------------------------- storages
-class _HashingWriter:
+class _HashingWriter(ForwardWriter):
     """A write-only stream that hashes and counts what passes through to ``target``.
 
     It has no ``seek`` or ``fileno``: a writer that rewrote earlier bytes or bypassed ``write`` would make the
@@ -116,15 +116,6 @@ class _HashingWriter:
 
     def tell(self) -> int:
         return self.size
-
-    def writable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return False
-
-    def seekable(self) -> bool:
-        return False
 
     @property
     def closed(self) -> bool:
