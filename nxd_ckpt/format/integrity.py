@@ -39,8 +39,6 @@ from nxd_ckpt.format.manifests import (
     read_index,
     read_manifests,
 )
-from nxd_ckpt.format.verification import VerifyReport
-from nxd_ckpt.format.verification import verify as verify_report
 from nxd_ckpt.storage import DelegatingStorage, Storage
 from nxd_ckpt.storage.base import Allocator, ForwardWriter, read_whole
 
@@ -63,7 +61,6 @@ __all__ = [
     "read_index",
     "read_manifests",
     "remove_manifests",
-    "verify",
 ]
 
 
@@ -321,12 +318,3 @@ class VerifyingStorage(DelegatingStorage):
         data = self.inner.read_bytes(path)
         self._check(path, rec, *hash_bytes(data))
         return data
-
-
-def verify(checkpoint_dir: Any, tag: str | None = None) -> VerifyReport:
-    """``nxd_ckpt.verify`` that raises IntegrityError (listing every problem, each naming its file) on failure.
-
-    Returns:
-        The VerifyReport of a checkpoint that passed.
-    """
-    return verify_report(checkpoint_dir, tag).raise_if_failed()
