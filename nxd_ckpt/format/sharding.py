@@ -519,3 +519,16 @@ def rebase(sharding: TensorSharding, local_shape: Sequence[int], tp: int) -> Ten
     shape = list(local)
     shape[sharding.partition_dim] *= tp
     return replace(sharding, shape=tuple(shape), num_partitions=tp)
+
+
+def record_for_save(model: Any, state: Any, optimizer: Any, tp: int, pp_stage: int) -> ShardingRecord:
+    """What a save records for one PP stage: the sharding of each tensor of the model's saved ``state`` (from
+    its parameters' NxD attributes; a plain dict's tensors only at TP = 1, where they are whole) and the
+    optimizer's parameter order. Tensors it cannot describe are left out (a load at another layout then asks
+    for a sharding spec naming them)."""
+    names = [k for k, v in state.items() if isinstance(v, torch.Tensor)] if isinstance(state, Mapping) else []
+    if isinstance(model, torch.nn.Module):
+        return record_from_model(model, tp, pp_stage, optimizer, names)
+    if tp == 1:
+        return ShardingRecord({n: TensorSharding(tuple(state[n].shape), pp_stage=pp_stage) for n in names})
+    return ShardingRecord()
