@@ -53,9 +53,8 @@ from nxd_ckpt.errors import (
     LayoutMismatchError,
     RemoteRankError,
 )
-from nxd_ckpt.format import integrity, layout, tags
+from nxd_ckpt.format import integrity, layout, sharding, tags
 from nxd_ckpt.format.describe import TagDescription, describe
-from nxd_ckpt.format import sharding
 from nxd_ckpt.format.metadata import FORMAT_VERSION, TagMetadata, metadata_path, write_metadata
 from nxd_ckpt.format.sharding import ShardingRecord
 from nxd_ckpt.load import reshard, zero1_io
@@ -817,9 +816,7 @@ class CheckpointManager:
             )
 
         def plan() -> reshard.ReshardedLoad:
-            record = reshard.source_record(
-                storage, tag, info, saved, sharding_spec, model, trusted=allow_pickle
-            )
+            record = reshard.source_record(storage, tag, info, saved, sharding_spec, model, trusted=allow_pickle)
             return reshard.ReshardedLoad(
                 storage, tag, info, record, topo, model, optimizer, strict=strict, trusted=allow_pickle
             )
@@ -937,9 +934,12 @@ def _record_sharding(
     try:
         if problems:
             raise ValueError("; ".join(problems))
-        return ShardingRecord.merge(g for g in gathered if isinstance(g, ShardingRecord))
+        merged = ShardingRecord.merge(g for g in gathered if isinstance(g, ShardingRecord))
+        return merged if merged.tensors else None  # e.g. a dict at TP > 1: nothing known, nothing recorded
     except Exception as e:
-        logger.warning("the sharding of the model could not be recorded (%s): loads at another layout will need sharding=", e)
+        logger.warning(
+            "the sharding of the model could not be recorded (%s): loads at another layout will need sharding=", e
+        )
         return None
 
 

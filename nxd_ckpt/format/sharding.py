@@ -94,11 +94,14 @@ class TensorSharding:
             )
         return None
 
-    def check(self, name: str, tp: int) -> None:
-        """Raise ReshardError naming ``name`` when the tensor cannot be laid out over ``tp`` ranks."""
-        why = self.problem(tp)
-        if why is not None:
-            raise ReshardError(f"tensor {name!r} cannot be re-sharded to TP={tp}: {why}")
+    def check(self, name: str, tp: int, src_tp: int | None = None) -> None:
+        """Raise ReshardError naming ``name`` when the tensor cannot be laid out over ``tp`` ranks (coming from
+        ``src_tp`` ranks, when given)."""
+        for size in (src_tp, tp):
+            why = self.problem(size) if size is not None else None
+            if why is not None:
+                change = f"from TP={src_tp} to TP={tp}" if src_tp is not None else f"to TP={tp}"
+                raise ReshardError(f"tensor {name!r} cannot be re-sharded {change}: {why}")
 
     # ------------------------------------------------------------------------------------------ encoding
     def to_json(self) -> dict[str, Any]:

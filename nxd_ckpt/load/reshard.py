@@ -79,7 +79,9 @@ def _zip_structure(storage: Storage, path: str, what: str, trusted: bool) -> tup
     return state, offsets
 
 
-def _read_runs(storage: Storage, path: str, base: int, runs: list[tuple[int, int]], out: torch.Tensor, what: str) -> None:
+def _read_runs(
+    storage: Storage, path: str, base: int, runs: list[tuple[int, int]], out: torch.Tensor, what: str
+) -> None:
     """Fill contiguous ``out`` with the element runs (offset, count) starting at byte ``base`` of the file."""
     size = out.element_size()
     view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
@@ -130,7 +132,9 @@ class SourceFile:
                 obj = obj[k]
             except (KeyError, IndexError, TypeError):
                 shown = "/".join(map(str, keys))
-                raise FormatError(f"{self.what} has no entry {shown!r}; it does not match the checkpoint's record") from None
+                raise FormatError(
+                    f"{self.what} has no entry {shown!r}; it does not match the checkpoint's record"
+                ) from None
         return obj
 
     def has(self, keys: Sequence[Any]) -> bool:
@@ -174,15 +178,15 @@ class SourceFile:
 
     def read_box(self, value: Any, box: Box) -> torch.Tensor:
         """The block ``box`` of a tensor value as a new contiguous CPU tensor; only its bytes are read."""
-        dtype, shape = self.meta(value)
+        _dtype, shape = self.meta(value)
         if isinstance(value, torch.Tensor) and value.device.type != "meta":  # inline (xser) or already loaded
             return narrow_box(value, box).clone()
         if not isinstance(value, torch.Tensor):
             tid = int(value.tid)
             if box == whole_box(shape):  # the whole tensor file: read (and verified) as one file
                 path = self._tensor_path(tid)
-                with self.storage.open_read(path) as f:
-                    tensor = xser.load_tensor(f, what=f"{self.storage.url}/{path}")
+                buffer = self.storage.read_buffer(path)  # one read, checked against the manifest when verifying
+                tensor = xser.load_tensor_buffer(buffer, what=f"{self.storage.url}/{path}")
                 xser.check_against_info(tid, tensor, self.info, what=f"{self.storage.url}/{path}")
                 return tensor
             meta, offsets = self._tensor_file(tid)
@@ -341,7 +345,8 @@ def source_record(
         return ShardingRecord.merge(record_from_spec(spec, shapes, tp, stage) for stage, shapes in stages.items())
     if not isinstance(spec, torch.nn.Module):
         raise TypeError(
-            f"sharding= must be a ShardingRecord, a mapping of name patterns, or a torch.nn.Module; got {type(spec).__name__}"
+            "sharding= must be a ShardingRecord, a mapping of name patterns, or a torch.nn.Module; got "
+            f"{type(spec).__name__}"
         )
     described = record_from_model(spec, 1)
     tensors = {}
@@ -367,7 +372,14 @@ class TensorJob:
 
 
 def plan_model(
-    record: ShardingRecord, src_tp: int, src_pp: int, topo: Topology, target: Mapping[str, Any], *, strict: bool, where: str
+    record: ShardingRecord,
+    src_tp: int,
+    src_pp: int,
+    topo: Topology,
+    target: Mapping[str, Any],
+    *,
+    strict: bool,
+    where: str,
 ) -> list[TensorJob]:
     """The tensors this rank loads, checked (sharding known and re-shardable, target shapes right) before any
     data is read; tensors of the target without a record are an error under ``strict``, else skipped."""
@@ -378,11 +390,12 @@ def plan_model(
         if name not in record and not strict:
             continue
         s = record.require(name, where)
-        s.check(name, src_tp)
-        s.check(name, topo.tp_size)
+        s.check(name, topo.tp_size, src_tp)
         stage = s.pp_stage or 0
         if stage >= src_pp:
-            raise FormatError(f"{where}: tensor {name!r} is recorded on PP stage {stage}, but the checkpoint has {src_pp}")
+            raise FormatError(
+                f"{where}: tensor {name!r} is recorded on PP stage {stage}, but the checkpoint has {src_pp}"
+            )
         want = s.local_shape(topo.tp_size)
         if tuple(value.shape) != want:
             raise StateMismatchError(
@@ -411,6 +424,7 @@ def load_model(
     """This rank's model state at its layout, assembled from the source model files."""
     out = {}
     for job in jobs:
+
         def file_of(tp_rank: int, job: TensorJob = job) -> SourceFile:
             return files.get(layout.model_file(src.tag, tp_rank, job.stage))
 
@@ -451,8 +465,7 @@ def plan_optimizer(
                 "state cannot be matched to the saved state at another layout"
             )
         s = record.require(name, where)
-        s.check(name, src_tp)
-        s.check(name, topo.tp_size)
+        s.check(name, topo.tp_size, src_tp)
         stage = s.pp_stage or 0
         order = record.optimizer_params.get(stage)
         if order is None:
@@ -475,7 +488,10 @@ def _groups(
             f"{where}: the saved optimizer has {len(saved) if isinstance(saved, list) else '?'} parameter groups, "
             f"this one {len(target_groups)}; re-sharding keeps the groups"
         )
-    return [{**{k: v for k, v in g.items() if k != "params"}, "params": list(ids)} for g, ids in zip(saved, target_groups, strict=True)]
+    return [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": list(ids)}
+        for g, ids in zip(saved, target_groups, strict=True)
+    ]
 
 
 def _walk_slots(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
@@ -505,6 +521,7 @@ def load_optimizer(
     state: dict[int, dict] = {}
     first_file = None
     for job in jobs:
+
         def path_of(tp_rank: int, job: OptimizerJob = job) -> str:
             return layout.optim_file(src.tag, 0, tp_rank, job.stage)
 
@@ -568,7 +585,14 @@ def load_zero1(
             )
         shape_info[job.index] = list(dst_local)
 
-        def resharded(keys: tuple[Any, ...], dtype: torch.dtype, job: OptimizerJob = job, rows: tuple = rows) -> torch.Tensor:
+        def resharded(
+            keys: tuple[Any, ...],
+            dtype: torch.dtype,
+            job: OptimizerJob = job,
+            rows: tuple = rows,
+            src_local: tuple = src_local,
+            dst_local: tuple = dst_local,
+        ) -> torch.Tensor:
             readers: dict[int, Callable[[Box], torch.Tensor]] = {}
 
             def read(tp_rank: int, box: Box) -> torch.Tensor:
@@ -605,7 +629,6 @@ def load_zero1(
     if has_masters:
         out[zero1.MASTER_WEIGHTS] = masters
     return out
-
 
 
 # ------------------------------------------------------------------------------------------- one load
@@ -672,7 +695,9 @@ class ReshardedLoad:
             self.model_jobs = plan_model(record, self.src.tp, self.src.pp, topo, target, strict=strict, where=where)
         if optimizer is not None:
             if self.zero1 and info.zero1_dp_size is None and not info.zero1_full:
-                raise ReshardError(f"{where}: the ZeRO-1 optimizer files' DP size is not known; it cannot be re-sharded")
+                raise ReshardError(
+                    f"{where}: the ZeRO-1 optimizer files' DP size is not known; it cannot be re-sharded"
+                )
             order, self.groups = _target_order(model, optimizer, topo.tp_size)
             self.opt_jobs = plan_optimizer(record, self.src.tp, self.src.pp, topo, order, where)
 
