@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from nxd_ckpt import adapters
 from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.errors import FormatError, ReshardError, StateMismatchError
 from nxd_ckpt.format import layout
@@ -681,7 +682,7 @@ class ReshardedLoad:
         self.groups: list[list[int]] = []
         if model is not None:
             if isinstance(model, torch.nn.Module):
-                target: Mapping[str, Any] = model.state_dict()
+                target: Mapping[str, Any] = adapters.model_state(model)
             elif self.src.pp == topo.pp_size:  # a dict target: this stage's tensors, at their new shapes
                 target = {
                     n: torch.empty(record.tensors[n].local_shape(topo.tp_size), device="meta")
