@@ -816,7 +816,7 @@ class CheckpointManager:
             )
 
         def plan() -> reshard.ReshardedLoad:
-            record = reshard.source_record(storage, tag, info, saved, sharding_spec, model, trusted=allow_pickle)
+            record = reshard.source_record(storage, tag, info, saved, sharding_spec, trusted=allow_pickle)
             return reshard.ReshardedLoad(
                 storage, tag, info, record, topo, model, optimizer, strict=strict, trusted=allow_pickle
             )

@@ -367,14 +367,16 @@ def narrow_box(tensor: torch.Tensor, box: Box) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------ obtaining records
 
 
-def _attr_sharding(param: torch.Tensor, tp: int) -> TensorSharding:
-    """One parameter's sharding from NxD's attributes (local shape -> global shape at TP ``tp``)."""
+def _attr_sharding(param: torch.Tensor, tp: int | None) -> TensorSharding:
+    """One parameter's sharding from NxD's attributes (local shape -> global shape at TP ``tp``; None: at the
+    parameter's own ``num_partitions``)."""
     local = tuple(int(d) for d in param.shape)
     if not getattr(param, "tensor_model_parallel", False):
         return TensorSharding(local)
     dim = int(getattr(param, "partition_dim", -1))
     stride = int(getattr(param, "partition_stride", 1) or 1)
-    parts = int(getattr(param, "num_partitions", tp) or tp)
+    parts = int(getattr(param, "num_partitions", tp or 1) or tp or 1)
+    tp = parts if tp is None else tp
     ordering = getattr(param, "rank_ordering", None)
     ordering = tuple(int(r) for r in ordering) if ordering is not None else None
     if dim < 0:
@@ -390,7 +392,7 @@ def _attr_sharding(param: torch.Tensor, tp: int) -> TensorSharding:
     return TensorSharding(tuple(shape), dim, stride, tp, rank_ordering=ordering, unsupported=unsupported)
 
 
-def _module_overrides(model: torch.nn.Module, tp: int) -> dict[str, TensorSharding | str]:
+def _module_overrides(model: torch.nn.Module, tp: int | None) -> dict[str, TensorSharding | str]:
     """Parameters NxD's GQA QKV layer shards in ways its attributes do not say: K/V heads replicated over TP
     ranks (``kv_size_multiplier`` > 1), and the fused ``weight_qkv``, whose attributes sit on views only."""
     out: dict[str, TensorSharding | str] = {}
@@ -408,12 +410,12 @@ def _module_overrides(model: torch.nn.Module, tp: int) -> dict[str, TensorShardi
                     f"its K/V heads are replicated across TP ranks (kv_size_multiplier={int(multiplier)}), so its "
                     "shards are not disjoint parts of one tensor"
                 )
-            elif pname in ("weight_qkv", "bias_qkv") and tp > 1:
+            elif pname in ("weight_qkv", "bias_qkv"):
                 sizes = getattr(module, "output_sizes", None)
                 if sizes and len(sizes) >= 2 and int(sizes[0]) == int(sizes[1]):
                     local = tuple(int(d) for d in param.shape)
-                    shape = (local[0] * tp, *local[1:])
-                    out[prefix + pname] = TensorSharding(shape, 0, 3, tp)
+                    parts = tp or int(getattr(param, "num_partitions", 1) or 1)
+                    out[prefix + pname] = TensorSharding((local[0] * parts, *local[1:]), 0, 3, parts)
                 else:
                     out[prefix + pname] = (
                         f"it fuses Q ({sizes[0] if sizes else '?'}) and K/V ({sizes[1] if sizes else '?'}) outputs "
@@ -424,15 +426,16 @@ def _module_overrides(model: torch.nn.Module, tp: int) -> dict[str, TensorShardi
 
 def record_from_model(
     model: Any,
-    tp: int,
+    tp: int | None,
     pp_stage: int | None = None,
     optimizer: Any = None,
     names: Iterable[str] | None = None,
 ) -> ShardingRecord:
     """The sharding of a model's state from its parameters' NxD attributes (unmarked tensors: replicated).
 
-    ``names`` limits the record to those state-dict keys (default: parameters and buffers). With ``optimizer``,
-    also records which parameter each of its state indices belongs to.
+    ``tp`` is the TP size the model is built for (None: each parameter's own ``num_partitions``, for a model
+    used only to describe a layout). ``names`` limits the record to those state-dict keys (default: parameters
+    and buffers). With ``optimizer``, also records which parameter each of its state indices belongs to.
     """
     if not isinstance(model, torch.nn.Module):
         return ShardingRecord()

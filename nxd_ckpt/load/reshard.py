@@ -19,7 +19,7 @@ structure only (``nxd-ckpt verify`` checks the whole tag).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -308,7 +308,6 @@ class SourceLayout:
     zero1_dp: int | None = None
     """DP chunks of the ZeRO-1 files (None: not ZeRO-1; 1 for full files)."""
     zero1_full: bool = False
-    files: SourceFiles | None = field(default=None, repr=False)
 
 
 def source_record(
@@ -317,19 +316,18 @@ def source_record(
     info: TagDescription,
     saved: ShardingRecord | None,
     sharding: Any,
-    model: Any,
     *,
     trusted: bool,
 ) -> ShardingRecord:
     """The sharding of the saved tensors: ``sharding=`` when given (a ShardingRecord, name patterns -> dim or
-    (dim, stride), or a model whose parameters carry NxD's attributes), else the record saved with the tag,
-    else the target model's attributes. Patterns and models are applied to the saved (per-rank) shapes, read
-    from the TP-rank-0 model file of every PP stage (structure only)."""
+    (dim, stride), or a model whose parameters carry NxD's attributes), else the record saved with the tag.
+    Patterns and models are applied to the saved (per-rank) shapes, read from the TP-rank-0 model file of every
+    PP stage (structure only)."""
     if isinstance(sharding, ShardingRecord):
         return sharding
     if sharding is None and saved is not None:
         return saved
-    spec = sharding if sharding is not None else model
+    spec = sharding
     if spec is None:
         raise ReshardError(
             f"checkpoint {storage.url}/{tag} records no sharding (it was written by NxD or an older nxd_ckpt) and "
@@ -349,7 +347,7 @@ def source_record(
             "sharding= must be a ShardingRecord, a mapping of name patterns, or a torch.nn.Module; got "
             f"{type(spec).__name__}"
         )
-    described = record_from_model(spec, 1)
+    described = record_from_model(spec, None)
     tensors = {}
     for stage, shapes in stages.items():
         for name, local in shapes.items():

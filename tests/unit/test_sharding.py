@@ -229,3 +229,11 @@ def test_record_from_spec() -> None:
         sh.record_from_spec({"*.weight": 0, "l.*": 1}, {"norm": (4,), "norm.weight": (4,)}, 2)
     # TP=1: everything unmatched is whole anyway
     assert sh.record_from_spec({}, {"x": (3,)}, 1).tensors["x"] == TensorSharding((3,))
+
+
+def test_record_from_a_describing_model_uses_each_parameters_own_partitions() -> None:
+    lin = torch.nn.Linear(2, 4)
+    _mark(lin.weight, 0, 2, 4)  # a model built for TP=4, used only to say how tensors are cut
+    s = sh.record_from_model(lin, None).tensors["weight"]
+    assert s == TensorSharding((16, 2), 0, 2, 4) and s.problem(4) is None
+    assert sh.rebase(s, (6, 2), 2) == TensorSharding((12, 2), 0, 2, 2)
