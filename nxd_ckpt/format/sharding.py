@@ -353,6 +353,50 @@ def element_ranges(shape: Sequence[int], box: Box) -> list[tuple[int, int]]:
     return out
 
 
+@dataclass(frozen=True)
+class BlockRead:
+    """Block ``src_box`` of source TP rank ``src_rank``'s shard lands at ``dst_box`` of the target's tensor;
+    ``runs`` are the (element offset, count) runs the source shard (row-major, contiguous) stores it in."""
+
+    src_rank: int
+    src_box: Box
+    dst_box: Box
+    runs: tuple[tuple[int, int], ...]
+
+
+def block_reads(
+    sharding: TensorSharding, src_tp: int, dst_tp: int, dst_rank: int, rows: tuple[int, int] | None = None
+) -> list[BlockRead]:
+    """The read plan of target TP rank ``dst_rank`` of ``dst_tp`` as blocks of the ``src_tp`` source shards:
+    exactly the elements it needs, each once. With ``rows``, only rows ``[r0, r1)`` of the target's tensor
+    (a ZeRO-1 DP chunk) are wanted, and ``dst_box`` counts rows from ``r0``."""
+    src_local, dst_local = sharding.local_shape(src_tp), sharding.local_shape(dst_tp)
+    plan = read_plan(sharding, src_tp, dst_tp, dst_rank)
+    if not dst_local:
+        return [BlockRead(plan[0].src_rank, (), (), ((0, 1),))]
+    r0, r1 = rows if rows is not None else (0, dst_local[0])
+    if r1 <= r0:
+        return []
+    dim = sharding.partition_dim
+    out = []
+    for p in plan:
+        src = [(0, n) for n in src_local]
+        dst = [(0, n) for n in dst_local]
+        if dim == 0:
+            lo, hi = max(p.dst_start, r0), min(p.dst_start + p.size, r1)
+            if lo >= hi:
+                continue
+            src[0] = (p.src_start + lo - p.dst_start, p.src_start + hi - p.dst_start)
+            dst[0] = (lo - r0, hi - r0)
+        else:
+            src[0], dst[0] = (r0, r1), (0, r1 - r0)
+            if dim is not None:
+                src[dim] = (p.src_start, p.src_stop)
+                dst[dim] = (p.dst_start, p.dst_start + p.size)
+        out.append(BlockRead(p.src_rank, tuple(src), tuple(dst), tuple(element_ranges(src_local, tuple(src)))))
+    return out
+
+
 def box_numel(box: Box) -> int:
     return math.prod(hi - lo for lo, hi in box)
 

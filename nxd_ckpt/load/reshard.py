@@ -34,6 +34,7 @@ from nxd_ckpt.format.sharding import (
     Box,
     ShardingRecord,
     TensorSharding,
+    block_reads,
     element_ranges,
     narrow_box,
     read_plan,
@@ -248,30 +249,8 @@ def fill(
 ) -> torch.Tensor:
     """Fill ``out``, rows ``[r0, r1)`` of target TP rank ``dst_rank``'s tensor (all of it when ``rows`` is
     None), from the source shards by the read plan; each block is read once, only what ``out`` covers."""
-    src_local = sharding.local_shape(src_tp)
-    dst_local = sharding.local_shape(dst_tp)
-    if not dst_local:
-        out.copy_(read(read_plan(sharding, src_tp, dst_tp, dst_rank)[0].src_rank, ()))
-        return out
-    r0, r1 = rows if rows is not None else (0, dst_local[0])
-    if r1 <= r0:
-        return out
-    dim = sharding.partition_dim
-    for p in read_plan(sharding, src_tp, dst_tp, dst_rank):
-        src = [(0, n) for n in src_local]
-        dst = [(0, n) for n in dst_local]
-        if dim == 0:
-            lo, hi = max(p.dst_start, r0), min(p.dst_start + p.size, r1)
-            if lo >= hi:
-                continue
-            src[0] = (p.src_start + lo - p.dst_start, p.src_start + hi - p.dst_start)
-            dst[0] = (lo - r0, hi - r0)
-        else:
-            src[0], dst[0] = (r0, r1), (0, r1 - r0)
-            if dim is not None:
-                src[dim] = (p.src_start, p.src_stop)
-                dst[dim] = (p.dst_start, p.dst_start + p.size)
-        narrow_box(out, tuple(dst)).copy_(read(p.src_rank, tuple(src)))
+    for b in block_reads(sharding, src_tp, dst_tp, dst_rank, rows):
+        narrow_box(out, b.dst_box).copy_(read(b.src_rank, b.src_box))
     return out
 
 
