@@ -397,9 +397,15 @@ def _checked(f: SourceFile, value: Any, name: str, want: tuple[int, ...]) -> tor
 
 
 def load_model(
-    storage: Storage, src: SourceLayout, jobs: Sequence[TensorJob], topo: Topology, files: SourceFiles
+    src: SourceLayout,
+    jobs: Sequence[TensorJob],
+    topo: Topology,
+    files: SourceFiles,
+    live: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """This rank's model state at its layout, assembled from the source model files."""
+    """This rank's model state at its layout, assembled from the source model files: straight into the
+    ``live`` model's CPU tensors where they fit (no second copy of the state), else into fresh memory."""
+    live = live or {}
     out = {}
     for job in jobs:
 
@@ -412,8 +418,20 @@ def load_model(
 
         first = file_of(read_plan(job.sharding, src.tp, topo.tp_size, topo.tp_rank)[0].src_rank)
         dtype = _checked(first, first.lookup((job.name,)), job.name, job.sharding.local_shape(src.tp))
-        tensor = torch.empty(job.sharding.local_shape(topo.tp_size), dtype=dtype)
-        out[job.name] = fill(tensor, job.sharding, src.tp, topo.tp_size, topo.tp_rank, read)
+        shape = job.sharding.local_shape(topo.tp_size)
+        dest = live.get(job.name)
+        if (
+            dest is not None
+            and dest.device.type == "cpu"
+            and dest.dtype == dtype
+            and tuple(dest.shape) == shape
+            and dest.is_contiguous()
+        ):
+            tensor = dest.detach()  # the parameter's own memory (load_state_dict then copies it onto itself)
+        else:
+            tensor = torch.empty(shape, dtype=dtype)
+        with torch.no_grad():
+            out[job.name] = fill(tensor, job.sharding, src.tp, topo.tp_size, topo.tp_rank, read)
     return out
 
 
@@ -655,11 +673,14 @@ class ReshardedLoad:
         )
         self.zero1 = bool(info.zero1)
         self.model_jobs: list[TensorJob] = []
+        self.live: dict[str, torch.Tensor] = {}
         self.opt_jobs: list[OptimizerJob] = []
         self.groups: list[list[int]] = []
         if model is not None:
             if isinstance(model, torch.nn.Module):
                 target: Mapping[str, Any] = adapters.model_state(model)
+                self.live = dict(model.named_parameters(remove_duplicate=False))
+                self.live.update(model.named_buffers(remove_duplicate=False))
             elif self.src.pp == topo.pp_size:  # a dict target: this stage's tensors, at their new shapes
                 target = {
                     n: torch.empty(record.tensors[n].local_shape(topo.tp_size), device="meta")
@@ -680,7 +701,7 @@ class ReshardedLoad:
             self.opt_jobs = plan_optimizer(record, self.src.tp, self.src.pp, topo, order, where)
 
     def model_state(self) -> dict[str, torch.Tensor]:
-        return load_model(self.files.storage, self.src, self.model_jobs, self.topo, self.files)
+        return load_model(self.src, self.model_jobs, self.topo, self.files, self.live)
 
     def optimizer_state(self) -> dict:
         if self.zero1:
