@@ -21,11 +21,15 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from nxd_ckpt.errors import FormatError, ReshardError
+from nxd_ckpt.lazy import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")  # nxd_ckpt.json is read by commands that never touch a tensor (nxd-ckpt list)
 
 KV_MODULE_PARAMS = ("weight_k", "weight_v", "bias_k", "bias_v", "weight_qkv", "bias_qkv")
 """Parameters of NxD's ``GQAQKVColumnParallelLinear`` that hold K/V heads (replicated when kv_size_multiplier > 1)."""
