@@ -315,3 +315,29 @@ def _train_tp2_resume_tp1(root: str) -> None:
 @pytest.mark.timeout(300)
 def test_training_saved_at_tp2_resumes_at_tp1(tmp_path):
     run_on_ranks(_train_tp2_resume_tp1, 2, {"root": str(tmp_path)})
+
+
+# ------------------------------------------------------------------------------------------- converted inputs
+
+
+def _full_zero1_to_other_tp(root: str) -> None:
+    """ZeRO-1 state merged into full files by convert-zero1 keeps the sharding record and re-shards too."""
+    from nxd_ckpt.tools.convert_zero1 import convert_zero1
+
+    topo, tp_group, dp_group = _groups(2, 1)
+    model, opt = _build(topo, tp_group, dp_group, 2, "zero1", seed=0)
+    _steps(model, opt, topo.tp_size, topo.tp_rank)
+    nxd.save_checkpoint(os.path.join(root, "ckpt"), "t", model=model, optimizer=opt, zero1_optimizer=True)
+    if dist.get_rank() == 0:
+        convert_zero1(os.path.join(root, "ckpt", "t"), os.path.join(root, "full", "t"), convert_to_full=True)
+    dist.barrier()
+    nxd.destroy_model_parallel()
+    topo, tp_group, dp_group = _groups(1, 1)
+    model2, opt2 = _build(topo, tp_group, dp_group, 2, "zero1", seed=7)
+    nxd.load_checkpoint(os.path.join(root, "full"), "t", model=model2, optimizer=opt2)
+    _check(model2, opt2, topo, "zero1", 2)
+
+
+@pytest.mark.timeout(300)
+def test_full_zero1_files_load_at_another_tp(tmp_path):
+    run_on_ranks(_full_zero1_to_other_tp, 2, {"root": str(tmp_path)})
