@@ -12,8 +12,8 @@ Everything that makes a layout impossible (no sharding recorded for a tensor, a 
 cover, shapes that disagree with the target) is found by ``plan_*`` before any tensor data is read.
 
 Integrity: a whole file read here is checked against the tag's manifests as usual; a part of a file read by
-range cannot be (the checksum covers the whole file), so re-sharded loads of plain files check sizes and
-structure only (``nxd-ckpt verify`` checks the whole tag).
+range cannot be (the checksum covers the whole file): such files are checked against their recorded size only
+(``nxd-ckpt verify`` checks the whole tag).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from nxd_ckpt import adapters
 from nxd_ckpt.dist.topology import Topology
-from nxd_ckpt.errors import FormatError, ReshardError, StateMismatchError
+from nxd_ckpt.errors import FormatError, IntegrityError, ReshardError, StateMismatchError
 from nxd_ckpt.format import layout
 from nxd_ckpt.format.describe import TagDescription
 from nxd_ckpt.format.integrity import VerifyingStorage
@@ -59,6 +59,20 @@ Reader = Callable[[int, Box], torch.Tensor]
 def _raw(storage: Storage) -> Storage:
     """The storage under the verifying layer, for reads of parts of a file (a checksum covers whole files)."""
     return storage.inner if isinstance(storage, VerifyingStorage) else storage
+
+
+def _check_size(storage: Storage, path: str) -> None:
+    """For a file read in parts under verification: its size must be the one its manifest records (the
+    checksum, which covers the whole file, cannot be checked on parts)."""
+    if not isinstance(storage, VerifyingStorage):
+        return
+    rec = storage.record_for(path)
+    size = storage.size(path)
+    if rec is not None and size != rec.size:
+        raise IntegrityError(
+            f"{storage.url}/{path} is corrupt: it has {size} bytes but {rec.size} were written (see its manifest); "
+            "restore it from a copy or load another tag"
+        )
 
 
 def _zip_structure(storage: Storage, path: str, what: str, trusted: bool) -> tuple[Any, dict[str, int]]:
@@ -123,6 +137,7 @@ class SourceFile:
                 with storage.open_read(info_path) as f:
                     self.info = xser.load_info(f, what=f"{storage.url}/{info_path}")
         else:
+            _check_size(storage, path)
             self.structure, self._offsets = _zip_structure(_raw(storage), path, self.what, trusted)
 
     def lookup(self, keys: Sequence[Any]) -> Any:
@@ -172,6 +187,7 @@ class SourceFile:
     def _tensor_file(self, tid: int) -> tuple[torch.Tensor, dict[str, int]]:
         if tid not in self._tensor_files:
             path = self._tensor_path(tid)
+            _check_size(self.storage, path)
             t, offsets = _zip_structure(_raw(self.storage), path, f"{self.storage.url}/{path}", False)
             if not isinstance(t, torch.Tensor):
                 raise FormatError(f"{self.storage.url}/{path} does not hold a tensor (found {type(t).__name__})")

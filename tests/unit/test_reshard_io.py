@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
-from nxd_ckpt.format import layout
+from nxd_ckpt.format import integrity, layout
 from nxd_ckpt.format.sharding import TensorSharding, split
 from nxd_ckpt.load import reshard, zero1
+from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.counting import ReadCountingStorage
 
 BOXES = [((0, 6), (0, 10)), ((2, 4), (0, 10)), ((0, 6), (3, 7)), ((5, 6), (9, 10))]
@@ -72,3 +73,14 @@ def test_fill_from_dp_chunked_sources(saved, tmp_path):
             out = torch.zeros(zero1.shard_shape(local.shape, dp))
             reshard.fill(out.narrow(0, 0, rows[1] - rows[0]), s, 1, dst_tp, dst_rank, lambda _r, box: read(box), rows)
             assert torch.equal(out, zero1.shard_tensor(local, dp, dp_rank)), (dst_tp, dst_rank, dp, dp_rank)
+
+
+def test_a_file_read_in_parts_is_checked_against_its_recorded_size(saved):
+    root, _ = saved
+    path = layout.model_file("t", 0, 0)
+    storage = integrity.VerifyingStorage(LocalStorage(root / "plain"), "t")
+    reshard.SourceFile(storage, path)  # intact: fine
+    with open(root / "plain" / path, "ab") as f:
+        f.write(b"x")
+    with pytest.raises(nxd.IntegrityError, match=r"corrupt: it has \d+ bytes but \d+ were written"):
+        reshard.SourceFile(storage, path)
