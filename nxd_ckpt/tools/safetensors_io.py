@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 from collections.abc import Iterable, Iterator, Sequence
@@ -24,8 +25,8 @@ from nxd_ckpt.errors import CheckpointError, FormatError
 from nxd_ckpt.storage.local import atomic_file
 
 INDEX_FILE = "model.safetensors.index.json"
-DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
-"""Hugging Face's default ``max_shard_size`` ("5GB" in ``save_pretrained``)."""
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+"""Hugging Face's default ``max_shard_size`` ("5GB", decimal, in ``save_pretrained``)."""
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -84,6 +85,22 @@ def dtype_code(dtype: torch.dtype, name: str) -> str:
 def shard_file_name(index: int, count: int) -> str:
     """``model-00001-of-00003.safetensors`` (1-based, as transformers names them)."""
     return f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_SIZE_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"5GB"`` (decimal, as transformers reads ``max_shard_size``), ``"512MiB"`` or ``"1000"``."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).upper() if m else ""
+    if m is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"expected a size such as 5GB, 500MB or 2GiB, got {text!r}")
+    value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if value < 1:
+        raise ValueError(f"a size must be at least 1 byte, got {text!r}")
+    return value
 
 
 def plan_shards(entries: Sequence[TensorEntry], max_shard_bytes: int) -> list[list[TensorEntry]]:
