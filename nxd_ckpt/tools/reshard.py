@@ -53,9 +53,9 @@ class ReshardReport:
         def text(lay: tuple[int | None, int, int]) -> str:
             return f"DP={lay[0] if lay[0] is not None else 'any'} TP={lay[1]} PP={lay[2]}"
 
-        what = "model only" if self.model_only else "model and state"
+        what = " (model only: the optimizer state was not carried)" if self.model_only else ""
         return (
-            f"re-sharded {text(self.src)} -> {text(self.dst)} ({what}): {self.tensors} tensors, "
+            f"re-sharded {text(self.src)} -> {text(self.dst)}{what}: {self.tensors} tensors, "
             f"{format_bytes(self.nbytes)}, {len(self.files)} model files, {self.seconds:.2f} s -> {self.out}"
         )
 
