@@ -231,7 +231,15 @@ class CheckpointModel:
         s = self.sharding_of(name)
         pp = self._stage[name]
         if s.replicated:
-            return self._read_local(name, 0, pp)
+            first = self._read_local(name, 0, pp)
+            for tp in range(1, self.tp):  # copies that differ mean the record is wrong: never pick one silently
+                if not _same_bits(first, self._read_local(name, tp, pp)):
+                    raise ReshardError(
+                        f"{self.ckpt.url}: tensor {name!r} is described as replicated over TP ranks, but TP rank "
+                        f"{tp}'s copy differs from TP rank 0's; it is split or the ranks diverged: pass a sharding "
+                        "spec that gives its partition dim"
+                    )
+            return first
         shards = [self._read_local(name, tp, pp) for tp in range(self.tp)]
         full = shd.merge(shards, s)
         del shards
@@ -247,3 +255,9 @@ class CheckpointModel:
         if not isinstance(tensor, torch.Tensor):
             raise FormatError(f"{self.ckpt.url}: {path} is not a tensor in TP rank {tp}'s file")
         return tensor
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return a.numel() == 0 or torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
