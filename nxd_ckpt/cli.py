@@ -33,6 +33,7 @@ safetensors_io = lazy_module("nxd_ckpt.tools.safetensors_io")
 model_writer = lazy_module("nxd_ckpt.tools.model_writer")
 reshard = lazy_module("nxd_ckpt.tools.reshard")
 importer = lazy_module("nxd_ckpt.tools.importer")
+tool_memory = lazy_module("nxd_ckpt.tools.memory")
 
 PROG = "nxd-ckpt"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -449,6 +450,7 @@ def _sharding_spec(args: argparse.Namespace) -> Any:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    tool_memory.return_large_blocks_to_the_system()  # this process is the tool: see tools/memory.py
     if os.path.lexists(args.out) and not args.force:
         raise CheckpointError(f"{args.out} already exists; pass --force to overwrite it")
     if args.shard and (args.format != "safetensors" or not args.out.endswith(".safetensors")):
@@ -501,6 +503,7 @@ def _stage_map(args: argparse.Namespace) -> Any:
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:
+    tool_memory.return_large_blocks_to_the_system()  # this process is the tool: see tools/memory.py
     if args.tp is None and args.pp is None and args.dp is None:
         raise ValueError("give the target layout: --tp, --pp and/or --dp")
     spec, stage_of = _sharding_spec(args), _stage_map(args)
@@ -527,6 +530,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    tool_memory.return_large_blocks_to_the_system()  # this process is the tool: see tools/memory.py
     spec, stage_of = _sharding_spec(args), _stage_map(args)
     report = importer.import_weights(
         args.source,

@@ -250,25 +250,27 @@ def referenced_tids(ref_data: Any) -> list[int]:
 
 def decode(ref_data: Any, tensors: dict[int, torch.Tensor], *, what: str) -> Any:
     """Put the loaded tensors back in place of their references (tensors stored inline are kept)."""
+    return _decode(ref_data, tensors, what)
 
-    def walk(obj: Any) -> Any:
-        if _is_reference(obj):
-            try:
-                return tensors[int(obj.tid)]
-            except KeyError:
-                raise FormatError(f"{what} refers to tensor {obj.tid}, which was not loaded") from None
-        if isinstance(obj, dict):
-            out = collections.OrderedDict() if isinstance(obj, collections.OrderedDict) else {}
-            for k, v in obj.items():
-                out[k] = walk(v)
-            return out
-        if isinstance(obj, list):
-            return [walk(v) for v in obj]
-        if isinstance(obj, tuple):
-            return tuple(walk(v) for v in obj)
-        return obj
 
-    return walk(ref_data)
+def _decode(obj: Any, tensors: dict[int, torch.Tensor], what: str) -> Any:
+    # A module-level function, not a recursive closure: a closure that refers to itself is a reference cycle,
+    # which would keep ``tensors`` (every loaded tensor) alive until the cyclic garbage collector runs.
+    if _is_reference(obj):
+        try:
+            return tensors[int(obj.tid)]
+        except KeyError:
+            raise FormatError(f"{what} refers to tensor {obj.tid}, which was not loaded") from None
+    if isinstance(obj, dict):
+        out = collections.OrderedDict() if isinstance(obj, collections.OrderedDict) else {}
+        for k, v in obj.items():
+            out[k] = _decode(v, tensors, what)
+        return out
+    if isinstance(obj, list):
+        return [_decode(v, tensors, what) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_decode(v, tensors, what) for v in obj)
+    return obj
 
 
 def check_against_info(tid: int, tensor: torch.Tensor, info: dict[int, dict[str, Any]] | None, *, what: str) -> None:

@@ -53,7 +53,8 @@ def write_dcp(
 ) -> None:
     """Write a DCP checkpoint of the tensors ``entries`` (name, dtype, shape) into the new directory ``out_dir``.
 
-    ``read(name)`` is called once per tensor, when DCP's writer reaches it. The checkpoint is built in a
+    ``read(name)`` is called once per tensor, when DCP's writer reaches it, and must return a tensor that owns
+    its memory (released once written: never a live parameter). The checkpoint is built in a
     temporary sibling directory and renamed into place once DCP has written its ``.metadata`` (last, as DCP does).
     """
     if os.path.lexists(out_dir):
@@ -64,19 +65,35 @@ def write_dcp(
     expected = {name: (dtype, tuple(shape)) for name, dtype, shape in entries}
 
     class _ReadOnDemand(DefaultSavePlanner):
-        """DCP's default planner, with each tensor read from the source when the writer needs its bytes."""
+        """DCP's default planner, with each tensor read from the source when the writer needs its bytes.
+
+        DCP's file writer keeps every tensor it wrote until the file is closed (``tensor_dict``, used for its
+        safetensors format); with one tensor in flight at a time (one thread, serial loader), the previous
+        tensor's bytes are on disk when the next is asked for, so its memory is released then.
+        """
+
+        previous: torch.Tensor | None = None
+
+        def release(self) -> None:
+            if self.previous is not None:
+                self.previous.untyped_storage().resize_(0)
+                self.previous = None
 
         def resolve_data(self, write_item: Any) -> Any:
             name = write_item.index.fqn
+            self.release()
             if name not in expected:
                 return super().resolve_data(write_item)
             tensor = read(name)
+            if not tensor.untyped_storage().resizable():  # e.g. over a bytes buffer: take memory we can release
+                tensor = tensor.clone()
+            self.previous = tensor
             if (tensor.dtype, tuple(tensor.shape)) != expected[name]:
                 raise CheckpointError(
                     f"{name} came out as {tensor.dtype} {list(tensor.shape)}, but its source describes it as "
                     f"{expected[name][0]} {list(expected[name][1])}; the source checkpoint is inconsistent"
                 )
-            return tensor.detach().cpu()
+            return tensor
 
     placeholders = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (dtype, shape) in expected.items()}
     parent = os.path.dirname(os.path.abspath(out_dir))
@@ -87,7 +104,11 @@ def write_dcp(
         writer = dcp.FileSystemWriter(tmp_dir, single_file_per_rank=True, sync_files=True, thread_count=1)
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save(placeholders, storage_writer=writer, planner=_ReadOnDemand(), no_dist=True)
+            planner = _ReadOnDemand()
+            try:
+                dcp.save(placeholders, storage_writer=writer, planner=planner, no_dist=True)
+            finally:
+                planner.release()
         os.rename(tmp_dir, out_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -137,15 +137,17 @@ def write_model(
                     f"{e.dtype} {list(e.shape)}; the source is inconsistent"
                 )
             for tp in range(model_plan.tp):
-                part = shd.split(full, s, model_plan.tp, tp) if not s.replicated else full
                 w = writers[(tp, s.pp_stage or 0)]
-                if isinstance(w, PlainShardWriter):
+                if isinstance(w, PlainShardWriter):  # each span straight from the whole tensor into the file
                     target = w.target((e.name,))
-                    target.copy_(part)
+                    _fill(target, full, s, model_plan.tp, tp)
                     w.done_with(target)
+                    del target
                 else:
+                    whole = s.replicated or model_plan.tp == 1
+                    part = full if whole else shd.split(full, s, model_plan.tp, tp)
                     w.write_tensor((e.name,), part)
-                del part
+                    del part
             if progress is not None:
                 progress(full.numel() * full.element_size())
             del full
@@ -156,3 +158,14 @@ def write_model(
             w.abort()
         raise
     return [layout.model_file(tag, tp, pp) for pp in range(model_plan.pp) for tp in range(model_plan.tp)]
+
+
+def _fill(target: torch.Tensor, full: torch.Tensor, s: shd.TensorSharding, tp: int, rank: int) -> None:
+    """Copy TP rank ``rank``'s part of ``full`` into ``target`` span by span (no intermediate copy)."""
+    if s.partition_dim is None:
+        target.copy_(full)
+        return
+    dim = s.partition_dim
+    for span in shd.spans(s, tp, rank):
+        n = span.stop - span.start
+        target.narrow(dim, span.local_start, n).copy_(full.narrow(dim, span.start, n))

@@ -174,8 +174,11 @@ def write_file(
     """Write one safetensors file (temporary name, fsynced, renamed into place); return the tensor bytes."""
     with atomic_file(path) as tmp, open(tmp, "wb") as f:
         w = _FileWriter(f, entries, metadata)
-        for entry, tensor in zip(entries, tensors, strict=True):
+        source = iter(tensors)
+        for entry in entries:
+            tensor = next(source)  # one tensor alive at a time: the previous one is gone before the next is read
             w.write(entry.name, tensor)
+            del tensor
         f.flush()
         os.fsync(f.fileno())
     return sum(e.nbytes for e in entries)

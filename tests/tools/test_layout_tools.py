@@ -173,7 +173,9 @@ def test_export_of_an_nxd_written_tag_needs_and_uses_a_sharding_spec(tp2pp2, tmp
 def test_export_renames_refuses_clashes_and_replaces_only_with_force(tp2pp2, tmp_path, cli):
     out = tmp_path / "renamed"
     rename = tmp_path / "rename.json"
-    rename.write_text(json.dumps({"exact": {"head.weight": "lm_head.weight"}, "patterns": [["^layers\\.", "model.layers."]]}))
+    rename.write_text(
+        json.dumps({"exact": {"head.weight": "lm_head.weight"}, "patterns": [["^layers\\.", "model.layers."]]})
+    )
     cli("export", str(tp2pp2 / "ckpt"), "--tag", "plain", "--out", str(out), "--rename", str(rename))
     got = read_set(out)
     ref = reference()
