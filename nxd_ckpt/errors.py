@@ -90,3 +90,7 @@ class RemoteRankError(CheckpointError):
 
 class DeviceUnavailableError(CheckpointError, RuntimeError):
     """A device was asked for (e.g. ``xla``) whose runtime is not installed in this environment."""
+
+
+class ReshardError(LayoutMismatchError):
+    """A tensor cannot be moved to the requested TP/PP layout (its sharding is unsupported, or not known)."""
