@@ -13,6 +13,7 @@ from nxd_ckpt.errors import (
     InvalidTagError,
     LayoutMismatchError,
     RemoteRankError,
+    ReshardError,
     StateMismatchError,
     StorageError,
     StorageStallError,
@@ -38,6 +39,8 @@ _LAZY = {
     "destroy_model_parallel": "parallel_state",
     "initialize_model_parallel": "parallel_state",
     "Topology": "dist.topology",
+    "ShardingRecord": "format.sharding",
+    "TensorSharding": "format.sharding",
     "VerifyReport": "format.verification",
     "verify": "format.verification",
 }
@@ -54,6 +57,7 @@ if TYPE_CHECKING:
         save_checkpoint,
     )
     from nxd_ckpt.dist.topology import Topology
+    from nxd_ckpt.format.sharding import ShardingRecord, TensorSharding
     from nxd_ckpt.format.verification import VerifyReport, verify
     from nxd_ckpt.inspect import Checkpoint, open_checkpoint
     from nxd_ckpt.manager import CheckpointManager, SaveReport
@@ -90,10 +94,13 @@ __all__ = [
     "InvalidTagError",
     "LayoutMismatchError",
     "RemoteRankError",
+    "ReshardError",
     "SaveReport",
+    "ShardingRecord",
     "StateMismatchError",
     "StorageError",
     "StorageStallError",
+    "TensorSharding",
     "Topology",
     "UnsafeCheckpointError",
     "VerifyReport",

@@ -21,11 +21,15 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from nxd_ckpt.errors import FormatError, ReshardError
+from nxd_ckpt.lazy import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")  # nxd_ckpt.json is read by commands that never touch a tensor (nxd-ckpt list)
 
 KV_MODULE_PARAMS = ("weight_k", "weight_v", "bias_k", "bias_v", "weight_qkv", "bias_qkv")
 """Parameters of NxD's ``GQAQKVColumnParallelLinear`` that hold K/V heads (replicated when kv_size_multiplier > 1)."""
@@ -94,11 +98,14 @@ class TensorSharding:
             )
         return None
 
-    def check(self, name: str, tp: int) -> None:
-        """Raise ReshardError naming ``name`` when the tensor cannot be laid out over ``tp`` ranks."""
-        why = self.problem(tp)
-        if why is not None:
-            raise ReshardError(f"tensor {name!r} cannot be re-sharded to TP={tp}: {why}")
+    def check(self, name: str, tp: int, src_tp: int | None = None) -> None:
+        """Raise ReshardError naming ``name`` when the tensor cannot be laid out over ``tp`` ranks (coming from
+        ``src_tp`` ranks, when given)."""
+        for size in (src_tp, tp):
+            why = self.problem(size) if size is not None else None
+            if why is not None:
+                change = f"from TP={src_tp} to TP={tp}" if src_tp is not None else f"to TP={tp}"
+                raise ReshardError(f"tensor {name!r} cannot be re-sharded {change}: {why}")
 
     # ------------------------------------------------------------------------------------------ encoding
     def to_json(self) -> dict[str, Any]:
@@ -350,6 +357,50 @@ def element_ranges(shape: Sequence[int], box: Box) -> list[tuple[int, int]]:
     return out
 
 
+@dataclass(frozen=True)
+class BlockRead:
+    """Block ``src_box`` of source TP rank ``src_rank``'s shard lands at ``dst_box`` of the target's tensor;
+    ``runs`` are the (element offset, count) runs the source shard (row-major, contiguous) stores it in."""
+
+    src_rank: int
+    src_box: Box
+    dst_box: Box
+    runs: tuple[tuple[int, int], ...]
+
+
+def block_reads(
+    sharding: TensorSharding, src_tp: int, dst_tp: int, dst_rank: int, rows: tuple[int, int] | None = None
+) -> list[BlockRead]:
+    """The read plan of target TP rank ``dst_rank`` of ``dst_tp`` as blocks of the ``src_tp`` source shards:
+    exactly the elements it needs, each once. With ``rows``, only rows ``[r0, r1)`` of the target's tensor
+    (a ZeRO-1 DP chunk) are wanted, and ``dst_box`` counts rows from ``r0``."""
+    src_local, dst_local = sharding.local_shape(src_tp), sharding.local_shape(dst_tp)
+    plan = read_plan(sharding, src_tp, dst_tp, dst_rank)
+    if not dst_local:
+        return [BlockRead(plan[0].src_rank, (), (), ((0, 1),))]
+    r0, r1 = rows if rows is not None else (0, dst_local[0])
+    if r1 <= r0:
+        return []
+    dim = sharding.partition_dim
+    out = []
+    for p in plan:
+        src = [(0, n) for n in src_local]
+        dst = [(0, n) for n in dst_local]
+        if dim == 0:
+            lo, hi = max(p.dst_start, r0), min(p.dst_start + p.size, r1)
+            if lo >= hi:
+                continue
+            src[0] = (p.src_start + lo - p.dst_start, p.src_start + hi - p.dst_start)
+            dst[0] = (lo - r0, hi - r0)
+        else:
+            src[0], dst[0] = (r0, r1), (0, r1 - r0)
+            if dim is not None:
+                src[dim] = (p.src_start, p.src_stop)
+                dst[dim] = (p.dst_start, p.dst_start + p.size)
+        out.append(BlockRead(p.src_rank, tuple(src), tuple(dst), tuple(element_ranges(src_local, tuple(src)))))
+    return out
+
+
 def box_numel(box: Box) -> int:
     return math.prod(hi - lo for lo, hi in box)
 
@@ -364,14 +415,16 @@ def narrow_box(tensor: torch.Tensor, box: Box) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------ obtaining records
 
 
-def _attr_sharding(param: torch.Tensor, tp: int) -> TensorSharding:
-    """One parameter's sharding from NxD's attributes (local shape -> global shape at TP ``tp``)."""
+def _attr_sharding(param: torch.Tensor, tp: int | None) -> TensorSharding:
+    """One parameter's sharding from NxD's attributes (local shape -> global shape at TP ``tp``; None: at the
+    parameter's own ``num_partitions``)."""
     local = tuple(int(d) for d in param.shape)
     if not getattr(param, "tensor_model_parallel", False):
         return TensorSharding(local)
     dim = int(getattr(param, "partition_dim", -1))
     stride = int(getattr(param, "partition_stride", 1) or 1)
-    parts = int(getattr(param, "num_partitions", tp) or tp)
+    parts = int(getattr(param, "num_partitions", tp or 1) or tp or 1)
+    tp = parts if tp is None else tp
     ordering = getattr(param, "rank_ordering", None)
     ordering = tuple(int(r) for r in ordering) if ordering is not None else None
     if dim < 0:
@@ -387,7 +440,7 @@ def _attr_sharding(param: torch.Tensor, tp: int) -> TensorSharding:
     return TensorSharding(tuple(shape), dim, stride, tp, rank_ordering=ordering, unsupported=unsupported)
 
 
-def _module_overrides(model: torch.nn.Module, tp: int) -> dict[str, TensorSharding | str]:
+def _module_overrides(model: torch.nn.Module, tp: int | None) -> dict[str, TensorSharding | str]:
     """Parameters NxD's GQA QKV layer shards in ways its attributes do not say: K/V heads replicated over TP
     ranks (``kv_size_multiplier`` > 1), and the fused ``weight_qkv``, whose attributes sit on views only."""
     out: dict[str, TensorSharding | str] = {}
@@ -405,12 +458,12 @@ def _module_overrides(model: torch.nn.Module, tp: int) -> dict[str, TensorShardi
                     f"its K/V heads are replicated across TP ranks (kv_size_multiplier={int(multiplier)}), so its "
                     "shards are not disjoint parts of one tensor"
                 )
-            elif pname in ("weight_qkv", "bias_qkv") and tp > 1:
+            elif pname in ("weight_qkv", "bias_qkv"):
                 sizes = getattr(module, "output_sizes", None)
                 if sizes and len(sizes) >= 2 and int(sizes[0]) == int(sizes[1]):
                     local = tuple(int(d) for d in param.shape)
-                    shape = (local[0] * tp, *local[1:])
-                    out[prefix + pname] = TensorSharding(shape, 0, 3, tp)
+                    parts = tp or int(getattr(param, "num_partitions", 1) or 1)
+                    out[prefix + pname] = TensorSharding((local[0] * parts, *local[1:]), 0, 3, parts)
                 else:
                     out[prefix + pname] = (
                         f"it fuses Q ({sizes[0] if sizes else '?'}) and K/V ({sizes[1] if sizes else '?'}) outputs "
@@ -421,15 +474,16 @@ def _module_overrides(model: torch.nn.Module, tp: int) -> dict[str, TensorShardi
 
 def record_from_model(
     model: Any,
-    tp: int,
+    tp: int | None,
     pp_stage: int | None = None,
     optimizer: Any = None,
     names: Iterable[str] | None = None,
 ) -> ShardingRecord:
     """The sharding of a model's state from its parameters' NxD attributes (unmarked tensors: replicated).
 
-    ``names`` limits the record to those state-dict keys (default: parameters and buffers). With ``optimizer``,
-    also records which parameter each of its state indices belongs to.
+    ``tp`` is the TP size the model is built for (None: each parameter's own ``num_partitions``, for a model
+    used only to describe a layout). ``names`` limits the record to those state-dict keys (default: parameters
+    and buffers). With ``optimizer``, also records which parameter each of its state indices belongs to.
     """
     if not isinstance(model, torch.nn.Module):
         return ShardingRecord()
@@ -519,3 +573,16 @@ def rebase(sharding: TensorSharding, local_shape: Sequence[int], tp: int) -> Ten
     shape = list(local)
     shape[sharding.partition_dim] *= tp
     return replace(sharding, shape=tuple(shape), num_partitions=tp)
+
+
+def record_for_save(model: Any, state: Any, optimizer: Any, tp: int, pp_stage: int) -> ShardingRecord:
+    """What a save records for one PP stage: the sharding of each tensor of the model's saved ``state`` (from
+    its parameters' NxD attributes; a plain dict's tensors only at TP = 1, where they are whole) and the
+    optimizer's parameter order. Tensors it cannot describe are left out (a load at another layout then asks
+    for a sharding spec naming them)."""
+    names = [k for k, v in state.items() if isinstance(v, torch.Tensor)] if isinstance(state, Mapping) else []
+    if isinstance(model, torch.nn.Module):
+        return record_from_model(model, tp, pp_stage, optimizer, names)
+    if tp == 1:
+        return ShardingRecord({n: TensorSharding(tuple(state[n].shape), pp_stage=pp_stage) for n in names})
+    return ShardingRecord()

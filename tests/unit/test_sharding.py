@@ -229,3 +229,37 @@ def test_record_from_spec() -> None:
         sh.record_from_spec({"*.weight": 0, "l.*": 1}, {"norm": (4,), "norm.weight": (4,)}, 2)
     # TP=1: everything unmatched is whole anyway
     assert sh.record_from_spec({}, {"x": (3,)}, 1).tensors["x"] == TensorSharding((3,))
+
+
+def test_record_from_a_describing_model_uses_each_parameters_own_partitions() -> None:
+    lin = torch.nn.Linear(2, 4)
+    _mark(lin.weight, 0, 2, 4)  # a model built for TP=4, used only to say how tensors are cut
+    s = sh.record_from_model(lin, None).tensors["weight"]
+    assert s == TensorSharding((16, 2), 0, 2, 4) and s.problem(4) is None
+    assert sh.rebase(s, (6, 2), 2) == TensorSharding((12, 2), 0, 2, 2)
+
+
+@pytest.mark.parametrize("shape,dim,stride", CASES)
+@pytest.mark.parametrize("src_tp,dst_tp,dp", [(2, 1, 2), (1, 2, 3), (4, 2, 1), (2, 4, 2)])
+def test_block_reads_fetch_exactly_each_target_chunk(
+    shape: tuple[int, ...], dim: int, stride: int, src_tp: int, dst_tp: int, dp: int
+) -> None:
+    """Byte/element ranges of the source shards a target TP rank (and one ZeRO-1 row chunk of it) needs."""
+    if shape[dim] % (src_tp * stride) or shape[dim] % (dst_tp * stride):
+        pytest.skip("not divisible")
+    full = torch.arange(torch.Size(shape).numel(), dtype=torch.int64).reshape(shape)
+    s = TensorSharding(shape, dim, stride, src_tp)
+    sources = [sh.split(full, s, src_tp, r).reshape(-1) for r in range(src_tp)]
+    for dst in range(dst_tp):
+        want = sh.split(full, s, dst_tp, dst)
+        per = -(-want.shape[0] // dp)
+        for chunk in range(dp):
+            rows = (min(chunk * per, want.shape[0]), min((chunk + 1) * per, want.shape[0]))
+            out = torch.full_like(want[rows[0] : rows[1]], -1)
+            fetched = 0
+            for b in sh.block_reads(s, src_tp, dst_tp, dst, rows):
+                data = torch.cat([sources[b.src_rank][o : o + n] for o, n in b.runs])
+                sh.narrow_box(out, b.dst_box).copy_(data.reshape(tuple(hi - lo for lo, hi in b.src_box)))
+                fetched += data.numel()
+            assert torch.equal(out, want[rows[0] : rows[1]])
+            assert fetched == out.numel()  # nothing read twice, nothing read that is not needed
