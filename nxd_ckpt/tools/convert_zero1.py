@@ -284,6 +284,11 @@ def _inspect_input(storage: LocalStorage, tag: str, *, trusted: bool) -> _InputL
     fulls = [c for n in names if (c := layout.parse_full_optim_file_name(n))]
     if shards and fulls:
         raise FormatError(f"{tag_dir}/optim holds both dp_rank_* shards and full_* files; keep one kind")
+    if not shards and not fulls and storage.exists(layout.tag_path(tag, layout.OPTIM_DIR, layout.DCP_METADATA_FILE)):
+        raise FormatError(
+            f"{tag_dir}/optim holds ZeRO-1 state in torch Distributed Checkpoint format (NxD's use_zero1_dcp=True), "
+            "which convert-zero1 does not read yet; NxD's own load_checkpoint(..., use_zero1_dcp=True) reads it"
+        )
     if not shards and not fulls:
         inner = [t.name for t in tags.list_tags(LocalStorage(tag_dir), include_incomplete=True)]
         hint = (

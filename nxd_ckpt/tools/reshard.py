@@ -108,9 +108,16 @@ def reshard(
     if os.path.lexists(out_tag_dir):
         raise CheckpointError(f"{out_tag_dir} already exists; reshard writes a new tag, choose another --out/--out-tag")
     src = (desc.dp, src_tp, src_pp)
+    dcp_optim = ckpt.storage.exists(layout.tag_path(ckpt.tag, layout.OPTIM_DIR, layout.DCP_METADATA_FILE))
+    if dcp_optim and not model_only:
+        raise ReshardError(
+            f"{ckpt.url}/{layout.OPTIM_DIR} holds ZeRO-1 state in torch Distributed Checkpoint format (NxD's "
+            "use_zero1_dcp=True), which nxd_ckpt does not convert yet; pass --model-only to re-shard the model "
+            "(and scheduler, user content) without it"
+        )
     if (dst_tp, dst_pp) == (src_tp, src_pp):
         return _reshard_dp(ckpt, desc, out_root, out_tag, dp, model_only, num_workers, src, start)
-    has_optimizer = "optimizer" in desc.saved_items
+    has_optimizer = "optimizer" in desc.saved_items or "optimizer" in desc.present_items or dcp_optim
     if has_optimizer and not model_only:
         raise ReshardError(
             f"{ckpt.url} holds optimizer state, which reshard does not move to another TP/PP layout offline; "

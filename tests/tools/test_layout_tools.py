@@ -395,3 +395,50 @@ def test_model_source_refuses_a_tag_without_model(tmp_path):
 
     with pytest.raises(CheckpointError, match="holds no model state"):
         CheckpointModel(nxd.open_checkpoint(tmp_path, "s"))
+
+
+# ---------------------------------------------------------------------------------------------- DP and DCP optim
+
+
+def test_reshard_dp_is_the_zero1_conversion(tmp_path, cli):
+    from test_convert_zero1 import TAG, merged_from_files, read_optim, write_checkpoint
+
+    fulls = write_checkpoint(str(tmp_path / "in"), dp=2, tp=2, use_xser=False)
+    stdout, _ = cli("reshard", str(tmp_path / "in"), "--tag", TAG, "--dp", "3", "--out", str(tmp_path / "out"))
+    assert "DP=2 TP=2 PP=1 -> DP=3 TP=2 PP=1" in stdout
+    cli("verify", str(tmp_path / "out"), "--tag", TAG)
+    for t in range(2):
+        shards = [read_optim(str(tmp_path / "out"), f"dp_rank_{d:02d}_tp_rank_{t:02d}_pp_rank_00.pt") for d in range(3)]
+        merged = merged_from_files(shards)
+        for i, slots in fulls[t]["base_state"].items():
+            assert torch.equal(merged["base_state"][i]["exp_avg"], slots["exp_avg"])
+    err = cli("reshard", str(tmp_path / "in"), "--tag", TAG, "--tp", "1", "--out", str(tmp_path / "o2"), check=1)[1]
+    assert "optimizer state" in err and "--model-only" in err
+
+
+def test_zero1_in_dcp_format_is_refused_clearly(tmp_path, cli):
+    """A tag whose optim/ is a DCP checkpoint (NxD's use_zero1_dcp=True) is not converted: said, not mistaken."""
+    import torch.distributed.checkpoint as dcp
+    from test_convert_zero1 import TAG, write_checkpoint
+
+    write_checkpoint(str(tmp_path / "in"), dp=1, tp=1, use_xser=False, metadata=False)
+    optim = tmp_path / "in" / TAG / "optim"
+    shutil.rmtree(optim)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"base_state.w.exp_avg": torch.ones(4, 4)}, checkpoint_id=str(optim), no_dist=True)
+    err = cli("reshard", str(tmp_path / "in"), "--tag", TAG, "--dp", "2", "--out", str(tmp_path / "out"), check=1)[1]
+    assert "use_zero1_dcp" in err and "--model-only" in err
+    err = cli("convert-zero1", "--input_dir", str(tmp_path / "in" / TAG), "--output_dir", str(tmp_path / "o" / TAG),
+              "--convert_to_full", check=1)[1]  # fmt: skip
+    assert "use_zero1_dcp" in err
+    # the model alone re-shards (the model files are NxD's usual ones)
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"w": 0, "*": None}))
+    stdout, _ = cli("reshard", str(tmp_path / "in"), "--tag", TAG, "--tp", "2", "--model-only", "--sharding-spec",
+                    str(spec), "--out", str(tmp_path / "out"))  # fmt: skip
+    assert "model only: the optimizer state was not carried" in stdout
+    assert sorted(os.listdir(tmp_path / "out" / TAG / "model")) == [
+        "dp_rank_00_tp_rank_00_pp_rank_00.pt",
+        "dp_rank_00_tp_rank_01_pp_rank_00.pt",
+    ]
