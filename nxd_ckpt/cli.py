@@ -502,6 +502,24 @@ def _stage_map(args: argparse.Namespace) -> Any:
     return model_writer.stage_map(doc)
 
 
+def _param_order(args: argparse.Namespace) -> Any:
+    if not getattr(args, "param_order", None):
+        return None
+    try:
+        with open(args.param_order) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"parameter order {args.param_order} could not be read as JSON: {e}") from e
+    if not isinstance(doc, dict) or not all(
+        isinstance(v, list) and all(isinstance(n, str) for n in v) for v in doc.values()
+    ):
+        raise ValueError(f'parameter order {args.param_order} must be JSON {{"PP stage": [names], ...}}')
+    try:
+        return {int(k): v for k, v in doc.items()}
+    except ValueError as e:
+        raise ValueError(f"parameter order {args.param_order}: keys must be PP stage numbers ({e})") from e
+
+
 def cmd_reshard(args: argparse.Namespace) -> int:
     tool_memory.return_large_blocks_to_the_system()  # this process is the tool: see tools/memory.py
     if args.tp is None and args.pp is None and args.dp is None:
@@ -521,6 +539,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
             stage_of=stage_of,
             model_only=args.model_only,
             num_workers=args.num_workers,
+            param_order=_param_order(args),
             progress=bar.update,
         )
     finally:
@@ -720,6 +739,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="OUT", help="checkpoint directory to write the new tag into")
     p.add_argument("--out-tag", metavar="TAG", help="tag name to write (default: the input's); must not exist")
     p.add_argument("--model-only", action="store_true", help="TP/PP change: drop the optimizer state")
+    p.add_argument(
+        "--param-order",
+        metavar="FILE",
+        help='ZeRO-1 state NxD saved through DCP (use_zero1_dcp=True): JSON {"PP stage": [parameter names in the '
+        "optimizer's order]}, to write it as NxD's per-rank ZeRO-1 files for --dp",
+    )
     p.add_argument(
         "--num-workers", type=_positive_int, default=1, metavar="N", help="DP change: coordinates in parallel"
     )

@@ -42,12 +42,9 @@ from nxd_ckpt.load.zero1_io import (
 )
 from nxd_ckpt.log import format_bytes
 from nxd_ckpt.storage import LocalStorage, storage_for
-from nxd_ckpt.storage.local import atomic_file
 from nxd_ckpt.tools import offline_tag
 
 logger = logging.getLogger("nxd_ckpt.convert_zero1")
-
-_NOT_CARRIED = {layout.DONE_MARKER, layout.CHECKPOINT_MARKER, layout.METADATA_FILE}
 
 
 @dataclass
@@ -160,7 +157,7 @@ def convert_zero1(
     out_storage = offline_tag.begin(out_root, out_tag, overwrite=overwrite)
     os.makedirs(os.path.join(out_dir, layout.OPTIM_DIR), exist_ok=True)
     report = ConversionReport(in_dir, out_dir, info.src_dp, dst_dp, info.tp, info.pp, info.xser)
-    report.files_copied = _carry_over(in_dir, out_dir)
+    report.files_copied = offline_tag.carry_over(in_dir, out_dir, skip_dirs=(layout.OPTIM_DIR,))
 
     coords = [(tp, pp) for pp in range(info.pp) for tp in range(info.tp)]
     slots = sum(  # progress counts parameter slots; PP stages hold different parameters
@@ -287,7 +284,8 @@ def _inspect_input(storage: LocalStorage, tag: str, *, trusted: bool) -> _InputL
     if not shards and not fulls and storage.exists(layout.tag_path(tag, layout.OPTIM_DIR, layout.DCP_METADATA_FILE)):
         raise FormatError(
             f"{tag_dir}/optim holds ZeRO-1 state in torch Distributed Checkpoint format (NxD's use_zero1_dcp=True), "
-            "which convert-zero1 does not read yet; NxD's own load_checkpoint(..., use_zero1_dcp=True) reads it"
+            "which convert-zero1 does not read; write it as NxD's per-rank ZeRO-1 files with `nxd-ckpt reshard DIR "
+            "--tag TAG --dp K --param-order FILE --out OUT`"
         )
     if not shards and not fulls:
         inner = [t.name for t in tags.list_tags(LocalStorage(tag_dir), include_incomplete=True)]
@@ -319,27 +317,6 @@ def _inspect_input(storage: LocalStorage, tag: str, *, trusted: bool) -> _InputL
     check_present(storage, expected)
     first = ShardFile(storage, expected[0], trusted=trusted)  # raises if it is not a ZeRO-1 state
     return _InputLayout(src_dp, desc.tp, desc.pp, first.is_xser or desc.xser, desc)
-
-
-def _carry_over(in_dir: str, out_dir: str) -> int:
-    """Copy everything but the optimizer files, markers, metadata and per-rank manifests (their checksums name
-    the old optimizer files); return the number of files copied."""
-    copied = 0
-    for dirpath, _, files in os.walk(in_dir):
-        rel_dir = os.path.relpath(dirpath, in_dir)
-        top = rel_dir.split(os.sep)[0]
-        if top == layout.OPTIM_DIR:
-            continue
-        for name in files:
-            rel = os.path.normpath(os.path.join(rel_dir, name))
-            if rel in _NOT_CARRIED or ".tmp-" in name:
-                continue
-            if top == layout.EXTRAS_DIR and name.startswith("manifest_"):
-                continue
-            with atomic_file(os.path.join(out_dir, rel)) as tmp:
-                shutil.copyfile(os.path.join(dirpath, name), tmp)
-            copied += 1
-    return copied
 
 
 def _metadata(tag: str, info: _InputLayout, dst_dp: int | None) -> TagMetadata:

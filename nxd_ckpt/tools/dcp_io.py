@@ -12,6 +12,7 @@ allowed, so no code stored in it runs; other classes are refused unless ``allow_
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import shutil
@@ -149,6 +150,55 @@ class DcpSource:
             warnings.simplefilter("ignore", UserWarning)
             _dcp().load(out, storage_reader=self._reader(), no_dist=True)
         return out[name]
+
+    def read_value(self, name: str) -> Any:
+        """A non-tensor value DCP saved as bytes (``torch.save``), unpickled with torch's safe loader (DCP's own
+        loader would run any pickled code)."""
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+        if not isinstance(self._metadata.state_dict_metadata.get(name), BytesStorageMetadata):
+            raise KeyError(f"{name} is not a value (bytes) entry of the DCP checkpoint {self.path}")
+        found = [info for index, info in self._metadata.storage_data.items() if index.fqn == name]
+        if len(found) != 1 or getattr(found[0], "transform_descriptors", None):
+            raise DcpError(f"{self.path}: {name!r} is stored in a way this reader does not handle ({found})")
+        info = found[0]
+        file = os.path.join(self.path, info.relative_path)
+        if os.path.dirname(os.path.normpath(file)) != self.path:
+            raise DcpError(f"{self.path}: {name!r} names a file outside the checkpoint ({info.relative_path})")
+        with open(file, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        if len(data) != info.length:
+            raise DcpError(f"{file} is truncated: {name!r} needs bytes up to {info.offset + info.length}")
+        try:
+            return torch.load(io.BytesIO(data), weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UnsafeCheckpointError(
+                f"{self.path}: value {name!r} holds pickled classes safe loading refuses ({str(e).splitlines()[0]})"
+            ) from e
+
+    def read_tree(self, top: str) -> Any:
+        """The value DCP flattened from the top-level key ``top`` (e.g. a ``param_groups`` list of dicts), rebuilt
+        from the metadata's key paths (``planner_data``) and its bytes entries (``read_value``)."""
+        paths = getattr(self._metadata, "planner_data", None) or {}
+        leaves = [(tuple(path), fqn) for fqn, path in paths.items() if path and path[0] == top]
+        if not leaves:
+            raise KeyError(f"{top} is not in the DCP checkpoint {self.path}")
+        root: dict[Any, Any] = {}
+        for path, fqn in leaves:
+            node = root
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = self.read_value(fqn)
+
+        def rebuild(node: Any) -> Any:
+            if not isinstance(node, dict):
+                return node
+            if node and all(isinstance(k, int) for k in node):
+                return [rebuild(node[i]) for i in sorted(node)]
+            return {k: rebuild(v) for k, v in node.items()}
+
+        return rebuild(root[top])
 
     def _reader(self) -> Any:
         """DCP's FileSystemReader, its ``.metadata`` unpickled with torch's classes only (unless allowed)."""

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Sequence
 
 from nxd_ckpt.errors import CheckpointError
 from nxd_ckpt.format import layout, manifests
 from nxd_ckpt.format.metadata import TagMetadata, write_metadata
 from nxd_ckpt.storage import LocalStorage
+from nxd_ckpt.storage.local import atomic_file
+
+_NOT_CARRIED = {layout.DONE_MARKER, layout.CHECKPOINT_MARKER, layout.METADATA_FILE}
 
 
 def holds_checkpoint(tag_dir: str) -> bool:
@@ -70,3 +74,24 @@ def commit(storage: LocalStorage, meta: TagMetadata) -> None:
     storage.sync_dirs({os.path.relpath(d, storage.root).replace(os.sep, "/") for d, _, _ in os.walk(tag_dir)} | {""})
     storage.write_bytes(layout.tag_path(tag, layout.DONE_MARKER), b"1")
     storage.sync_dirs({tag})  # 'done' itself is durable before the tool returns
+
+
+def carry_over(in_dir: str, out_dir: str, skip_dirs: Sequence[str] = ()) -> int:
+    """Copy a tag's files except those under ``skip_dirs`` (top-level folders), markers, metadata and per-rank
+    manifests (their checksums name the replaced files); return the number of files copied."""
+    copied = 0
+    for dirpath, _, files in os.walk(in_dir):
+        rel_dir = os.path.relpath(dirpath, in_dir)
+        top = rel_dir.split(os.sep)[0]
+        if top in skip_dirs:
+            continue
+        for name in files:
+            rel = os.path.normpath(os.path.join(rel_dir, name))
+            if rel in _NOT_CARRIED or ".tmp-" in name:
+                continue
+            if top == layout.EXTRAS_DIR and name.startswith("manifest_"):
+                continue
+            with atomic_file(os.path.join(out_dir, rel)) as tmp:
+                shutil.copyfile(os.path.join(dirpath, name), tmp)
+            copied += 1
+    return copied

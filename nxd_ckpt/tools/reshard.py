@@ -18,8 +18,9 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -72,6 +73,7 @@ def reshard(
     stage_of: Callable[[str], int | None] | None = None,
     model_only: bool = False,
     num_workers: int = 1,
+    param_order: Mapping[int, Sequence[str]] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> ReshardReport:
     """Write ``ckpt`` re-sharded for TP=``tp``, PP=``pp``, DP=``dp`` (None: keep) as ``out_dir/out_tag``.
@@ -84,6 +86,9 @@ def reshard(
         model_only: write the model (plus scheduler and user content) only, dropping the optimizer state;
             required when TP or PP changes on a tag with optimizer state.
         num_workers: DP-only changes: (TP, PP) coordinates converted in parallel.
+        param_order: for ZeRO-1 state NxD saved through DCP (``use_zero1_dcp=True``): per PP stage, the parameter
+            names in the optimizer's order (``tools/zero1_dcp.param_order_of(model, optimizer)``), which DCP's
+            files do not hold.
     """
     start = time.perf_counter()
     if ckpt.storage.local_path("") is None:
@@ -109,11 +114,14 @@ def reshard(
         raise CheckpointError(f"{out_tag_dir} already exists; reshard writes a new tag, choose another --out/--out-tag")
     src = (desc.dp, src_tp, src_pp)
     dcp_optim = ckpt.storage.exists(layout.tag_path(ckpt.tag, layout.OPTIM_DIR, layout.DCP_METADATA_FILE))
+    if dcp_optim and (dst_tp, dst_pp) == (src_tp, src_pp) and not model_only:
+        return _reshard_zero1_dcp(ckpt, desc, out_root, out_tag, dp, param_order, src, start)
     if dcp_optim and not model_only:
         raise ReshardError(
             f"{ckpt.url}/{layout.OPTIM_DIR} holds ZeRO-1 state in torch Distributed Checkpoint format (NxD's "
-            "use_zero1_dcp=True), which nxd_ckpt does not convert yet; pass --model-only to re-shard the model "
-            "(and scheduler, user content) without it"
+            "use_zero1_dcp=True), which reshard converts to NxD's per-rank files at the same TP and PP only "
+            "(--dp K --param-order FILE); pass --model-only to re-shard the model (and scheduler, user content) "
+            "without it"
         )
     if (dst_tp, dst_pp) == (src_tp, src_pp):
         return _reshard_dp(ckpt, desc, out_root, out_tag, dp, model_only, num_workers, src, start)
@@ -221,3 +229,64 @@ def _reshard_dp(
     out.nbytes = report.bytes_converted
     out.seconds = time.perf_counter() - start
     return out
+
+
+def _reshard_zero1_dcp(
+    ckpt: Checkpoint,
+    desc: Any,
+    out_root: str,
+    out_tag: str,
+    dp: int | None,
+    param_order: Mapping[int, Sequence[str]] | None,
+    src: tuple[int | None, int, int],
+    start: float,
+) -> ReshardReport:
+    """NxD's ZeRO-1-through-DCP optimizer state as NxD's per-rank ZeRO-1 files for DP ``dp`` (same TP, PP)."""
+    from nxd_ckpt.tools import zero1_dcp
+
+    in_tag_dir = os.path.join(ckpt.storage.local_path(""), ckpt.tag)
+    if dp is None:
+        raise ReshardError(
+            f"{ckpt.url} holds ZeRO-1 state in DCP format (use_zero1_dcp=True); give --dp K to write it as NxD's "
+            "per-rank ZeRO-1 files for DP=K"
+        )
+    if not param_order:
+        raise ReshardError(
+            f"{ckpt.url}: DCP's files name the optimizer state by parameter name, NxD's ZeRO-1 files by the "
+            'optimizer\'s parameter index; give the order (--param-order FILE: JSON {"0": [names of PP stage 0 in '
+            "optimizer order], ...}, or param_order=zero1_dcp.param_order_of(model, optimizer) per stage)"
+        )
+    src_optim = zero1_dcp.NxdZero1Dcp(in_tag_dir, allow_pickle=ckpt.allow_pickle)
+    if (src_optim.tp, src_optim.pp) != (src[1], src[2]):
+        raise ReshardError(
+            f"{ckpt.url}: the DCP optimizer state is for TP={src_optim.tp} PP={src_optim.pp}, the model files for "
+            f"TP={src[1]} PP={src[2]}"
+        )
+    out_tag_dir = os.path.join(out_root, out_tag)
+    storage = offline_tag.begin(out_root, out_tag, overwrite_hint="")
+    report = ReshardReport(ckpt.url, out_tag_dir, (None, src[1], src[2]), (dp, src[1], src[2]))
+    try:
+        offline_tag.carry_over(in_tag_dir, out_tag_dir, skip_dirs=(layout.OPTIM_DIR,))
+        report.files, report.nbytes = zero1_dcp.convert(src_optim, storage, out_tag, dp, param_order, xser=desc.xser)
+        base = desc.metadata or TagMetadata(tag=out_tag, created_at=None)
+        meta = base.with_changes(
+            tag=out_tag,
+            created_at=time.time() if base.created_at is None else base.created_at,
+            tp=src[1],
+            pp=src[2],
+            dp=dp,
+            world_size=None,
+            zero1=True,
+            zero1_dp_size=dp,
+            zero1_full=False,
+            xser=desc.xser,
+            items=tuple(dict.fromkeys((*desc.present_items, "optimizer"))),
+            torch_version=base.torch_version or torch.__version__,
+            converted_from={"tag": ckpt.tag, "format": "zero1_dcp"},
+        )
+        offline_tag.commit(storage, meta)
+    except BaseException:
+        shutil.rmtree(out_tag_dir, ignore_errors=True)  # never complete: 'done' comes last
+        raise
+    report.seconds = time.perf_counter() - start
+    return report

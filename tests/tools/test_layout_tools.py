@@ -416,8 +416,8 @@ def test_reshard_dp_is_the_zero1_conversion(tmp_path, cli):
     assert "optimizer state" in err and "--model-only" in err
 
 
-def test_zero1_in_dcp_format_is_refused_clearly(tmp_path, cli):
-    """A tag whose optim/ is a DCP checkpoint (NxD's use_zero1_dcp=True) is not converted: said, not mistaken."""
+def test_zero1_in_dcp_format_needs_its_parameter_order(tmp_path, cli):
+    """A tag whose optim/ is a DCP checkpoint (NxD's use_zero1_dcp=True): what is missing is said, not mistaken."""
     import torch.distributed.checkpoint as dcp
     from test_convert_zero1 import TAG, write_checkpoint
 
@@ -428,7 +428,9 @@ def test_zero1_in_dcp_format_is_refused_clearly(tmp_path, cli):
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({"base_state.w.exp_avg": torch.ones(4, 4)}, checkpoint_id=str(optim), no_dist=True)
     err = cli("reshard", str(tmp_path / "in"), "--tag", TAG, "--dp", "2", "--out", str(tmp_path / "out"), check=1)[1]
-    assert "use_zero1_dcp" in err and "--model-only" in err
+    assert "optimizer's parameter index" in err and "--param-order" in err
+    err = cli("reshard", str(tmp_path / "in"), "--tag", TAG, "--tp", "2", "--out", str(tmp_path / "out"), check=1)[1]
+    assert "use_zero1_dcp" in err and "--model-only" in err and not (tmp_path / "out" / TAG).exists()
     err = cli("convert-zero1", "--input_dir", str(tmp_path / "in" / TAG), "--output_dir", str(tmp_path / "o" / TAG),
               "--convert_to_full", check=1)[1]  # fmt: skip
     assert "use_zero1_dcp" in err
@@ -442,3 +444,175 @@ def test_zero1_in_dcp_format_is_refused_clearly(tmp_path, cli):
         "dp_rank_00_tp_rank_00_pp_rank_00.pt",
         "dp_rank_00_tp_rank_01_pp_rank_00.pt",
     ]
+
+
+# -------------------------------------------------------------------------- NxD's ZeRO-1 through DCP, as NxD writes it
+
+
+def _nxd_tensor_to_sharded_tensor(tensor, param_shape, dp_rank, dp_size, dp_group):
+    """NxD's ``zero_dcp_utils._tensor_to_sharded_tensor`` (release 2.29), its getters replaced by arguments."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
+    from torch.distributed._shard.sharding_spec import ShardMetadata
+
+    if tensor.dim() == 0:
+        return tensor
+    padded_shape = (tensor.shape[0] * dp_size, *tensor.shape[1:])
+    if dp_rank == dp_size - 1 and padded_shape[0] != param_shape[0]:
+        tensor = tensor[: tensor.shape[0] - padded_shape[0] + param_shape[0]].clone()
+    offsets = [0] * len(padded_shape)
+    offsets[0] = (padded_shape[0] // dp_size) * dp_rank
+    local_shards = [Shard.from_tensor_and_offsets(tensor, offsets, dp_rank)]
+    chunk_sizes = []
+    for i in range(dp_size):
+        if i == dp_size - 1 and padded_shape[0] != param_shape[0]:
+            chunk_sizes.append((tensor.shape[0] - (padded_shape[0] - param_shape[0]), *tensor.shape[1:]))
+        else:
+            chunk_sizes.append(tensor.shape)
+    import itertools
+
+    dim0_offsets = [0, *list(itertools.accumulate([c[0] for c in chunk_sizes]))[:-1]]
+    rest = [0] * (len(chunk_sizes[0]) - 1)
+    chunk_offsets = [[d0, *rest] for d0 in dim0_offsets]
+    placements = [f"rank:{r}/cpu" for r in range(len(chunk_sizes))]
+    shards_metadata = [
+        ShardMetadata(offset, list(size), placement)
+        for offset, size, placement in zip(chunk_offsets, chunk_sizes, placements, strict=True)
+    ]
+    metadata = ShardedTensorMetadata(
+        shards_metadata=shards_metadata,
+        size=torch.Size(param_shape),
+        tensor_properties=TensorProperties(
+            dtype=tensor.dtype,
+            layout=tensor.layout,
+            requires_grad=False,
+            memory_format=torch.contiguous_format,
+            pin_memory=tensor.is_pinned(),
+        ),
+    )
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards, sharded_tensor_metadata=metadata, process_group=dp_group
+    )
+
+
+def _nxd_wrap_optim_state_dict(state_dict, pid_to_pname, pid_to_param, tp_rank, tp_size, pp_rank, pp_size, dp):
+    """NxD's ``zero_dcp_utils._wrap_optim_state_dict`` (release 2.29, dedup=False)."""
+    import copy
+
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+
+    pname_to_pid = {v: k for k, v in pid_to_pname.items()}
+    new_state_dict = copy.copy(state_dict)
+    new_state_dict["base_state"] = {pid_to_pname[k]: v for k, v in state_dict["base_state"].items()}
+    shape_info = new_state_dict["shape_info"]
+    new_state_dict, mappings = flatten_state_dict(new_state_dict)
+    for k, v in new_state_dict.items():
+        if isinstance(v, torch.Tensor):
+            pname = mappings[k][1]
+            pid = pname_to_pid[pname]
+            new_state_dict[k] = _nxd_tensor_to_sharded_tensor(v, shape_info[pid], *dp)
+            if v.dim() > 0:
+                fqn = [str(mappings[k][-1])]
+                if pp_size > 1:
+                    fqn.append(f"|pp-{pp_rank:04d}")
+                if tp_size > 1:
+                    fqn.append(f"|tp-{tp_rank:04d}")
+                mappings[k] = (*mappings[k][:-1], "".join(fqn))
+    return unflatten_state_dict(new_state_dict, mappings)
+
+
+@run_with_ranks(4)
+def test_zero1_saved_through_dcp_as_nxd_does_converts_and_loads(tmp_path):
+    """DP=4: each rank's ZeRO-1 state saved with NxD's use_zero1_dcp code path (its ShardedTensors, stock DCP),
+    converted by ``reshard --dp`` with the parameter order, then loaded by load_checkpoint at DP=4: every rank gets
+    its state back bit for bit. (NxD's placements name DP ranks 0..DP-1, which stock torch reads as global ranks,
+    so on stock torch its code runs only where the DP group is ranks 0..DP-1: TP = PP = 1.)"""
+    import torch.distributed.checkpoint as dcp
+
+    from nxd_ckpt.testing.fakes import assert_state_equal
+    from nxd_ckpt.testing.zero1_adamw import Zero1AdamW
+    from nxd_ckpt.tools.reshard import reshard
+    from nxd_ckpt.tools.zero1_dcp import param_order_of
+
+    rank = dist.get_rank()
+    model = StageModel(1, 0, None, {n: t.float() for n, t in reference().items()})
+    opt = Zero1AdamW(model.parameters(), lr=0.1, save_master_weights=False)
+    (sum((p * p).sum() for p in model.parameters()) * (rank + 1)).backward()
+    opt.step()
+    ckpt = str(tmp_path / "ckpt")
+    nxd.save_checkpoint(ckpt, "nxd_dcp", model=model)  # the model files as NxD writes them
+    state = opt.state_dict()
+    pid_to_param = {pid: p for g in opt.param_groups for pid, p in enumerate(g["params"])}
+    names = {p: n for n, p in model.named_parameters()}
+    wrapped = _nxd_wrap_optim_state_dict(
+        state, {k: names[v] for k, v in pid_to_param.items()}, pid_to_param, 0, 1, 0, 1, (rank, 4, dist.group.WORLD)
+    )
+    dcp.save(wrapped, checkpoint_id=os.path.join(ckpt, "nxd_dcp", "optim"))  # NxD: FileSystemWriter + default planner
+    dist.barrier()
+    if rank == 0:
+        from nxd_ckpt.tools.zero1_dcp import NxdZero1Dcp
+
+        saved = NxdZero1Dcp(os.path.join(ckpt, "nxd_dcp"))
+        assert (saved.tp, saved.pp) == (1, 1) and set(saved.names(0, 0)) == set(names.values())
+        err = None
+        try:
+            reshard(nxd.open_checkpoint(ckpt, "nxd_dcp"), tmp_path / "out", dp=4)
+        except CheckpointError as e:
+            err = str(e)
+        assert err is not None and "--param-order" in err and not (tmp_path / "out" / "nxd_dcp").exists()
+        reshard(
+            nxd.open_checkpoint(ckpt, "nxd_dcp"), tmp_path / "out", dp=4, param_order={0: param_order_of(model, opt)}
+        )
+    dist.barrier()
+    model2 = StageModel(1, 0, None, {n: torch.zeros_like(t).float() for n, t in reference().items()})
+    opt2 = Zero1AdamW(model2.parameters(), lr=0.1, save_master_weights=False)
+    nxd.load_checkpoint(str(tmp_path / "out"), "nxd_dcp", model=model2, optimizer=opt2)
+    assert_state_equal(opt2.state_dict()["base_state"], state["base_state"])
+    from nxd_ckpt.tree import nxd_containers  # NxD's files hold lists where the optimizer had tuples (betas)
+
+    assert opt2.state_dict()["param_groups"] == nxd_containers(state["param_groups"])
+    assert_state_equal(dict(model2.state_dict()), dict(model.state_dict()))
+    dist.barrier()
+
+
+def test_zero1_dcp_keys_of_tp_and_pp_ranks(tmp_path):
+    """NxD's key suffixes (``|pp-PPPP|tp-TTTT``) place each slot on its coordinate; converted to DP=2 files."""
+    import torch.distributed.checkpoint as dcp
+
+    from nxd_ckpt.storage import LocalStorage
+    from nxd_ckpt.tools.zero1_dcp import NxdZero1Dcp, convert
+
+    g = torch.Generator().manual_seed(3)
+    state = {"param_groups": [{"lr": 0.1, "params": [0, 1]}]}
+    full = {}
+    for pp in range(2):
+        for tp in range(2):
+            for name in (f"s{pp}.a", f"s{pp}.b"):
+                for slot in ("exp_avg", "exp_avg_sq"):
+                    full[(pp, tp, name, slot)] = torch.randn(5, 3, generator=g)
+                    state[f"base_state.{name}.{slot}|pp-{pp:04d}|tp-{tp:04d}"] = full[(pp, tp, name, slot)]
+                state[f"base_state.{name}.step"] = torch.tensor(4.0)
+    optim = tmp_path / "t" / "optim"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, checkpoint_id=str(optim), no_dist=True)
+    src = NxdZero1Dcp(str(tmp_path / "t"))
+    assert (src.tp, src.pp) == (2, 2) and src.names(1, 1) == ["s1.a", "s1.b"]
+    storage = LocalStorage(str(tmp_path / "out"))
+    convert(src, storage, "t", 2, {0: ["s0.b", "s0.a"], 1: ["s1.a", "s1.b"]})
+    from nxd_ckpt import statefile
+
+    for pp in range(2):
+        for tp in range(2):
+            order = ["s0.b", "s0.a"] if pp == 0 else ["s1.a", "s1.b"]
+            for d in range(2):
+                got = statefile.read_state_file(
+                    storage, f"t/optim/dp_rank_{d:02d}_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt"
+                )
+                assert got["shape_info"] == {0: [5, 3], 1: [5, 3]}
+                for pid, name in enumerate(order):
+                    want = full[(pp, tp, name, "exp_avg")]
+                    rows = want[3 * d : 3 * d + 3]
+                    assert torch.equal(got["base_state"][pid]["exp_avg"][: len(rows)], rows)
+                    assert torch.equal(got["base_state"][pid]["step"], torch.tensor(4.0))
+    with pytest.raises(CheckpointError, match="does not name"):
+        convert(src, LocalStorage(str(tmp_path / "out2")), "t", 2, {0: ["s0.a"], 1: ["s1.a", "s1.b"]})
