@@ -41,8 +41,8 @@ _LAZY = {
     "Topology": "dist.topology",
     "ShardingRecord": "format.sharding",
     "TensorSharding": "format.sharding",
-    "VerifyReport": "format.verification",
-    "verify": "format.verification",
+    "VerifyReport": "tools.verification",
+    "verify": "tools.verification",
 }
 
 if TYPE_CHECKING:
@@ -58,10 +58,10 @@ if TYPE_CHECKING:
     )
     from nxd_ckpt.dist.topology import Topology
     from nxd_ckpt.format.sharding import ShardingRecord, TensorSharding
-    from nxd_ckpt.format.verification import VerifyReport, verify
     from nxd_ckpt.inspect import Checkpoint, open_checkpoint
     from nxd_ckpt.manager import CheckpointManager, SaveReport
     from nxd_ckpt.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from nxd_ckpt.tools.verification import VerifyReport, verify
 
 
 def __getattr__(name: str) -> Any:
