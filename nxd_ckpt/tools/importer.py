@@ -81,7 +81,7 @@ def _source_record(
         base = sharding
     elif isinstance(sharding, Mapping):
         # record_from_spec reads shapes as per-rank ones at ``tp``: only its dims, strides and matching are used
-        base = shd.record_from_spec(sharding, shapes, max(tp, 2) if tp > 1 else 1)
+        base = shd.record_from_spec(sharding, shapes, tp)
     else:
         raise TypeError(f"sharding must be a ShardingRecord, a pattern mapping or a model, got {type(sharding)}")
     tensors = {}
