@@ -28,6 +28,12 @@ from nxd_ckpt.tools import zero1_cli
 completeness = lazy_module("nxd_ckpt.tools.completeness")
 verification = lazy_module("nxd_ckpt.tools.verification")
 export = lazy_module("nxd_ckpt.tools.export")
+model_source = lazy_module("nxd_ckpt.tools.model_source")
+safetensors_io = lazy_module("nxd_ckpt.tools.safetensors_io")
+model_writer = lazy_module("nxd_ckpt.tools.model_writer")
+reshard = lazy_module("nxd_ckpt.tools.reshard")
+importer = lazy_module("nxd_ckpt.tools.importer")
+tool_memory = lazy_module("nxd_ckpt.tools.memory")
 
 PROG = "nxd-ckpt"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -430,23 +436,135 @@ def cmd_prune(args: argparse.Namespace) -> int:
     return EXIT_FAILED if failed else EXIT_OK
 
 
+def _rename_map(args: argparse.Namespace) -> Any:
+    rename = export.RenameMap()
+    if getattr(args, "rename", None):
+        rename = rename.then(export.RenameMap.from_file(args.rename))
+    if getattr(args, "rename_pattern", None):
+        rename = rename.then(export.RenameMap.from_pairs(args.rename_pattern))
+    return rename
+
+
+def _sharding_spec(args: argparse.Namespace) -> Any:
+    return model_source.read_sharding_spec(args.sharding_spec) if getattr(args, "sharding_spec", None) else None
+
+
 def cmd_export(args: argparse.Namespace) -> int:
-    if os.path.exists(args.out) and not args.force:
+    tool_memory.return_large_blocks_to_the_system()  # this process is the tool: see tools/memory.py
+    if os.path.lexists(args.out) and not args.force:
         raise CheckpointError(f"{args.out} already exists; pass --force to overwrite it")
+    if args.shard and (args.format != "safetensors" or not args.out.endswith(".safetensors")):
+        raise ValueError("--shard writes one state file as one .safetensors file: give --out FILE.safetensors")
+    rename, spec = _rename_map(args), _sharding_spec(args)
+    max_shard = safetensors_io.parse_size(args.max_shard_size)
     ckpt = _open(args)
     total = sum(o.nbytes for o in ckpt.objects() if o.kind == "tensor" and o.path.startswith("model/"))
     bar = progress_bar(total, f"export {ckpt.tag}", args.progress)
     try:
-        report = export.export_safetensors(ckpt, args.out, shard=args.shard, progress=bar.update)
+        if args.shard:
+            report = export.export_state_file(ckpt, args.shard, args.out, progress=bar.update)
+        else:
+            report = export.export(
+                ckpt,
+                args.out,
+                format=args.format,
+                sharding=spec,
+                rename=rename,
+                max_shard_bytes=max_shard,
+                overwrite=args.force,
+                progress=bar.update,
+            )
     finally:
         bar.close()
     if report.skipped:
         _err(
-            f"skipped {len(report.skipped)} non-tensor values (safetensors holds tensors only): "
+            f"skipped {len(report.skipped)} non-tensor values ({report.format} export holds tensors only): "
             + ", ".join(report.skipped[:5])
             + (" ..." if len(report.skipped) > 5 else "")
         )
-    print(f"wrote {report.out}: {report.tensors} tensors, {human_bytes(report.nbytes)} from {ckpt.url}")
+    files = f" in {len(report.files)} files" if len(report.files) > 1 else ""
+    print(f"wrote {report.out}: {report.tensors} tensors, {human_bytes(report.nbytes)}{files} from {ckpt.url}")
+    return EXIT_OK
+
+
+def _stage_map(args: argparse.Namespace) -> Any:
+    if not getattr(args, "stage_map", None):
+        return None
+    try:
+        with open(args.stage_map) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"stage map {args.stage_map} could not be read as JSON: {e}") from e
+    if not isinstance(doc, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in doc.values()):
+        raise ValueError(
+            f'stage map {args.stage_map} must be a JSON object of name pattern -> PP stage, e.g. {{"*": 0}}'
+        )
+    return model_writer.stage_map(doc)
+
+
+def _param_order(args: argparse.Namespace) -> Any:
+    if not getattr(args, "param_order", None):
+        return None
+    try:
+        with open(args.param_order) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"parameter order {args.param_order} could not be read as JSON: {e}") from e
+    if not isinstance(doc, dict) or not all(
+        isinstance(v, list) and all(isinstance(n, str) for n in v) for v in doc.values()
+    ):
+        raise ValueError(f'parameter order {args.param_order} must be JSON {{"PP stage": [names], ...}}')
+    try:
+        return {int(k): v for k, v in doc.items()}
+    except ValueError as e:
+        raise ValueError(f"parameter order {args.param_order}: keys must be PP stage numbers ({e})") from e
+
+
+def cmd_reshard(args: argparse.Namespace) -> int:
+    tool_memory.return_large_blocks_to_the_system()  # this process is the tool: see tools/memory.py
+    if args.tp is None and args.pp is None and args.dp is None:
+        raise ValueError("give the target layout: --tp, --pp and/or --dp")
+    spec, stage_of = _sharding_spec(args), _stage_map(args)
+    ckpt = _open(args)
+    bar = progress_bar(0, f"reshard {ckpt.tag}", args.progress)
+    try:
+        report = reshard.reshard(
+            ckpt,
+            args.out,
+            args.out_tag,
+            tp=args.tp,
+            pp=args.pp,
+            dp=args.dp,
+            sharding=spec,
+            stage_of=stage_of,
+            model_only=args.model_only,
+            num_workers=args.num_workers,
+            param_order=_param_order(args),
+            progress=bar.update,
+        )
+    finally:
+        bar.close()
+    print(report.summary())
+    return EXIT_OK
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    tool_memory.return_large_blocks_to_the_system()  # this process is the tool: see tools/memory.py
+    spec, stage_of = _sharding_spec(args), _stage_map(args)
+    report = importer.import_weights(
+        args.source,
+        args.out,
+        args.tag,
+        tp=args.tp,
+        pp=args.pp,
+        sharding=spec,
+        stage_of=stage_of,
+        format=args.format,
+        rename=_rename_map(args),
+        use_xser=args.xser,
+        allow_pickle=args.allow_pickle,
+    )
+    print(report.summary())
     return EXIT_OK
 
 
@@ -558,14 +676,100 @@ def build_parser() -> argparse.ArgumentParser:
     p = add(
         "export",
         cmd_export,
-        "write a checkpoint's model state as one safetensors file (TP=1; pipeline stages are merged)",
+        "write a checkpoint's model state (any TP/PP layout: shards merged, stages joined) as one Hugging "
+        "Face-style safetensors set, one .safetensors file, or a torch Distributed Checkpoint (--format dcp)",
     )
     p.add_argument("dir", metavar="DIR", help=_DIR_HELP)
     tag_arg(p, "export")
-    p.add_argument("--out", required=True, metavar="FILE", help="the .safetensors file to write")
-    p.add_argument("--shard", metavar="PREFIX", help="export one state file instead, e.g. model/tp01_pp00")
-    p.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="PATH",
+        help="directory to create (safetensors set: model-0000i-of-0000N.safetensors + model.safetensors.index.json; "
+        "or a DCP checkpoint), or FILE.safetensors for one file",
+    )
+    p.add_argument("--format", choices=("safetensors", "dcp"), default="safetensors", help="default: safetensors")
+    p.add_argument(
+        "--max-shard-size", default="5GB", metavar="SIZE", help="largest file of a safetensors set (default 5GB)"
+    )
+    p.add_argument(
+        "--rename", metavar="FILE", help='JSON rename map: {"old": "new"} or {"exact": {...}, "patterns": [[re, repl]]}'
+    )
+    p.add_argument(
+        "--rename-pattern",
+        action="append",
+        metavar="REGEX=REPL",
+        help="rename names matching REGEX (re.sub replacement; repeatable, first match wins)",
+    )
+    p.add_argument(
+        "--sharding-spec",
+        metavar="FILE",
+        help="for tags saved at TP>1 without a sharding record (NxD-written): JSON of name pattern -> partition "
+        'dim, [dim, stride] or null (replicated), e.g. {"*.qkv_proj.weight": [0, 3], "*": null}',
+    )
+    p.add_argument("--shard", metavar="PREFIX", help="export one state file as saved instead, e.g. model/tp01_pp00")
+    p.add_argument("--force", action="store_true", help="replace PATH if it exists (once the new one is complete)")
     p.add_argument("--allow-pickle", action="store_true", help="unpickle arbitrary classes (trusted checkpoints only)")
+
+    def spec_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--sharding-spec",
+            metavar="FILE",
+            help="how tensors are split over TP ranks when no record says so: JSON of name pattern -> partition "
+            'dim, [dim, stride] or null (replicated), e.g. {"*.qkv_proj.weight": [0, 3], "*": null}',
+        )
+        p.add_argument(
+            "--stage-map",
+            metavar="FILE",
+            help='for a PP change: JSON of name pattern -> target PP stage, e.g. {"layers.[0-3].*": 0, "*": 1}',
+        )
+
+    p = add(
+        "reshard",
+        cmd_reshard,
+        "write a tag re-sharded for another TP/PP/DP layout as a new, verified tag ('done' last). A DP-only change "
+        "re-cuts ZeRO-1 optimizer shards (as convert-zero1); a TP/PP change streams the model one tensor at a time "
+        "(--model-only: the optimizer state is not carried; load_checkpoint re-shards it online)",
+    )
+    p.add_argument("dir", metavar="DIR", help=_DIR_HELP)
+    tag_arg(p, "re-shard")
+    p.add_argument("--tp", type=_positive_int, metavar="N", help="target tensor-parallel size (default: the tag's)")
+    p.add_argument("--pp", type=_positive_int, metavar="M", help="target pipeline-parallel size (default: the tag's)")
+    p.add_argument("--dp", type=_positive_int, metavar="K", help="target data-parallel size (ZeRO-1 shards)")
+    p.add_argument("--out", required=True, metavar="OUT", help="checkpoint directory to write the new tag into")
+    p.add_argument("--out-tag", metavar="TAG", help="tag name to write (default: the input's); must not exist")
+    p.add_argument("--model-only", action="store_true", help="TP/PP change: drop the optimizer state")
+    p.add_argument(
+        "--param-order",
+        metavar="FILE",
+        help='ZeRO-1 state NxD saved through DCP (use_zero1_dcp=True): JSON {"PP stage": [parameter names in the '
+        "optimizer's order]}, to write it as NxD's per-rank ZeRO-1 files for --dp",
+    )
+    p.add_argument(
+        "--num-workers", type=_positive_int, default=1, metavar="N", help="DP change: coordinates in parallel"
+    )
+    spec_args(p)
+    p.add_argument("--allow-pickle", action="store_true", help="unpickle arbitrary classes (trusted checkpoints only)")
+
+    p = add(
+        "import",
+        cmd_import,
+        "write whole-model weights (a safetensors file or set, or a DCP checkpoint) as an NxD-layout tag for a "
+        "TP/PP layout (model only; loads at any DP), verified, 'done' last",
+    )
+    p.add_argument("source", metavar="SOURCE", help="a .safetensors file, a safetensors set directory or a DCP dir")
+    p.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write the tag into")
+    p.add_argument("--tag", required=True, help="tag name to write (must not exist)")
+    p.add_argument("--tp", type=_positive_int, default=1, metavar="N", help="tensor-parallel size (default 1)")
+    p.add_argument("--pp", type=_positive_int, default=1, metavar="M", help="pipeline-parallel size (default 1)")
+    p.add_argument("--format", choices=("safetensors", "dcp"), help="default: detected from SOURCE")
+    p.add_argument("--xser", action="store_true", help="write xser model files (one file per tensor)")
+    p.add_argument("--rename", metavar="FILE", help="JSON rename map applied to the source's names first")
+    p.add_argument("--rename-pattern", action="append", metavar="REGEX=REPL", help="rename by pattern (repeatable)")
+    spec_args(p)
+    p.add_argument(
+        "--allow-pickle", action="store_true", help="DCP: unpickle .metadata without restrictions (trusted only)"
+    )
     return parser
 
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import torch
 
 from nxd_ckpt.errors import CheckpointError, FormatError
-from nxd_ckpt.format import layout, manifests, tags
+from nxd_ckpt.format import layout, tags
 from nxd_ckpt.format.describe import TagDescription, describe
-from nxd_ckpt.format.metadata import TagMetadata, write_metadata
+from nxd_ckpt.format.metadata import TagMetadata
 from nxd_ckpt.load import zero1
 from nxd_ckpt.load.zero1_io import (
     PlainShardWriter,
@@ -42,11 +42,9 @@ from nxd_ckpt.load.zero1_io import (
 )
 from nxd_ckpt.log import format_bytes
 from nxd_ckpt.storage import LocalStorage, storage_for
-from nxd_ckpt.storage.local import atomic_file
+from nxd_ckpt.tools import offline_tag
 
 logger = logging.getLogger("nxd_ckpt.convert_zero1")
-
-_NOT_CARRIED = {layout.DONE_MARKER, layout.CHECKPOINT_MARKER, layout.METADATA_FILE}
 
 
 @dataclass
@@ -156,12 +154,10 @@ def convert_zero1(
     if convert_to_full and info.src_dp is None:
         raise FormatError(f"{in_dir} already holds full optimizer states (optim/full_*.pt); nothing to convert")
     dst_dp = None if convert_to_full else dp_size
-    _prepare_output(out_dir, overwrite)
-
-    out_storage = LocalStorage(out_root)
+    out_storage = offline_tag.begin(out_root, out_tag, overwrite=overwrite)
+    os.makedirs(os.path.join(out_dir, layout.OPTIM_DIR), exist_ok=True)
     report = ConversionReport(in_dir, out_dir, info.src_dp, dst_dp, info.tp, info.pp, info.xser)
-    out_storage.write_bytes(layout.tag_path(out_tag, layout.CHECKPOINT_MARKER), b"1")
-    report.files_copied = _carry_over(in_dir, out_dir)
+    report.files_copied = offline_tag.carry_over(in_dir, out_dir, skip_dirs=(layout.OPTIM_DIR,))
 
     coords = [(tp, pp) for pp in range(info.pp) for tp in range(info.tp)]
     slots = sum(  # progress counts parameter slots; PP stages hold different parameters
@@ -195,13 +191,7 @@ def convert_zero1(
         report.files_written += files
         report.bytes_converted += nbytes
 
-    _write_metadata(out_storage, out_tag, info, dst_dp)
-    _write_manifests(out_storage, out_tag)
-    # Every directory of the tag (carried-over model/, xser .tensors/, extras) and the tag's own entry in the
-    # checkpoint directory are durable before 'done' is: a power cut must not leave 'done' beside lost files.
-    out_storage.sync_dirs({_relative(out_root, dirpath) for dirpath, _, _ in os.walk(out_dir)} | {""})
-    out_storage.write_bytes(layout.tag_path(out_tag, layout.DONE_MARKER), b"1")
-    out_storage.sync_dirs({out_tag})  # 'done' itself is durable before the conversion returns
+    offline_tag.commit(out_storage, _metadata(out_tag, info, dst_dp))
     report.seconds = time.perf_counter() - start
     logger.info("%s", report.summary())
     return report
@@ -291,6 +281,12 @@ def _inspect_input(storage: LocalStorage, tag: str, *, trusted: bool) -> _InputL
     fulls = [c for n in names if (c := layout.parse_full_optim_file_name(n))]
     if shards and fulls:
         raise FormatError(f"{tag_dir}/optim holds both dp_rank_* shards and full_* files; keep one kind")
+    if not shards and not fulls and storage.exists(layout.tag_path(tag, layout.OPTIM_DIR, layout.DCP_METADATA_FILE)):
+        raise FormatError(
+            f"{tag_dir}/optim holds ZeRO-1 state in torch Distributed Checkpoint format (NxD's use_zero1_dcp=True), "
+            "which convert-zero1 does not read; write it as NxD's per-rank ZeRO-1 files with `nxd-ckpt reshard DIR "
+            "--tag TAG --dp K --param-order FILE --out OUT`"
+        )
     if not shards and not fulls:
         inner = [t.name for t in tags.list_tags(LocalStorage(tag_dir), include_incomplete=True)]
         hint = (
@@ -323,68 +319,7 @@ def _inspect_input(storage: LocalStorage, tag: str, *, trusted: bool) -> _InputL
     return _InputLayout(src_dp, desc.tp, desc.pp, first.is_xser or desc.xser, desc)
 
 
-def _holds_checkpoint(out_dir: str) -> bool:
-    if not os.path.isdir(out_dir):
-        return False
-    markers = (layout.DONE_MARKER, layout.CHECKPOINT_MARKER, layout.METADATA_FILE)
-    if any(os.path.exists(os.path.join(out_dir, m)) for m in markers):
-        return True
-    return any(
-        os.path.isdir(os.path.join(out_dir, d)) and os.listdir(os.path.join(out_dir, d))
-        for d in (layout.MODEL_DIR, layout.OPTIM_DIR)
-    )
-
-
-def _prepare_output(out_dir: str, overwrite: bool) -> None:
-    if _holds_checkpoint(out_dir):
-        if not overwrite:
-            raise CheckpointError(
-                f"output directory {out_dir} already holds a checkpoint; choose a new tag directory or pass "
-                "--overwrite to replace it"
-            )
-        done = os.path.join(out_dir, layout.DONE_MARKER)
-        if os.path.exists(done):
-            os.unlink(done)  # first, so a crash mid-deletion never leaves something that looks complete
-        shutil.rmtree(out_dir)
-    os.makedirs(os.path.join(out_dir, layout.OPTIM_DIR), exist_ok=True)
-
-
-def _carry_over(in_dir: str, out_dir: str) -> int:
-    """Copy everything but the optimizer files, markers, metadata and per-rank manifests (their checksums name
-    the old optimizer files); return the number of files copied."""
-    copied = 0
-    for dirpath, _, files in os.walk(in_dir):
-        rel_dir = os.path.relpath(dirpath, in_dir)
-        top = rel_dir.split(os.sep)[0]
-        if top == layout.OPTIM_DIR:
-            continue
-        for name in files:
-            rel = os.path.normpath(os.path.join(rel_dir, name))
-            if rel in _NOT_CARRIED or ".tmp-" in name:
-                continue
-            if top == layout.EXTRAS_DIR and name.startswith("manifest_"):
-                continue
-            with atomic_file(os.path.join(out_dir, rel)) as tmp:
-                shutil.copyfile(os.path.join(dirpath, name), tmp)
-            copied += 1
-    return copied
-
-
-def _write_manifests(storage: LocalStorage, tag: str) -> None:
-    """Checksum every file of the converted tag into one manifest, so loads and ``verify`` check it like a saved
-    one. Files are hashed as they are on disk now (read back once); the metadata records ``manifest_ranks=1``
-    (one process wrote the tag), so no rank's manifest is expected beyond rank 0's."""
-    extras = layout.tag_path(tag, layout.EXTRAS_DIR) + "/"
-    rels = [
-        path[len(tag) + 1 :]
-        for path in storage.walk_files(tag)
-        if path[len(tag) + 1 :] not in (layout.DONE_MARKER, layout.CHECKPOINT_MARKER) and not path.startswith(extras)
-    ]
-    manifests.write_manifest(storage, tag, 0, manifests.record_files(storage, tag, rels, rank=0))
-    storage.sync_dirs({layout.tag_path(tag, layout.EXTRAS_DIR), tag})
-
-
-def _write_metadata(storage: LocalStorage, tag: str, info: _InputLayout, dst_dp: int | None) -> None:
+def _metadata(tag: str, info: _InputLayout, dst_dp: int | None) -> TagMetadata:
     """The output's nxd_ckpt.json: the input's (a fresh one for NxD-written input) with the new ZeRO-1 layout."""
     desc = info.description
     base = desc.metadata or TagMetadata(
@@ -394,7 +329,7 @@ def _write_metadata(storage: LocalStorage, tag: str, info: _InputLayout, dst_dp:
         items=desc.present_items,
         torch_version=torch.__version__,
     )
-    meta = base.with_changes(
+    return base.with_changes(
         tag=tag,
         created_at=time.time() if base.created_at is None else base.created_at,
         tp=info.tp,
@@ -407,7 +342,6 @@ def _write_metadata(storage: LocalStorage, tag: str, info: _InputLayout, dst_dp:
         converted_from={"tag": base.tag if desc.metadata is not None else desc.tag, "zero1_dp_size": info.src_dp},
         manifest_ranks=1,
     )
-    write_metadata(storage, meta)
 
 
 # --------------------------------------------------------------------------------------------- one coordinate

@@ -1,142 +1,259 @@
-"""The model state of a checkpoint as one safetensors file, written one tensor at a time (bounded memory).
+"""A checkpoint's model state, at any TP/PP layout, as one consolidated set outside nxd_ckpt's format.
 
-Merging is possible where it needs no knowledge the checkpoint lacks: TP=1 (pipeline stages hold disjoint
-parameters, so their model files are unioned). With TP>1 each parameter is split along a dimension that depends
-on the layer type (column- or row-parallel), and NxD's checkpoints do not record it, so those are refused.
-The safetensors format (an 8-byte little-endian header length, a JSON header with dtype, shape and
-data_offsets per tensor, then the bytes) is written here directly: it needs no extra dependency.
+Formats: a Hugging Face-style safetensors set (``model-0000i-of-0000N.safetensors`` + ``model.safetensors.index.json``,
+``tools/safetensors_io``), one ``.safetensors`` file, or a torch Distributed Checkpoint (``tools/dcp_io``) that
+stock ``torch.distributed.checkpoint.load`` reads into a full state dict or into DTensors on any world size.
+Tensors are read one at a time from the tag (``tools/model_source``: TP shards merged, PP stages unioned,
+verified reads) and written as they come, so memory stays at about twice the largest tensor. Names are NxD's
+state-dict names unless a rename map says otherwise. The output appears complete or not at all (built beside
+its final name and renamed into place).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import struct
-from collections.abc import Callable
+import re
+import shutil
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from nxd_ckpt.errors import CheckpointError, FormatError
-from nxd_ckpt.format import layout
-from nxd_ckpt.inspect import Checkpoint, ObjectInfo
-from nxd_ckpt.storage import LocalStorage
+from nxd_ckpt.inspect import Checkpoint
+from nxd_ckpt.tools import dcp_io, safetensors_io
+from nxd_ckpt.tools.model_source import CheckpointModel, ShardingSource
+from nxd_ckpt.tools.safetensors_io import TensorEntry
 
-SAFETENSORS_DTYPES = {
-    "float64": "F64",
-    "float32": "F32",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "int64": "I64",
-    "int32": "I32",
-    "int16": "I16",
-    "int8": "I8",
-    "uint8": "U8",
-    "uint16": "U16",
-    "uint32": "U32",
-    "uint64": "U64",
-    "bool": "BOOL",
-    "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2",
-    "complex64": "C64",
-}
+FORMATS = ("safetensors", "dcp")
 
 
 class ExportNotSupportedError(CheckpointError):
-    """The checkpoint's layout cannot be merged into one state without information it does not hold."""
+    """The checkpoint's model state cannot be written in the requested form."""
 
 
 @dataclass
 class ExportReport:
     out: str
+    format: str = "safetensors"
     tensors: int = 0
     nbytes: int = 0
+    files: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
-    """Object paths of non-tensor values, which safetensors cannot hold."""
+    """Object paths of non-tensor values, which the output formats' tensor sets cannot hold."""
+    largest_tensor_bytes: int = 0
 
 
-def model_objects(ckpt: Checkpoint) -> list[tuple[str, ObjectInfo]]:
-    """(name in the merged state, object) for every model leaf; raises where merging is not possible."""
-    lay = ckpt.layout()
-    model_files = [sf for sf in ckpt.state_files() if sf.prefix.startswith(layout.MODEL_DIR + "/")]
-    if not model_files:
-        raise FormatError(f"{ckpt.url} holds no model state (no files under {layout.MODEL_DIR}/)")
-    if (lay.tp or 1) > 1:
-        raise ExportNotSupportedError(
-            f"{ckpt.url} was saved with TP={lay.tp}: each model file holds one tensor-parallel shard, and merging "
-            "shards needs the dimension each parameter was split along (column- or row-parallel), which NxD "
-            "checkpoints do not record. Export one shard's state with --shard model/tp00_pp00, or load the "
-            "checkpoint into the TP model and gather the full parameters there."
-        )
-    merged: dict[str, ObjectInfo] = {}
-    origin: dict[str, str] = {}
-    for sf in model_files:
-        for obj in ckpt.objects(sf):
-            name = obj.path[len(sf.prefix) + 1 :]
-            if name in merged:
-                raise ExportNotSupportedError(
-                    f"{ckpt.url}: {name!r} is in both {origin[name]} and {sf.prefix}; pipeline stages should hold "
-                    "disjoint parameters, so these cannot be merged into one state"
-                )
-            merged[name], origin[name] = obj, sf.prefix
-    return list(merged.items())
+# ---------------------------------------------------------------------------------------------- renaming
 
 
-def shard_objects(ckpt: Checkpoint, prefix: str) -> list[tuple[str, ObjectInfo]]:
-    """(name, object) for every leaf of one state file, e.g. ``model/tp01_pp00``."""
+class RenameMap:
+    """Renames state-dict names: exact pairs first, then regular-expression patterns in order (first match).
+
+    A file is JSON: ``{"old.name": "new.name", ...}`` (exact), or ``{"exact": {...}, "patterns": [["regex",
+    "replacement"], ...]}``; replacements use Python's ``re.sub`` syntax (``\\1``). Names no rule matches stay.
+    """
+
+    def __init__(self, exact: Mapping[str, str] | None = None, patterns: Sequence[tuple[str, str]] = ()) -> None:
+        self.exact = dict(exact or {})
+        self.patterns: list[tuple[re.Pattern[str], str]] = []
+        for regex, repl in patterns:
+            try:
+                self.patterns.append((re.compile(regex), repl))
+            except re.error as e:
+                raise ValueError(f"rename pattern {regex!r} is not a valid regular expression: {e}") from e
+
+    @classmethod
+    def from_file(cls, path: str) -> RenameMap:
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"rename map {path} could not be read as JSON: {e}") from e
+        if not isinstance(doc, dict):
+            raise ValueError(f"rename map {path} must be a JSON object")
+        if set(doc) <= {"exact", "patterns"} and doc:
+            exact, patterns = doc.get("exact") or {}, doc.get("patterns") or []
+        else:
+            exact, patterns = doc, []
+        if not isinstance(exact, dict) or not all(isinstance(v, str) for v in exact.values()):
+            raise ValueError(f"rename map {path}: exact renames must be an object of name -> new name")
+        if not isinstance(patterns, list) or not all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in patterns
+        ):
+            raise ValueError(f'rename map {path}: "patterns" must be a list of ["regex", "replacement"] pairs')
+        return cls(exact, [(a, b) for a, b in patterns])
+
+    @classmethod
+    def from_pairs(cls, pairs: Sequence[str]) -> RenameMap:
+        """From ``REGEX=REPLACEMENT`` strings (the command line's ``--rename-pattern``)."""
+        out = []
+        for pair in pairs:
+            regex, sep, repl = pair.partition("=")
+            if not sep or not regex:
+                raise ValueError(f"--rename-pattern takes REGEX=REPLACEMENT, got {pair!r}")
+            out.append((regex, repl))
+        return cls(patterns=out)
+
+    def then(self, other: RenameMap) -> RenameMap:
+        """This map's rules, then ``other``'s (exact renames of both first)."""
+        merged = RenameMap({**self.exact, **other.exact})
+        merged.patterns = self.patterns + other.patterns
+        return merged
+
+    def __call__(self, name: str) -> str:
+        if name in self.exact:
+            return self.exact[name]
+        for regex, repl in self.patterns:
+            if regex.search(name):
+                return regex.sub(repl, name)
+        return name
+
+    def apply(self, names: Sequence[str]) -> dict[str, str]:
+        """old -> new for every name; ValueError if two names end up the same or one becomes empty."""
+        out = {n: self(n) for n in names}
+        seen: dict[str, str] = {}
+        for old, new in out.items():
+            if not new:
+                raise ValueError(f"the rename map turns {old!r} into an empty name")
+            if new in seen:
+                raise ValueError(f"the rename map gives {seen[new]!r} and {old!r} the same name {new!r}")
+            seen[new] = old
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- export
+
+
+def export(
+    ckpt: Checkpoint,
+    out: str | os.PathLike[str],
+    *,
+    format: str = "safetensors",
+    sharding: ShardingSource = None,
+    rename: RenameMap | None = None,
+    max_shard_bytes: int = safetensors_io.DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+    verify: bool = True,
+    progress: Callable[[int], None] | None = None,
+) -> ExportReport:
+    """Write the model state of ``ckpt`` (any TP/PP layout) to ``out`` as one consolidated set.
+
+    Args:
+        out: a directory to create (a safetensors set, or a DCP checkpoint with ``format="dcp"``), or a path
+            ending in ``.safetensors`` for one file.
+        sharding: how tensors are split over TP ranks when the tag does not record it (NxD-written tags at TP>1):
+            a ``ShardingRecord``, name patterns -> partition dim / (dim, stride) / None, or a model.
+        rename: renames of NxD's state-dict names.
+        max_shard_bytes: safetensors sets: the largest file (a bigger tensor gets a file of its own).
+        overwrite: replace an existing ``out`` (the new one is complete before the old one goes).
+        verify: check each source file against the tag's manifests before using it.
+        progress: called with the bytes of each tensor written.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"unknown export format {format!r}; choose one of {', '.join(FORMATS)}")
+    out = os.path.abspath(os.fspath(out))
+    single = out.endswith(".safetensors")
+    if single and format != "safetensors":
+        raise ValueError(f"{out}: a .safetensors file name needs format='safetensors'; DCP writes a directory")
+    if os.path.lexists(out) and not overwrite:
+        raise CheckpointError(f"{out} already exists; pass --force (overwrite=True) to replace it")
+    model = CheckpointModel(ckpt, sharding, verify=verify)
+    entries = model.entries()
+    names = (rename or RenameMap()).apply([e.name for e in entries])
+    renamed = [TensorEntry(names[e.name], e.dtype, e.shape) for e in entries]
+    report = ExportReport(out=out, format=format, skipped=list(model.skipped))
+    report.largest_tensor_bytes = max((e.nbytes for e in entries), default=0)
+    by_new_name = {names[e.name]: e.name for e in entries}
+
+    def read(new_name: str) -> torch.Tensor:
+        tensor = model.read(by_new_name[new_name])
+        report.tensors += 1
+        report.nbytes += tensor.numel() * tensor.element_size()
+        if progress is not None:
+            progress(tensor.numel() * tensor.element_size())
+        return tensor
+
+    def stream() -> Iterator[torch.Tensor]:
+        for e in renamed:
+            yield read(e.name)
+
+    metadata = {"format": "pt", "nxd_ckpt_source": ckpt.url}
+
+    def build(target: str) -> list[str]:
+        if format == "dcp":
+            dcp_io.write_dcp(target, [(e.name, e.dtype, e.shape) for e in renamed], read)
+            return sorted(os.listdir(target))
+        if single:
+            safetensors_io.write_file(target, renamed, stream(), metadata)
+            return [os.path.basename(out)]
+        return safetensors_io.write_set(target, renamed, stream(), max_shard_bytes=max_shard_bytes, metadata=metadata)
+
+    report.files = _build_in_place(out, build)
+    return report
+
+
+def _build_in_place(out: str, build: Callable[[str], list[str]]) -> list[str]:
+    """Build ``out`` at a sibling temporary path, then move it to ``out``; an existing ``out`` is replaced only
+    once the new one is complete."""
+    if not os.path.lexists(out):
+        return build(out)
+    parent, base = os.path.split(out)
+    new, old = os.path.join(parent, f".{base}.new-{os.getpid()}"), os.path.join(parent, f".{base}.old-{os.getpid()}")
+    for stale in (new, old):
+        _remove(stale)
+    try:
+        files = build(new)
+    except BaseException:
+        _remove(new)
+        raise
+    os.rename(out, old)
+    os.rename(new, out)
+    _remove(old)
+    return files
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def export_state_file(
+    ckpt: Checkpoint, prefix: str, out: str | os.PathLike[str], *, progress: Callable[[int], None] | None = None
+) -> ExportReport:
+    """Write one state file's tensors (e.g. ``model/tp01_pp00``, as saved: one TP shard) as one safetensors
+    file, names relative to the file."""
     sf = next((s for s in ckpt.state_files() if s.prefix == prefix), None)
     if sf is None:
         names = ", ".join(s.prefix for s in ckpt.state_files())
         raise FormatError(f"{ckpt.url} has no state file {prefix!r}; it has: {names}")
-    return [(obj.path[len(sf.prefix) + 1 :] or obj.path, obj) for obj in ckpt.objects(sf)]
-
-
-def export_safetensors(
-    ckpt: Checkpoint,
-    out: str | os.PathLike[str],
-    *,
-    shard: str | None = None,
-    progress: Callable[[int], None] | None = None,
-) -> ExportReport:
-    """Write the model state (or one state file, ``shard``) to ``out`` as safetensors; durable and atomic
-    (a temporary file renamed into place). ``progress`` is called with bytes written."""
-    objects = model_objects(ckpt) if shard is None else shard_objects(ckpt, shard)
     out = os.path.abspath(os.fspath(out))
     report = ExportReport(out=out)
-    tensors = []
-    header: dict[str, dict] = {"__metadata__": {"format": "pt", "nxd_ckpt_source": ckpt.url}}
-    offset = 0
-    for name, obj in objects:
+    objects = []
+    for obj in ckpt.objects(sf):
         if obj.kind != "tensor":
             report.skipped.append(obj.path)
             continue
-        dtype = SAFETENSORS_DTYPES.get(obj.dtype or "")
-        if dtype is None:
-            raise ExportNotSupportedError(f"{obj.path} has dtype {obj.dtype}, which safetensors cannot store")
-        header[name] = {"dtype": dtype, "shape": list(obj.shape or ()), "data_offsets": [offset, offset + obj.nbytes]}
-        tensors.append((name, obj))
-        offset += obj.nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # keep the data 8-byte aligned, as safetensors' writer does
-    target = LocalStorage(os.path.dirname(out))
-    with target.open_write(os.path.basename(out)) as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
-        for _, obj in tensors:
+        objects.append((obj.path[len(sf.prefix) + 1 :] or obj.path, obj))
+    entries = [TensorEntry(name, getattr(torch, obj.dtype or ""), tuple(obj.shape or ())) for name, obj in objects]
+
+    def stream() -> Iterator[torch.Tensor]:
+        for _, obj in objects:
             tensor = ckpt.read(obj.path)
-            if tuple(tensor.shape) != tuple(obj.shape or ()) or tensor.numel() * tensor.element_size() != obj.nbytes:
-                raise FormatError(f"{obj.path} read back as {tuple(tensor.shape)}, manifest says {obj.shape}")
-            f.write(_little_endian_bytes(tensor))
             report.tensors += 1
             report.nbytes += obj.nbytes
             if progress is not None:
                 progress(obj.nbytes)
+            yield tensor
+
+    metadata = {"format": "pt", "nxd_ckpt_source": f"{ckpt.url}/{prefix}"}
+
+    def build(target: str) -> list[str]:
+        safetensors_io.write_file(target, entries, stream(), metadata)
+        return [os.path.basename(out)]
+
+    report.files = _build_in_place(out, build)
     return report
-
-
-def _little_endian_bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes in row-major order (this host is little-endian, as safetensors requires)."""
-    flat = tensor.detach().contiguous().reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
