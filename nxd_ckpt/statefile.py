@@ -351,7 +351,10 @@ def read_xser(
     return xser.decode(header.ref_data, tensors, what=what)
 
 
-def _read_header(storage: Storage, path: str, trusted: bool) -> _Header:
+def read_xser_reference(
+    storage: Storage, path: str, *, trusted: bool = False
+) -> tuple[Any, dict[int, dict[str, Any]] | None]:
+    """An xser state file's reference data and its info file (None when absent: files of torch_xla)."""
     what = f"{storage.url}/{path}"
     try:
         ref_data = _load_small(storage, path, lambda f: xser.load_ref(f, what=what, trusted=trusted))
@@ -361,6 +364,11 @@ def _read_header(storage: Storage, path: str, trusted: bool) -> _Header:
     info_path = layout.xser_info_file(path)
     if storage.exists(info_path):
         info = _load_small(storage, info_path, lambda f: xser.load_info(f, what=f"{storage.url}/{info_path}"))
+    return ref_data, info
+
+
+def _read_header(storage: Storage, path: str, trusted: bool) -> _Header:
+    ref_data, info = read_xser_reference(storage, path, trusted=trusted)
     tids = xser.referenced_tids(ref_data)
     sizes = []
     for tid in tids:

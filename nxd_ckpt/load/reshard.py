@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from nxd_ckpt import adapters
+from nxd_ckpt import adapters, statefile
 from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.errors import FormatError, IntegrityError, ReshardError, StateMismatchError
 from nxd_ckpt.format import layout
@@ -130,12 +130,7 @@ class SourceFile:
         self._offsets: dict[str, int] = {}
         self._tensor_files: dict[int, tuple[torch.Tensor, dict[str, int]]] = {}
         if self.is_xser:
-            with storage.open_read(path) as f:
-                self.structure = xser.load_ref(f, what=self.what, trusted=trusted)
-            info_path = layout.xser_info_file(path)
-            if storage.exists(info_path):
-                with storage.open_read(info_path) as f:
-                    self.info = xser.load_info(f, what=f"{storage.url}/{info_path}")
+            self.structure, self.info = statefile.read_xser_reference(storage, path, trusted=trusted)
         else:
             _check_size(storage, path)
             self.structure, self._offsets = _zip_structure(_raw(storage), path, self.what, trusted)

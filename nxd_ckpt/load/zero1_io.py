@@ -15,7 +15,7 @@ import ctypes
 import mmap
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -86,12 +86,7 @@ class ShardFile:
         self.mapped = False
         self.info: dict[int, dict[str, Any]] | None = None
         if self.is_xser:
-            with storage.open_read(path) as f:
-                self.structure = xser.load_ref(f, what=self.what, trusted=trusted)
-            info_path = layout.xser_info_file(path)
-            if storage.exists(info_path):
-                with storage.open_read(info_path) as f:
-                    self.info = xser.load_info(f, what=f"{storage.url}/{info_path}")
+            self.structure, self.info = statefile.read_xser_reference(storage, path, trusted=trusted)
         else:
             state = None
             # memory-mapped where the storage allows reading the file directly (local disk, no checksum to check)
@@ -312,6 +307,13 @@ class PlainShardWriter:
     def done_with(self, tensor: torch.Tensor) -> None:
         release_pages(tensor)
 
+    def fill(self, path: EntryPath, fill: Callable[[torch.Tensor], Any]) -> int:
+        """Let ``fill`` write slot ``path`` in place (in the mapped file); return its bytes."""
+        target = self.target(path)
+        fill(target)
+        self.done_with(target)
+        return target.numel() * target.element_size()
+
     def commit(self) -> None:
         self.state = None
         publish(self.tmp_path, self.final_path)
@@ -340,6 +342,15 @@ class XserShardWriter:
     def tid(self, path: EntryPath) -> int:
         return self._tids[id(zero1.get_path(self._skeleton, path))]
 
+    def fill(self, path: EntryPath, fill: Callable[[torch.Tensor], Any]) -> int:
+        """Let ``fill`` write slot ``path`` (into a tensor of the skeleton's dtype and shape), then write its
+        tensor file; return its bytes."""
+        like = zero1.get_path(self._skeleton, path)
+        out = torch.empty(like.shape, dtype=like.dtype)
+        fill(out)
+        self.write_tensor(path, out)
+        return out.numel() * out.element_size()
+
     def write_tensor(self, path: EntryPath, tensor: torch.Tensor) -> None:
         tid = self.tid(path)
         with self.storage.open_write(layout.xser_tensor_file(self.path, tid)) as f:
@@ -357,6 +368,35 @@ class XserShardWriter:
 
     def abort(self) -> None:
         pass
+
+
+@contextlib.contextmanager
+def shard_writers(
+    storage: Storage,
+    paths: Sequence[str],
+    small: dict,
+    slots: dict[EntryPath, tuple[torch.dtype, tuple[int, ...]]],
+    *,
+    use_xser: bool,
+) -> Iterator[list[PlainShardWriter | XserShardWriter]]:
+    """One writer per ZeRO-1 state file in ``paths`` (each from ``skeleton(small, slots)``), committed together
+    when the block ends, all aborted if it raises (no partial file under a final name)."""
+    writers: list[PlainShardWriter | XserShardWriter] = []
+    try:
+        for path in paths:
+            sk = skeleton(small, slots)
+            if use_xser:
+                writers.append(XserShardWriter(storage, path, sk))
+            else:
+                writers.append(PlainShardWriter(os.path.join(storage.root, path), sk, slots))
+            del sk
+        yield writers
+        for w in writers:
+            w.commit()
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
 
 
 def _copy_small_tensors(src: Any, dst: Any, skip: set[EntryPath], path: EntryPath = ()) -> None:

@@ -14,6 +14,7 @@ interrupted run never leaves something that looks complete. xser in gives xser o
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -31,13 +32,11 @@ from nxd_ckpt.format.describe import TagDescription, describe
 from nxd_ckpt.format.metadata import TagMetadata
 from nxd_ckpt.load import zero1
 from nxd_ckpt.load.zero1_io import (
-    PlainShardWriter,
     ShardFile,
-    XserShardWriter,
     check_present,
     fill_slot,
     release_all,
-    skeleton,
+    shard_writers,
     source_paths,
 )
 from nxd_ckpt.log import format_bytes
@@ -374,39 +373,15 @@ def _convert_coordinate(
         for path, index in first.shard_paths.items()
     }
     out_paths = source_paths(out_tag, tp, pp, dst_dp)
-    writers: list[PlainShardWriter | XserShardWriter] = []
     nbytes = 0
-    try:
-        for out_path in out_paths:
-            sk = skeleton(small, slots)
-            if use_xser:
-                writers.append(XserShardWriter(out_storage, out_path, sk))
-            else:
-                writers.append(PlainShardWriter(os.path.join(out_storage.root, out_path), sk, slots))
-            del sk
+    with shard_writers(out_storage, out_paths, small, slots, use_xser=use_xser) as writers:
         for path, index in first.shard_paths.items():
             rows = first.shapes[index][0]
-            dtype, shape = slots[path]
             src_tensors: dict[int, torch.Tensor] = {}
             for rank, w in enumerate(writers):
-                if isinstance(w, PlainShardWriter):
-                    out = w.target(path)
-                    fill_slot(path, rows, sources, src_tensors, n_dst, rank, out)
-                    w.done_with(out)
-                else:
-                    out = torch.empty(shape, dtype=dtype)
-                    fill_slot(path, rows, sources, src_tensors, n_dst, rank, out)
-                    w.write_tensor(path, out)
-                nbytes += out.numel() * out.element_size()
-                del out
+                nbytes += w.fill(path, functools.partial(fill_slot, path, rows, sources, src_tensors, n_dst, rank))
             release_all(sources, src_tensors)
             bar.update(1, f"tp{tp:02d}/pp{pp:02d}")
-        for w in writers:
-            w.commit()
-    except BaseException:
-        for w in writers:
-            w.abort()
-        raise
     return out_paths, nbytes
 
 

@@ -27,7 +27,7 @@ import torch
 from nxd_ckpt.errors import FormatError
 from nxd_ckpt.format import layout
 from nxd_ckpt.load import zero1
-from nxd_ckpt.load.zero1_io import PlainShardWriter, XserShardWriter, skeleton
+from nxd_ckpt.load.zero1_io import shard_writers
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.tools.dcp_io import DcpSource
 
@@ -150,33 +150,14 @@ def _convert_coordinate(
     }
     slot_meta = {("base_state", pid_of[s.pname], s.slot): (s.dtype, zero1.shard_shape(s.shape, dp)) for s in slots}
     paths = [layout.optim_file(tag, d, tp, pp) for d in range(dp)]
-    writers: list[PlainShardWriter | XserShardWriter] = []
     nbytes = 0
-    try:
-        for path in paths:
-            sk = skeleton(small, slot_meta)
-            if xser:
-                writers.append(XserShardWriter(storage, path, sk))
-            else:
-                writers.append(PlainShardWriter(os.path.join(storage.root, path), sk, slot_meta))
+    with shard_writers(storage, paths, small, slot_meta, use_xser=xser) as writers:
         for s in slots:
             full = src.source.read(s.fqn)
             entry = ("base_state", pid_of[s.pname], s.slot)
             for rank, w in enumerate(writers):
                 part = zero1.shard_tensor(full, dp, rank)
-                if isinstance(w, PlainShardWriter):
-                    target = w.target(entry)
-                    target.copy_(part)
-                    w.done_with(target)
-                else:
-                    w.write_tensor(entry, part)
-                nbytes += part.numel() * part.element_size()
+                nbytes += w.fill(entry, lambda out, part=part: out.copy_(part))
                 del part
             del full
-        for w in writers:
-            w.commit()
-    except BaseException:
-        for w in writers:
-            w.abort()
-        raise
     return paths, nbytes
