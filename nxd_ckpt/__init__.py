@@ -12,6 +12,7 @@ from nxd_ckpt.errors import (
     IntegrityError,
     InvalidTagError,
     LayoutMismatchError,
+    MemoryTierFullError,
     RemoteRankError,
     StateMismatchError,
     StorageError,
@@ -35,6 +36,8 @@ _LAZY = {
     "open_checkpoint": "inspect",
     "CheckpointManager": "manager",
     "SaveReport": "manager",
+    "RestoreReport": "manager",
+    "MemoryTier": "tier.memory",
     "destroy_model_parallel": "parallel_state",
     "initialize_model_parallel": "parallel_state",
     "Topology": "dist.topology",
@@ -56,8 +59,9 @@ if TYPE_CHECKING:
     from nxd_ckpt.dist.topology import Topology
     from nxd_ckpt.format.verification import VerifyReport, verify
     from nxd_ckpt.inspect import Checkpoint, open_checkpoint
-    from nxd_ckpt.manager import CheckpointManager, SaveReport
+    from nxd_ckpt.manager import CheckpointManager, RestoreReport, SaveReport
     from nxd_ckpt.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from nxd_ckpt.tier.memory import MemoryTier
 
 
 def __getattr__(name: str) -> Any:
@@ -89,7 +93,10 @@ __all__ = [
     "IntegrityError",
     "InvalidTagError",
     "LayoutMismatchError",
+    "MemoryTier",
+    "MemoryTierFullError",
     "RemoteRankError",
+    "RestoreReport",
     "SaveReport",
     "StateMismatchError",
     "StorageError",

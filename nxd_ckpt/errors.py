@@ -90,3 +90,7 @@ class RemoteRankError(CheckpointError):
 
 class DeviceUnavailableError(CheckpointError, RuntimeError):
     """A device was asked for (e.g. ``xla``) whose runtime is not installed in this environment."""
+
+
+class MemoryTierFullError(CheckpointError):
+    """The memory tier cannot hold the next save within its budget (raised before anything is staged)."""
