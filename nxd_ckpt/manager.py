@@ -426,9 +426,7 @@ class CheckpointManager:
             except BaseException as e:
                 self._barrier(ctx, coord).arrive(e)
                 raise
-            ctx = dataclasses.replace(
-                ctx, tier=runtime.begin_save(tag, ctx.created_at, coord.world_size, ctx.monitor)
-            )
+            ctx = dataclasses.replace(ctx, tier=runtime.begin_save(tag, ctx.created_at, coord.world_size, ctx.monitor))
         lease: staging.StagedState | None = None
         fetcher: staging.HostFetcher | None = None
         if async_save:  # a training-safe copy in reused host buffers, handed back once the files are durable
@@ -954,14 +952,23 @@ class CheckpointManager:
             durable = coord.master_computes(durable_newest, f"listing the checkpoints in {storage.url}")
         failures: list[str] = []
         if choice is not None and (durable is None or choice.created_at >= durable[1] or durable[0] == choice.tag):
-            for prefer_remote in (False, True):
-                view = runtime.view(choice, reports, prefer_remote)
-                if view is None:
-                    continue
+            view: TierView | None = runtime.view(choice, reports, prefer_remote=False)
+            damaged = False
+            for attempt in ("local", "peer"):
+                if attempt == "peer":
+                    # Ranks that found damage read every share from another node's copy; the others keep theirs.
+                    if damaged:
+                        view = runtime.view(choice, reports, prefer_remote=True)
+                    with coord.deadline(timeout_s):
+                        ready = coord.all_gather_object(view is not None, phase="memory tier: other copies")
+                    if not all(ready):
+                        break
+                assert view is not None
                 result, error = None, None
                 try:
                     # a tier copy counts only verified: every file read is checked against its manifest
-                    result = self._load_dir(view, choice.tag, **{**options, "fallback_to_verified": False, "verify": True})
+                    verified = {**options, "fallback_to_verified": False, "verify": True}
+                    result = self._load_dir(view, choice.tag, **verified)
                 except Exception as e:
                     error = e
                 damaged = isinstance(error, FormatError)
@@ -984,12 +991,12 @@ class CheckpointManager:
                         f"loading {choice.tag} from the memory tier failed on another rank: {verdicts}"
                     )
                 reason = next(msg for v, msg, _ in verdicts if v == "damaged")
-                failures.append(reason)
+                failures.append(f"{attempt} copy: {reason}")
                 if coord.rank == 0:
                     logger.warning(
                         "the %s copy of checkpoint %s in the memory tier failed verification (%s); trying the "
                         "next tier",
-                        "peer" if prefer_remote else "local",
+                        attempt,
                         choice.tag,
                         reason,
                     )
