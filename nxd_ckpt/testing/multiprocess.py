@@ -118,8 +118,17 @@ def run_on_ranks(
         ctx.Process(
             target=_rank_main,
             args=(
-                module, qualname, r, world_size, port, kwargs or {}, results, list(sys.path), env or {}, ranks_per_node
-            ),  # fmt: skip
+                module,
+                qualname,
+                r,
+                world_size,
+                port,
+                kwargs or {},
+                results,
+                list(sys.path),
+                env or {},
+                ranks_per_node,
+            ),
             name=f"rank{r}",
         )
         for r in range(world_size)
