@@ -974,6 +974,8 @@ class CheckpointManager:
                 damaged = isinstance(error, FormatError)
                 where = "peer" if view.bytes_remote else "memory"
                 verdict = None if error is None else ("damaged" if damaged else type(error).__name__)
+                # the load's steps raise one rank's damage on every rank: only the rank that found it changes copy
+                damaged = damaged and getattr(error, "origin_rank", coord.rank) == coord.rank
                 with coord.deadline(timeout_s):
                     verdicts = coord.all_gather_object(
                         (verdict, str(error) if damaged else None, where),
