@@ -166,8 +166,17 @@ class FileClient:
         with self._connect(address, what) as sock, open(local_file, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             _send_header(sock, {"token": self.token, "op": "put", "path": path, "size": size})
-            if size:
-                sock.sendfile(f)
+            try:
+                if size:
+                    sock.sendfile(f)
+            except (BrokenPipeError, ConnectionResetError) as e:  # the peer refused early: its answer says why
+                try:
+                    self._reply(sock, address, what)
+                except PeerError:
+                    raise
+                except Exception:
+                    pass
+                raise PeerError(f"{what}: the memory-tier peer {address} closed the connection: {e}") from e
             self._reply(sock, address, what)
 
     def delete(self, address: str, path: str) -> None:
