@@ -16,7 +16,7 @@ import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -111,9 +111,32 @@ class TierView(Storage):
         except (FileNotFoundError, MissingOnPeer) as e:
             raise FormatError(f"memory-tier file {self.url}/{path} is missing: {e}") from e
 
+    def _source_of(self, path: str) -> tuple[int, Source]:
+        rank = self._owner_of(path)
+        if rank is None:
+            raise FileNotFoundError(f"{self.url}/{path} is not part of the memory-tier copy of {self.tag}")
+        return rank, self._sources[rank]
+
     @contextlib.contextmanager
     def open_read(self, path: str) -> Iterator[BinaryIO]:
-        yield io.BytesIO(self.read_buffer(path).tobytes())
+        """A local copy is read in place (no copy in between); a peer's is fetched whole, then read from memory."""
+        if path == layout.tag_path(self.tag, layout.DONE_MARKER):
+            yield io.BytesIO(b"1")
+            return
+        rank, source = self._source_of(path)
+        if source.remote:
+            yield _ArrayReader(self.read_buffer(path))  # type: ignore[misc]
+            return
+        assert source.local_root is not None
+        full = os.path.join(source.local_root, self._share_path(path, rank))
+        try:
+            f = open(full, "rb")  # noqa: SIM115 - closed below
+        except FileNotFoundError as e:
+            raise FormatError(f"memory-tier file {self.url}/{path} is missing: {e}") from e
+        with f:
+            with self._lock:
+                self.bytes_local += os.fstat(f.fileno()).st_size
+            yield f
 
     def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         data = self.read_buffer(path).tobytes()
@@ -154,3 +177,32 @@ class TierView(Storage):
 
 def local_file(root: str, share: int, path: str) -> str:
     return os.path.join(root, layout.memory_share_dir(share), path)
+
+
+class _ArrayReader(io.RawIOBase):
+    """A seekable read stream over a fetched file's buffer, without copying it again."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        target = memoryview(b).cast("B")
+        n = min(len(target), len(self._view) - self._pos)
+        target[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
