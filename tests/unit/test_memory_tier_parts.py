@@ -7,9 +7,13 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
+import nxd_ckpt as nxd
 from nxd_ckpt.errors import CheckpointError, MemoryTierFullError
 from nxd_ckpt.format import layout
+from nxd_ckpt.manager import CheckpointManager
+from nxd_ckpt.testing.fakes import assert_state_equal
 from nxd_ckpt.tier.memory import (
     Marker,
     MemoryTier,
@@ -112,3 +116,62 @@ def test_transport_copies_fetches_and_refuses_strangers(tmp_path):
         server.close()
     with pytest.raises(PeerError, match="cannot reach"):
         FileClient("secret", timeout_s=2).get(address, "node_00000/t/model/x.pt")
+
+
+# ------------------------------------------------------------------------------------ one process, one node
+def _one_node(tmp_path) -> MemoryTier:
+    return MemoryTier(dir=str(tmp_path / "mem"), replicas=0, durable_every=2, max_copies=2)
+
+
+def _model(value: float) -> dict:
+    return {"w": torch.full((64,), value), "b": torch.arange(8, dtype=torch.float64) * value}
+
+
+def test_sync_saves_named_tags_and_eviction_in_one_process(tmp_path):
+    ckpt, tier = str(tmp_path / "ckpt"), _one_node(tmp_path)
+    manager = CheckpointManager(memory_tier=tier)
+    for step in range(1, 5):
+        manager.save(ckpt, f"s{step}", model=_model(step))
+    assert nxd.list_checkpoint_tags(ckpt) == ["s2", "s4"]
+    (root,) = (tmp_path / "mem").glob("ckpt-*")
+    assert sorted(os.listdir(root / "node_00000")) == ["s3", "s4"]  # budget: two tags
+    target = _model(0)
+    manager.load(ckpt, model=target)
+    assert manager.last_restore.tag == "s4" and manager.last_restore.tiers == ["memory"]
+    assert_state_equal(target, _model(4))
+    manager.load(ckpt, "s3", model=target)  # named, held in memory only
+    assert_state_equal(target, _model(3))
+    assert manager.last_restore.tier == "memory"
+    manager.load(ckpt, "s2", model=target)  # named, evicted from memory: durable
+    assert_state_equal(target, _model(2))
+    assert manager.last_restore.tiers == ["durable"]
+    manager.save(ckpt, "s4", model=_model(40))  # saving a tag again replaces its memory copy
+    manager.load(ckpt, model=target)
+    assert_state_equal(target, _model(40))
+    assert manager.last_restore.tier == "memory"
+    manager.finalize()
+
+
+def test_damaged_memory_copy_without_peers_falls_back_to_durable(tmp_path):
+    ckpt, tier = str(tmp_path / "ckpt"), _one_node(tmp_path)
+    manager = CheckpointManager(memory_tier=tier)
+    manager.save(ckpt, "s1", model=_model(1), async_save=True)
+    manager.save(ckpt, "s2", model=_model(2), async_save=True)
+    manager.finalize()
+    (root,) = (tmp_path / "mem").glob("ckpt-*")
+    model_file = root / "node_00000" / layout.model_file("s2", 0, 0)
+    model_file.write_bytes(model_file.read_bytes()[:-3])
+    target = _model(0)
+    manager.load(ckpt, model=target)
+    assert manager.last_restore.tag == "s2" and manager.last_restore.tiers == ["durable"]
+    assert_state_equal(target, _model(2))
+    manager.finalize()
+
+
+def test_one_node_with_replicas_is_refused_clearly(tmp_path):
+    manager = CheckpointManager(memory_tier=MemoryTier(dir=str(tmp_path / "mem")))
+    with pytest.raises(CheckpointError, match=r"replicas=1\) needs more than 1 node.*use replicas=0"):
+        manager.save(str(tmp_path / "ckpt"), "s1", model=_model(1))
+    with pytest.raises(TypeError, match="memory_tier must be a nxd_ckpt.MemoryTier"):
+        manager.save(str(tmp_path / "ckpt"), "s1", model=_model(1), memory_tier="/dev/shm")
+    manager.finalize()
