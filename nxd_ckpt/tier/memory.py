@@ -22,6 +22,7 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from nxd_ckpt import knobs
@@ -209,8 +210,12 @@ def _tree_bytes(path: str) -> int:
     return total
 
 
-def tags_by_age(root: str) -> list[tuple[float, str]]:
-    """(newest save time, tag) of every tag in any share of this node, oldest first (no marker: time 0)."""
+def tags_by_age(
+    root: str, own_share: int | None = None, own_ranks: Sequence[int] = ()
+) -> list[tuple[bool, float, str]]:
+    """(complete here, newest save time, tag) of every tag in any share of this node, in eviction order: tags
+    whose own share lacks a marker of one of ``own_ranks`` first (a failed or interrupted save), then oldest
+    first (no marker at all: time 0)."""
     times: dict[str, float] = {}
     if os.path.isdir(root):
         for share_name in os.listdir(root):
@@ -218,20 +223,27 @@ def tags_by_age(root: str) -> list[tuple[float, str]]:
                 continue
             for tag in os.listdir(os.path.join(root, share_name)):
                 times.setdefault(tag, 0.0)
+    held: dict[str, set[int]] = {}
     for marker in list_markers(root):
         times[marker.tag] = max(times[marker.tag], marker.created_at)
-    return sorted((t, tag) for tag, t in times.items())
+        if marker.share == own_share:
+            held.setdefault(marker.tag, set()).add(marker.rank)
+    complete = {tag: own_share is None or set(own_ranks) <= held.get(tag, set()) for tag in times}
+    return sorted((complete[tag], t, tag) for tag, t in times.items())
 
 
-def doomed_tags(root: str, keep: int, protect: str) -> list[str]:
-    """Tags eviction deletes before ``protect`` is written: all but the newest ``keep - 1`` others."""
-    others = [tag for _, tag in tags_by_age(root) if tag != protect]
+def doomed_tags(
+    root: str, keep: int, protect: str, own_share: int | None = None, own_ranks: Sequence[int] = ()
+) -> list[str]:
+    """Tags eviction deletes before ``protect`` is written: all but the ``keep - 1`` others it keeps, which are
+    the newest complete ones (see ``tags_by_age``)."""
+    others = [tag for _, _, tag in tags_by_age(root, own_share, own_ranks) if tag != protect]
     return others[: max(0, len(others) - (keep - 1))]
 
 
-def evict(root: str, keep: int, protect: str) -> list[str]:
+def evict(root: str, keep: int, protect: str, own_share: int | None = None, own_ranks: Sequence[int] = ()) -> list[str]:
     """Delete, in every share of this node, the tags ``doomed_tags`` selects (markers first, then the files)."""
-    doomed = doomed_tags(root, keep, protect)
+    doomed = doomed_tags(root, keep, protect, own_share, own_ranks)
     for tag in doomed:
         for share_name in os.listdir(root):
             if layout.parse_memory_share_dir(share_name) is None:
@@ -247,7 +259,9 @@ def evict(root: str, keep: int, protect: str) -> list[str]:
     return doomed
 
 
-def check_budget(root: str, tier: MemoryTier, tag: str, need_bytes: int) -> None:
+def check_budget(
+    root: str, tier: MemoryTier, tag: str, need_bytes: int, own_share: int | None = None, own_ranks: Sequence[int] = ()
+) -> None:
     """Raise MemoryTierFullError (before anything is staged) if this node cannot hold the next save: the free
     space of the memory filesystem plus what eviction frees must cover ``need_bytes``."""
     os.makedirs(root, exist_ok=True)
@@ -255,7 +269,7 @@ def check_budget(root: str, tier: MemoryTier, tag: str, need_bytes: int) -> None
     free = stats.f_bavail * stats.f_frsize
     freed = sum(
         _tree_bytes(os.path.join(root, share, victim))
-        for victim in doomed_tags(root, tier.tags_kept, tag)
+        for victim in doomed_tags(root, tier.tags_kept, tag, own_share, own_ranks)
         for share in os.listdir(root)
         if layout.parse_memory_share_dir(share) is not None
     )

@@ -71,7 +71,7 @@ class TierRuntime:
         """Before staging: this node can hold the save (estimated as this rank's bytes times the node's ranks
         times the copies per tag), after eviction."""
         need = rank_bytes * self.nodes.per_node * self.tier.copies_per_tag
-        check_budget(self.root, self.tier, tag, need)
+        check_budget(self.root, self.tier, tag, need, self.node, self.nodes.ranks_of(self.node))
 
     def begin_save(self, tag: str, created_at: float, world_size: int, monitor: StorageMonitor) -> TierSave:
         return TierSave(self, tag, created_at, world_size, monitor)
@@ -121,7 +121,8 @@ class TierSave:
     def begin(self) -> None:
         """Evict old tags (the node's first local rank), and drop this rank's marker of an older save of the tag."""
         if self.rt.local_rank == 0:
-            evicted = evict(self.rt.root, self.rt.tier.tags_kept, self.tag)
+            rt = self.rt
+            evicted = evict(rt.root, rt.tier.tags_kept, self.tag, rt.node, rt.nodes.ranks_of(rt.node))
             if evicted:
                 logger.info("memory tier: evicted %s from %s", ", ".join(evicted), self.rt.root)
         self.share.delete(layout.tier_marker_file(self.tag, self.rt.rank))

@@ -81,6 +81,11 @@ def test_eviction_keeps_the_newest_and_the_one_being_written(tmp_path):
     assert evict(root, keep=2, protect="d") == ["a", "b"]
     assert sorted(m.tag for m in list_markers(root)) == ["c", "c"]
     assert evict(root, keep=2, protect="c") == []
+    # a newer tag this node's own share holds only in part (a failed save) goes before the complete one
+    _write_marker(root, 0, "c", 2, 2.0)
+    _write_marker(root, 0, "e", 0, 9.0)
+    assert evict(root, keep=2, protect="f", own_share=0, own_ranks=[0, 2]) == ["e"]
+    assert evict(root, keep=2, protect="f", own_share=0, own_ranks=[0, 2]) == []
 
 
 def test_budget_error_before_staging(tmp_path):
