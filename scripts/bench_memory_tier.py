@@ -15,6 +15,7 @@ plus each rank's ZeRO-1 shard of AdamW state, --total-mib in all. In one run, on
              durable both memory directories moved away: everything from the checkpoint directory, after dropping
                      the page cache (``/proc/sys/vm/drop_caches`` if writable, else ``posix_fadvise(DONTNEED)``
                      on every checkpoint file; said in the output).
+             After one untimed load (the processes' first), the three alternate --repeats times; medians.
 Ratios are printed; absolute times vary 2-5x on this shared 2-core VM.
 """
 
@@ -107,7 +108,7 @@ def rank_main(total_mib: int, repeats: int, ckpt: str, mem: str, out: str) -> No
         + (sum(t.numel() * t.element_size() for t in model.values()) if rank == 0 else 0),
     }
 
-    def timed_load(label: str) -> None:
+    def timed_load(label: str) -> float:
         manager = nxd.CheckpointManager()
         target_model = {k: torch.empty_like(v) for k, v in model.items()}
         target_opt = {
@@ -123,21 +124,30 @@ def rank_main(total_mib: int, repeats: int, ckpt: str, mem: str, out: str) -> No
         assert all(torch.equal(target_model[k], model[k]) for k in model)
         pairs = zip(optimizer_tensors(target_opt), optimizer_tensors(optimizer), strict=True)
         assert all(torch.equal(a, b) for a, b in pairs)
-        results[f"recovery_{label}_s"] = elapsed
         results[f"recovery_{label}_tiers"] = restore.summary()
         manager.finalize()
+        return elapsed
 
-    timed_load("memory")
-    node_dir = os.path.join(mem, "node0")
-    if rank == 0:
-        os.rename(node_dir, node_dir + ".lost")
-    coord.barrier()
-    timed_load("peer")
-    if rank == 0:
-        os.rename(os.path.join(mem, "node1"), os.path.join(mem, "node1.lost"))
-        results["cold_method"] = _drop_cache(ckpt)
-    coord.barrier()
-    timed_load("durable")
+    times: dict[str, list[float]] = {"memory": [], "peer": [], "durable": []}
+    node0, node1 = os.path.join(mem, "node0"), os.path.join(mem, "node1")
+    timed_load("warmup")  # first load of the processes (imports, allocator): not counted
+    for _ in range(repeats):
+        times["memory"].append(timed_load("memory"))
+        if rank == 0:
+            os.rename(node0, node0 + ".lost")
+        coord.barrier()
+        times["peer"].append(timed_load("peer"))
+        if rank == 0:
+            os.rename(node1, node1 + ".lost")
+            results["cold_method"] = _drop_cache(ckpt)
+        coord.barrier()
+        times["durable"].append(timed_load("durable"))
+        if rank == 0:
+            os.rename(node0 + ".lost", node0)
+            os.rename(node1 + ".lost", node1)
+        coord.barrier()
+    for label, values in times.items():
+        results[f"recovery_{label}_s"] = statistics.median(values)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -174,6 +184,7 @@ def main() -> None:
         shutil.rmtree(mem, ignore_errors=True)
     mem_s, peer_s, durable_s = r["recovery_memory_s"], r["recovery_peer_s"], r["recovery_durable_s"]
     print(f"state: {args.total_mib} MiB in all, 4 ranks as 2 nodes; memory tier in {mem_base}")
+    print(f"recovery (median of {args.repeats}, slowest rank):")
     print(f"recovery from node memory:   {mem_s:7.3f} s   ({r['recovery_memory_tiers']})")
     print(f"recovery from the peer:      {peer_s:7.3f} s   ({r['recovery_peer_tiers']})")
     print(f"recovery from durable, cold: {durable_s:7.3f} s   (page cache dropped by {r['cold_method']})")
