@@ -142,9 +142,10 @@ def rank_main(total_mib: int, repeats: int, ckpt: str, mem: str, out: str) -> No
             results["cold_method"] = _drop_cache(ckpt)
         coord.barrier()
         times["durable"].append(timed_load("durable"))
-        if rank == 0:
-            os.rename(node0 + ".lost", node0)
-            os.rename(node1 + ".lost", node1)
+        if rank == 0:  # the replaced nodes' new (empty) memory directories give way to the saved ones
+            for node_dir in (node0, node1):
+                shutil.rmtree(node_dir, ignore_errors=True)
+                os.rename(node_dir + ".lost", node_dir)
         coord.barrier()
     for label, values in times.items():
         results[f"recovery_{label}_s"] = statistics.median(values)
