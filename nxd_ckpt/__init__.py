@@ -41,8 +41,8 @@ _LAZY = {
     "destroy_model_parallel": "parallel_state",
     "initialize_model_parallel": "parallel_state",
     "Topology": "dist.topology",
-    "VerifyReport": "format.verification",
-    "verify": "format.verification",
+    "VerifyReport": "tools.verification",
+    "verify": "tools.verification",
 }
 
 if TYPE_CHECKING:
@@ -57,11 +57,11 @@ if TYPE_CHECKING:
         save_checkpoint,
     )
     from nxd_ckpt.dist.topology import Topology
-    from nxd_ckpt.format.verification import VerifyReport, verify
     from nxd_ckpt.inspect import Checkpoint, open_checkpoint
     from nxd_ckpt.manager import CheckpointManager, RestoreReport, SaveReport
     from nxd_ckpt.parallel_state import destroy_model_parallel, initialize_model_parallel
     from nxd_ckpt.tier.memory import MemoryTier
+    from nxd_ckpt.tools.verification import VerifyReport, verify
 
 
 def __getattr__(name: str) -> Any:

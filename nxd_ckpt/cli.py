@@ -25,8 +25,8 @@ from nxd_ckpt.storage import DelegatingStorage, Storage, storage_for
 from nxd_ckpt.tools import zero1_cli
 
 # Imported on first use: `list`, `--help` and usage errors never import torch (2-3 s); see tests/cli.
-completeness = lazy_module("nxd_ckpt.format.completeness")
-verification = lazy_module("nxd_ckpt.format.verification")
+completeness = lazy_module("nxd_ckpt.tools.completeness")
+verification = lazy_module("nxd_ckpt.tools.verification")
 export = lazy_module("nxd_ckpt.tools.export")
 
 PROG = "nxd-ckpt"

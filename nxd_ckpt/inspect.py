@@ -427,16 +427,14 @@ def _is_plain_value(obj: Any) -> bool:
 
 def _walk(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     """(inner path, leaf) depth-first; a list/tuple of plain values is one leaf (e.g. ``params: [0, 1, 2]``)."""
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _walk(v, f"{prefix}/{k}" if prefix else str(k))
-    elif isinstance(obj, (list, tuple)) and not (obj and all(_is_plain_value(v) for v in obj)):
-        if not obj:
-            yield prefix, obj
-        for i, v in enumerate(obj):
-            yield from _walk(v, f"{prefix}/{i}" if prefix else str(i))
-    else:
+    items = tree.children(obj)
+    if items is None or (not isinstance(obj, dict) and obj and all(_is_plain_value(v) for v in obj)):
         yield prefix, obj
+        return
+    if not isinstance(obj, dict) and not obj:
+        yield prefix, obj
+    for k, v in items:
+        yield from _walk(v, f"{prefix}/{k}" if prefix else str(k))
 
 
 def _join(prefix: str, inner: str) -> str:

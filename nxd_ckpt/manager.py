@@ -37,6 +37,7 @@ import torch
 
 from nxd_ckpt import adapters, statefile, tree, xla
 from nxd_ckpt import rank_state as rank_states
+from nxd_ckpt.dist import replicas as replica_reads
 from nxd_ckpt.dist.coordinator import (
     Coordinator,
     RankFailure,
@@ -866,7 +867,7 @@ class CheckpointManager:
         # DP replicas reading the same xser file share the reads; only when all replicas load in one wave.
         replicas = None
         if (model is not None or optimizer is not None) and num_workers >= topo.local_world_size:
-            replicas = statefile.replica_groups(coord, topo)
+            replicas = replica_reads.replica_groups(coord, topo)
 
         def read_and_apply() -> Any:
             if model is not None:
@@ -1083,7 +1084,7 @@ def _read(
     path: str,
     info: TagDescription,
     allow_pickle: bool,
-    replicas: statefile.ReplicaGroup | None = None,
+    replicas: replica_reads.ReplicaGroup | None = None,
     target: statefile.LoadTarget | None = None,
 ) -> Any:
     if not storage.exists(path):

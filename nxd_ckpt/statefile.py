@@ -3,7 +3,7 @@
 xser files are written and read by a pool of threads, one tensor file per task, largest first. A replicated
 state (model, non-ZeRO optimizer) is spread over the DP replicas holding it: its tensors are binned by size so
 each replica writes about 1/DP of the bytes, and the first replica also writes the reference and info files.
-Replicas that load the same file read each tensor from storage once between them (``ReplicaGroup``), so a DP
+Replicas that load the same file read each tensor from storage once between them (``dist.replicas``), so a DP
 group reads every byte from storage once, not DP times. Replicas on different hosts (or reading storage without
 a host page cache, e.g. S3) each read a share and broadcast it over gloo. Replicas on one host reading a local
 or POSIX filesystem share through the page cache instead: each starts with its own share, read from the device,
@@ -13,7 +13,6 @@ then copies the others' shares from memory, which measured faster than a loopbac
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,9 +20,8 @@ from typing import Any
 
 import torch
 
-from nxd_ckpt import knobs
-from nxd_ckpt.dist.coordinator import Coordinator, format_exception
-from nxd_ckpt.dist.topology import Topology
+from nxd_ckpt import knobs, tree
+from nxd_ckpt.dist.replicas import ReplicaGroup
 from nxd_ckpt.errors import FormatError, StorageError
 from nxd_ckpt.format import layout
 from nxd_ckpt.save import plan
@@ -31,10 +29,6 @@ from nxd_ckpt.serialization import plain, readinto, torchzip, xser
 from nxd_ckpt.serialization.inmemory import BufferReader, allocate
 from nxd_ckpt.storage import Storage
 from nxd_ckpt.tree import map_tensors, tensor_bytes
-
-PACK_BELOW_BYTES = 1 << 20
-"""Tensors smaller than this are broadcast packed together (one collective per ``PACK_BYTES``), not one by one."""
-PACK_BYTES = 64 << 20
 
 
 def inline_below_bytes() -> int:
@@ -80,19 +74,12 @@ def write_plain(storage: Storage, path: str, state: Any, *, host: HostCopy | Non
     return [path]
 
 
-Path = tuple[Any, ...]
+Path = tree.Path
 
 
-def tensor_paths(tree: Any, prefix: Path = ()) -> Iterator[tuple[Path, torch.Tensor]]:
-    """(path, tensor) for every tensor of nested dicts/lists/tuples; a path is the tuple of keys/indices."""
-    if isinstance(tree, torch.Tensor):
-        yield prefix, tree
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from tensor_paths(v, (*prefix, k))
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            yield from tensor_paths(v, (*prefix, i))
+def tensor_paths(state: Any) -> Iterator[tuple[Path, torch.Tensor]]:
+    """(path, tensor) for every tensor of nested state; a path is the tuple of keys/indices (``tree.leaves``)."""
+    return tree.leaves(state)
 
 
 class LoadTarget:
@@ -289,51 +276,6 @@ def _run_parallel(jobs: list[tuple[str, Callable[[], Any]]], threads: int | None
 # ----------------------------------------------------------------------------------------------- reading
 
 
-class ReplicaGroup:
-    """DP replicas that load the same state file together: each reads a share of the tensors, then shares them.
-
-    ``broadcast`` is the one seam for moving tensor bytes between replicas (gloo over CPU tensors today; a
-    device collective could take its place on Neuron hardware). Every replica must make the same calls.
-    """
-
-    def __init__(self, coordinator: Coordinator, ranks: Sequence[int], group: Any, same_host: bool = False) -> None:
-        self.coordinator = coordinator
-        self.ranks = tuple(ranks)
-        self.group = group
-        self.index = self.ranks.index(coordinator.rank)
-        self.same_host = same_host
-        """Whether every replica runs on this host (they can then share reads through the page cache)."""
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    def broadcast(self, tensor: torch.Tensor, src_index: int) -> None:
-        """Fill ``tensor`` in place on every replica with replica ``src_index``'s bytes."""
-        self.coordinator.broadcast_tensor(tensor, src=self.ranks[src_index], group=self.group)
-
-    def broadcast_object(self, obj: Any, src_index: int) -> Any:
-        return self.coordinator.broadcast_object(obj, src=self.ranks[src_index], group=self.group)
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return self.coordinator.all_gather_object(obj, group=self.group)
-
-
-def replica_groups(coordinator: Coordinator, topo: Topology) -> ReplicaGroup | None:
-    """This rank's model replica group (None without replicas); creates every replica group, in the same order
-    on every rank, as process-group creation requires."""
-    groups = topo.replica_groups()
-    if not coordinator.distributed or len(groups[0]) <= 1:
-        return None
-    hosts = coordinator.host_names()
-    mine = None
-    for ranks in groups:
-        group = coordinator.subgroup(ranks)
-        if coordinator.rank in ranks:
-            mine = ReplicaGroup(coordinator, ranks, group, same_host=len({hosts[r] for r in ranks}) == 1)
-    return mine
-
-
 def read_state_file(
     storage: Storage,
     path: str,
@@ -372,7 +314,7 @@ def read_xser(
     if group is None:
         header = _read_header(storage, path, trusted)
     else:
-        header = _shared(group, lambda: _read_header(storage, path, trusted), what)
+        header = group.shared(lambda: _read_header(storage, path, trusted), what)
     parts = balance(header.sizes, group.size if group else 1)
     through_page_cache = (
         group is not None and group.same_host and storage.host_page_cache and replica_reads_mode() == "auto"
@@ -397,24 +339,16 @@ def read_xser(
             raise error
         tensors = loaded
     elif through_page_cache:
-        tensors = _agree(group, loaded, error, what)
+        tensors = group.agree(loaded, error, what)
     else:
         owners = [[header.tids[i] for i in part] for part in parts]
-        tensors = _exchange(group, loaded, error, owners, what, target, _tid_paths(header.ref_data))
+        paths = _tid_paths(header.ref_data)
+
+        def destination(tid: int, like: torch.Tensor) -> torch.Tensor | None:
+            return target.existing(paths[tid], like) if target is not None and tid in paths else None
+
+        tensors = group.exchange(loaded, error, owners, what, destination)
     return xser.decode(header.ref_data, tensors, what=what)
-
-
-def _agree(
-    group: ReplicaGroup, loaded: dict[int, torch.Tensor], error: BaseException | None, what: str
-) -> dict[int, torch.Tensor]:
-    """Replicas that each read every tensor raise together when any of them failed (one small collective)."""
-    messages = group.all_gather_object(None if error is None else format_exception(error))
-    if error is not None:
-        raise error
-    failed = [(group.ranks[j], msg) for j, msg in enumerate(messages) if msg is not None]
-    if failed:
-        raise FormatError(f"replica rank {failed[0][0]} could not read {what}: {failed[0][1]}")
-    return loaded
 
 
 def _read_header(storage: Storage, path: str, trusted: bool) -> _Header:
@@ -469,18 +403,8 @@ def _missing_tensor(storage: Storage, path: str, tid: int) -> FormatError:
 def _tid_paths(ref_data: Any) -> dict[int, Path]:
     """The path in the state of each tid's first reference."""
     out: dict[int, Path] = {}
-
-    def walk(obj: Any, prefix: Path) -> None:
-        if xser.is_reference(obj):
-            out.setdefault(int(obj.tid), prefix)
-        elif isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(v, (*prefix, k))
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                walk(v, (*prefix, i))
-
-    walk(ref_data, ())
+    for path, ref in tree.leaves(ref_data, xser.is_reference):
+        out.setdefault(int(ref.tid), path)
     return out
 
 
@@ -551,82 +475,3 @@ def _read_tensors(
 
     jobs = [(str(tid), (lambda tid=tid: read_one(tid))) for tid in tids]
     return dict(zip(tids, _run_parallel(jobs, threads, f"reading {storage.url}/{path}"), strict=True))
-
-
-def _shared(group: ReplicaGroup, fn: Callable[[], Any], what: str) -> Any:
-    """Run ``fn`` on the first replica and give its result (or its error) to every replica."""
-    payload, error = b"", None
-    if group.index == 0:
-        try:
-            payload = pickle.dumps(fn())  # pickled here, so a failure cannot leave the replicas waiting
-        except BaseException as e:  # sent to the replicas, then raised
-            error = e
-    message, payload = group.broadcast_object((None if error is None else format_exception(error), payload), 0)
-    if error is not None:
-        raise error
-    if message is not None:
-        raise FormatError(f"replica rank {group.ranks[0]} could not read {what}: {message}")
-    return pickle.loads(payload)
-
-
-def _exchange(
-    group: ReplicaGroup,
-    loaded: dict[int, torch.Tensor],
-    error: BaseException | None,
-    owners: list[list[int]],
-    what: str,
-    target: LoadTarget | None = None,
-    paths: dict[int, Path] | None = None,
-) -> dict[int, torch.Tensor]:
-    """Give every replica every tensor: each owner broadcasts the tensors it read (small ones packed), into the
-    target's tensors where they fit."""
-    meta = {tid: (t.dtype, tuple(t.shape)) for tid, t in loaded.items()}
-    gathered = group.all_gather_object((None if error is None else format_exception(error), meta))
-    if error is not None:
-        raise error
-    failed = [(group.ranks[j], msg) for j, (msg, _) in enumerate(gathered) if msg is not None]
-    if failed:
-        raise FormatError(f"replica rank {failed[0][0]} could not read its part of {what}: {failed[0][1]}")
-    tensors = dict(loaded)
-    for j, tids in enumerate(owners):
-        metas = gathered[j][1]
-        pack: list[int] = []
-        pack_bytes = 0
-        for tid in tids:
-            dtype, shape = metas[tid]
-            if tid not in tensors:
-                like = torch.empty(shape, dtype=dtype, device="meta")
-                dest = target.existing(paths[tid], like) if target is not None and paths and tid in paths else None
-                tensors[tid] = dest if dest is not None else torch.empty(shape, dtype=dtype)
-            nbytes = xser.tensor_nbytes(tensors[tid])
-            if nbytes == 0:
-                continue
-            if nbytes >= PACK_BELOW_BYTES:
-                group.broadcast(_bytes_of(tensors[tid]), j)
-                continue
-            pack.append(tid)
-            pack_bytes += nbytes
-            if pack_bytes >= PACK_BYTES:
-                _broadcast_packed(group, j, [tensors[t] for t in pack])
-                pack, pack_bytes = [], 0
-        if pack:
-            _broadcast_packed(group, j, [tensors[t] for t in pack])
-    return tensors
-
-
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor's bytes (gloo then never sees dtypes it lacks, e.g. bf16)."""
-    return tensor.reshape(-1).view(torch.uint8)
-
-
-def _broadcast_packed(group: ReplicaGroup, src_index: int, tensors: list[torch.Tensor]) -> None:
-    if group.index == src_index:
-        group.broadcast(torch.cat([_bytes_of(t) for t in tensors]), src_index)
-        return
-    flat = torch.empty(sum(xser.tensor_nbytes(t) for t in tensors), dtype=torch.uint8)
-    group.broadcast(flat, src_index)
-    offset = 0
-    for t in tensors:
-        n = xser.tensor_nbytes(t)
-        _bytes_of(t).copy_(flat[offset : offset + n])
-        offset += n

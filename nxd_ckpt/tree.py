@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -11,40 +12,93 @@ EXPERT_ATTR = "expert_model_parallel"
 """NxD's mark on expert-parallel parameters and tensors (recorded per tensor in xser info files)."""
 
 
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """A copy of ``obj`` with every tensor replaced by ``fn(tensor)``; containers are rebuilt, leaves kept."""
-    if isinstance(obj, torch.Tensor):
-        mapped = fn(obj)
-        if (
-            isinstance(mapped, torch.Tensor)
-            and mapped is not obj
-            and (hasattr(obj, EXPERT_ATTR) or hasattr(mapped, EXPERT_ATTR))
-        ):  # copies keep NxD's expert-parallel mark (reused buffers are re-marked each time)
-            setattr(mapped, EXPERT_ATTR, bool(getattr(obj, EXPERT_ATTR, False)))
-        return mapped
+def _is_tensor(obj: Any) -> bool:
+    return isinstance(obj, torch.Tensor)
+
+
+Path = tuple[Any, ...]
+"""Where a value sits in nested state: the keys and indices from the root."""
+
+
+def children(obj: Any) -> Iterable[tuple[Any, Any]] | None:
+    """The one container rule: a dict (any subclass) by key, a list or tuple (named tuples too) by index;
+    ``torch.Size``, tensors and everything else are leaves (None)."""
     if isinstance(obj, dict):
-        out = obj.__class__() if type(obj) is not dict else {}
-        for k, v in obj.items():
-            out[k] = map_tensors(v, fn)
+        return obj.items()
+    if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+        return enumerate(obj)
+    return None
+
+
+def rebuild(obj: Any, items: Iterable[tuple[Any, Any]], *, plain: bool = False) -> Any:
+    """A container like ``obj`` holding ``items`` (pairs as from ``children``).
+
+    By default containers keep their type (dict subclasses, named tuples), as ``torch.save`` would write them.
+    ``plain=True`` is the xser reference-file rule: ``OrderedDict`` is kept, other dicts become ``dict`` and
+    named tuples ``tuple``, so a reference file names no user class.
+    """
+    if isinstance(obj, dict):
+        if type(obj) is dict or (plain and not isinstance(obj, OrderedDict)):
+            return dict(items)
+        if plain or type(obj) is OrderedDict:
+            return OrderedDict(items)
+        out = obj.__class__()
+        for k, v in items:
+            out[k] = v
         return out
+    values = [v for _, v in items]
     if isinstance(obj, list):
-        return [map_tensors(v, fn) for v in obj]
-    if isinstance(obj, tuple):
-        items = [map_tensors(v, fn) for v in obj]
-        return obj.__class__(*items) if hasattr(obj, "_fields") else tuple(items)
-    return obj
+        return values
+    if hasattr(obj, "_fields") and not plain:
+        return obj.__class__(*values)
+    return tuple(values)
+
+
+def leaves(obj: Any, is_leaf: Callable[[Any], bool] = _is_tensor, prefix: Path = ()) -> Iterator[tuple[Path, Any]]:
+    """(path, value) of every value ``is_leaf`` selects, depth-first; containers per ``children``."""
+    if is_leaf(obj):
+        yield prefix, obj
+        return
+    items = children(obj)
+    if items is not None:
+        for k, v in items:
+            yield from leaves(v, is_leaf, (*prefix, k))
+
+
+def map_leaves(
+    obj: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool] = _is_tensor, *, plain: bool = False
+) -> Any:
+    """A copy of ``obj`` with every value ``is_leaf`` selects replaced by ``fn(value)``; containers are rebuilt
+    (``rebuild``, ``plain`` as there), other leaves kept."""
+    if is_leaf(obj):
+        return fn(obj)
+    items = children(obj)
+    if items is None:
+        return obj
+    return rebuild(obj, [(k, map_leaves(v, fn, is_leaf, plain=plain)) for k, v in items], plain=plain)
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """A copy of ``obj`` with every tensor replaced by ``fn(tensor)``; containers keep their types, leaves kept."""
+
+    def mapped(tensor: torch.Tensor) -> Any:
+        out = fn(tensor)
+        if (
+            isinstance(out, torch.Tensor)
+            and out is not tensor
+            and (hasattr(tensor, EXPERT_ATTR) or hasattr(out, EXPERT_ATTR))
+        ):  # copies keep NxD's expert-parallel mark (reused buffers are re-marked each time)
+            setattr(out, EXPERT_ATTR, bool(getattr(tensor, EXPERT_ATTR, False)))
+        return out
+
+    return map_leaves(obj, mapped)
 
 
 def iter_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """(path, tensor) for every tensor in depth-first order; paths join keys and indices with '/'."""
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from iter_tensors(v, f"{prefix}/{k}" if prefix else str(k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from iter_tensors(v, f"{prefix}/{i}" if prefix else str(i))
+    for path, tensor in leaves(obj):
+        joined = "/".join(map(str, path))
+        yield (f"{prefix}/{joined}" if prefix and joined else prefix or joined), tensor
 
 
 def tensor_bytes(obj: Any) -> int:

@@ -276,12 +276,18 @@ class Coordinator:
     _created = 0
 
     def __init__(self, group: Any | None = None, timeout_s: float | None = None) -> None:
-        self.distributed = is_distributed()
-        self.rank = world_rank()
-        self.world_size = world_size()
+        self._set_up(is_distributed(), world_rank(), world_size(), timeout_s, group, own_group=group is not None)
+
+    def _set_up(
+        self, distributed: bool, rank: int, size: int, timeout_s: float | None, group: Any | None, own_group: bool
+    ) -> None:
+        """The coordinator's fields; a coordinator of another world (tests' ThreadCoordinator) sets them here too."""
+        self.distributed = distributed
+        self.rank = rank
+        self.world_size = size
         self.timeout_s = resolve_timeout(timeout_s)
         self._group = group
-        self._own_group = group is not None
+        self._own_group = own_group
         self._subgroups: dict[tuple[int, ...], Any] = {}
         self._session: str | None = None
         self._step = 0

@@ -39,10 +39,8 @@ from nxd_ckpt.format.manifests import (
     read_index,
     read_manifests,
 )
-from nxd_ckpt.format.verification import VerifyReport
-from nxd_ckpt.format.verification import verify as verify_report
 from nxd_ckpt.storage import DelegatingStorage, Storage
-from nxd_ckpt.storage.base import Allocator, read_whole
+from nxd_ckpt.storage.base import Allocator, ForwardWriter, read_whole
 
 # The manifest format (records, sealing, parsing, the one reader) lives in format/manifests.py; these names are
 # re-exported for callers of this module.
@@ -63,7 +61,6 @@ __all__ = [
     "read_index",
     "read_manifests",
     "remove_manifests",
-    "verify",
 ]
 
 
@@ -86,7 +83,7 @@ def _ancestors(path: str, stop: str) -> set[str]:
 
 
 # --------------------------------------------------------------------------------------------------- storages
-class _HashingWriter:
+class _HashingWriter(ForwardWriter):
     """A write-only stream that hashes and counts what passes through to ``target``.
 
     It has no ``seek`` or ``fileno``: a writer that rewrote earlier bytes or bypassed ``write`` would make the
@@ -116,15 +113,6 @@ class _HashingWriter:
 
     def tell(self) -> int:
         return self.size
-
-    def writable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return False
-
-    def seekable(self) -> bool:
-        return False
 
     @property
     def closed(self) -> bool:
@@ -330,12 +318,3 @@ class VerifyingStorage(DelegatingStorage):
         data = self.inner.read_bytes(path)
         self._check(path, rec, *hash_bytes(data))
         return data
-
-
-def verify(checkpoint_dir: Any, tag: str | None = None) -> VerifyReport:
-    """``nxd_ckpt.verify`` that raises IntegrityError (listing every problem, each naming its file) on failure.
-
-    Returns:
-        The VerifyReport of a checkpoint that passed.
-    """
-    return verify_report(checkpoint_dir, tag).raise_if_failed()

@@ -184,12 +184,9 @@ class ShardFile:
         def walk(obj: Any, path: EntryPath) -> Any:
             if path in shard_slots:
                 return None
-            if isinstance(obj, dict):
-                return obj.__class__((k, walk(v, (*path, k))) for k, v in obj.items())
-            if isinstance(obj, list):
-                return [walk(v, (*path, i)) for i, v in enumerate(obj)]
-            if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
-                return tuple(walk(v, (*path, i)) for i, v in enumerate(obj))
+            items = tree.children(obj)
+            if items is not None:
+                return tree.rebuild(obj, [(k, walk(v, (*path, k))) for k, v in items])
             if isinstance(obj, torch.Tensor):
                 return obj.clone()
             if xser._is_reference(obj):
@@ -366,12 +363,10 @@ def _copy_small_tensors(src: Any, dst: Any, skip: set[EntryPath], path: EntryPat
     """Copy the values of the tensors in ``src`` outside the ``skip`` slots into the same places in ``dst``."""
     if path in skip:
         return
-    if isinstance(src, dict):
-        for k, v in src.items():
+    items = tree.children(src)
+    if items is not None:
+        for k, v in items:
             _copy_small_tensors(v, dst[k], skip, (*path, k))
-    elif isinstance(src, (list, tuple)) and not isinstance(src, torch.Size):
-        for i, (a, b) in enumerate(zip(src, dst, strict=True)):
-            _copy_small_tensors(a, b, skip, (*path, i))
     elif isinstance(src, torch.Tensor):
         dst.copy_(src)
 

@@ -29,7 +29,9 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from nxd_ckpt import tree
 from nxd_ckpt.errors import FormatError
+from nxd_ckpt.serialization import torchzip
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIG = 0x04034B50
@@ -249,8 +251,7 @@ def load_into(
         if key not in storages:
             raise FormatError(f"{what} has a data record {name} that its pickle does not use")
         seq.stop_history()
-        dtype, numel = storages[key]
-        nbytes = numel * torch._utils._element_size(dtype)
+        _, nbytes = storages[key]
         if csize and csize != nbytes:
             raise FormatError(f"{what}: record {name} holds {csize} bytes, its tensor needs {nbytes}")
         dest = destinations.get(key)
@@ -277,7 +278,7 @@ def load_into(
     if missing:
         raise FormatError(f"{what} is truncated: tensor data record data/{missing[0]} is missing")
 
-    def real(key: str, dtype: torch.dtype, numel: int) -> torch.UntypedStorage:
+    def real(key: str, dtype: torch.dtype, nbytes: int) -> torch.UntypedStorage:
         found = loaded.get(key)
         return found if found is not None else torch.empty(0, dtype=torch.uint8).untyped_storage()
 
@@ -287,15 +288,15 @@ def load_into(
 def _meta_unpickle(
     pickled: bytes, what: str, make_unpickler: Callable[[io.BytesIO], Any]
 ) -> tuple[Any, dict[str, tuple[torch.dtype, int]], dict[int, str]]:
-    """First unpickling, over data-less ``meta`` storages: the structure and shapes, {key: (dtype, numel)} of
+    """First unpickling, over data-less ``meta`` storages: the structure and shapes, {key: (dtype, bytes)} of
     every storage, and {meta storage address: key} (meta storages have no data address to tell them apart)."""
     storages: dict[str, tuple[torch.dtype, int]] = {}
     keys: dict[int, str] = {}
     keep: list[Any] = []
 
-    def meta_storage(key: str, dtype: torch.dtype, numel: int) -> torch.UntypedStorage:
-        storages[key] = (dtype, numel)
-        untyped = torch.empty(numel * torch._utils._element_size(dtype), dtype=torch.uint8, device="meta")
+    def meta_storage(key: str, dtype: torch.dtype, nbytes: int) -> torch.UntypedStorage:
+        storages[key] = (dtype, nbytes)
+        untyped = torch.empty(nbytes, dtype=torch.uint8, device="meta")
         keep.append(untyped)
         keys[untyped.untyped_storage()._cdata] = key
         return untyped.untyped_storage()
@@ -307,43 +308,19 @@ def _meta_unpickle(
     return meta, storages, keys
 
 
-def _unpickle(pickled: bytes, make_unpickler: Callable[[io.BytesIO], Any], storage_of: Callable[..., Any]) -> Any:
-    """Unpickle ``data.pkl`` with each storage key resolved by ``storage_of`` (one storage object per key)."""
-    built: dict[str, Any] = {}
-
-    def persistent_load(saved_id: Any) -> Any:
-        typename, storage_type, key, _, numel = saved_id
-        if typename not in ("storage", b"storage"):
-            raise NotImplementedError(f"persistent id {typename!r}")
-        key = key.decode() if isinstance(key, bytes) else str(key)
-        if key not in built:
-            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
-            untyped = storage_of(key, dtype, int(numel))
-            built[key] = torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
-        return built[key]
-
-    unpickler = make_unpickler(io.BytesIO(pickled))
-    unpickler.persistent_load = persistent_load
-    return unpickler.load()
-
-
-def _walk(obj: Any, out: list[torch.Tensor]) -> None:
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _walk(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _walk(v, out)
+def _unpickle(pickled: bytes, make_unpickler: Callable[[io.BytesIO], Any], source: torchzip.StorageSource) -> Any:
+    """Unpickle ``data.pkl`` with each storage record taken from ``source`` (torchzip's one reading of storage
+    references and allow-list switch; errors propagate unworded: the fallback's ``torch.load`` words them)."""
+    return torchzip.load_records(
+        pickled, source, what="", trusted=False, word_errors=False, unpickler=make_unpickler(io.BytesIO(pickled))
+    )
 
 
 def _eligible(meta: Any, chosen: dict[int, torch.Tensor], meta_keys: dict[int, str]) -> dict[str, torch.Tensor]:
     """{storage key: destination} for saved tensors that own their whole storage and whose destination is a
     contiguous CPU tensor of the same dtype and shape starting its storage (so the rebuilt tensor is an alias
     of the destination). Others get fresh memory and are copied by the caller as before."""
-    tensors: list[torch.Tensor] = []
-    _walk(meta, tensors)
+    tensors = [t for _, t in tree.leaves(meta)]
     users: dict[int, int] = {}
     for t in tensors:
         cdata = t.untyped_storage()._cdata

@@ -12,7 +12,6 @@ puts the files on storage in parallel and spreads them over DP replicas.
 
 from __future__ import annotations
 
-import collections
 import copyreg
 import ctypes
 import io
@@ -25,6 +24,7 @@ from typing import IO, Any
 import numpy as np
 import torch
 
+from nxd_ckpt import tree
 from nxd_ckpt.errors import FormatError
 from nxd_ckpt.serialization import inmemory, plain, tensorfile, torchzip
 from nxd_ckpt.tree import EXPERT_ATTR
@@ -88,37 +88,24 @@ def encode(
     inline_ids = {id(t) for t in inline}
     replaced: dict[int, Any] = {}  # one replacement object per distinct tensor, so sharing survives pickling
 
-    def walk(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            if id(obj) not in replaced:
-                if id(obj) in inline_ids:
-                    replaced[id(obj)] = compact(host(obj) if host is not None else obj)
-                else:
-                    replaced[id(obj)] = ref_cls(tids[id(obj)])
-            return replaced[id(obj)]
-        if isinstance(obj, dict):
-            out = collections.OrderedDict() if isinstance(obj, collections.OrderedDict) else {}
-            for k, v in obj.items():
-                out[k] = walk(v)
-            return out
-        if isinstance(obj, list):
-            return [walk(v) for v in obj]
-        if isinstance(obj, tuple):
-            return tuple(walk(v) for v in obj)
-        return obj
+    def replace(tensor: torch.Tensor) -> Any:
+        if id(tensor) not in replaced:
+            if id(tensor) in inline_ids:
+                replaced[id(tensor)] = compact(host(tensor) if host is not None else tensor)
+            else:
+                replaced[id(tensor)] = ref_cls(tids[id(tensor)])
+        return replaced[id(tensor)]
 
-    return walk(state), files
+    return tree.map_leaves(state, replace, plain=True), files
 
 
 def classify(state: Any, *, inline_below: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The distinct tensors of ``state`` in depth-first order, split into those kept inline (fewer than
     ``inline_below`` bytes) and those that get a file each (their index is their tid)."""
-    from nxd_ckpt.tree import iter_tensors
-
     inline: list[torch.Tensor] = []
     files: list[torch.Tensor] = []
     seen: set[int] = set()
-    for _, t in iter_tensors(state):
+    for _, t in tree.leaves(state):
         if id(t) not in seen:
             seen.add(id(t))
             (inline if tensor_nbytes(t) < inline_below else files).append(t)
@@ -232,43 +219,19 @@ def load_info(f: IO[bytes], *, what: str) -> dict[int, dict[str, Any]]:
 
 def referenced_tids(ref_data: Any) -> list[int]:
     """Distinct tids named by the references in ``ref_data``, in depth-first order."""
-    seen: dict[int, None] = {}
-
-    def walk(obj: Any) -> None:
-        if _is_reference(obj):
-            seen.setdefault(int(obj.tid), None)
-        elif isinstance(obj, dict):
-            for v in obj.values():
-                walk(v)
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                walk(v)
-
-    walk(ref_data)
-    return list(seen)
+    return list(dict.fromkeys(int(ref.tid) for _, ref in tree.leaves(ref_data, _is_reference)))
 
 
 def decode(ref_data: Any, tensors: dict[int, torch.Tensor], *, what: str) -> Any:
     """Put the loaded tensors back in place of their references (tensors stored inline are kept)."""
 
-    def walk(obj: Any) -> Any:
-        if _is_reference(obj):
-            try:
-                return tensors[int(obj.tid)]
-            except KeyError:
-                raise FormatError(f"{what} refers to tensor {obj.tid}, which was not loaded") from None
-        if isinstance(obj, dict):
-            out = collections.OrderedDict() if isinstance(obj, collections.OrderedDict) else {}
-            for k, v in obj.items():
-                out[k] = walk(v)
-            return out
-        if isinstance(obj, list):
-            return [walk(v) for v in obj]
-        if isinstance(obj, tuple):
-            return tuple(walk(v) for v in obj)
-        return obj
+    def resolve(ref: Any) -> torch.Tensor:
+        try:
+            return tensors[int(ref.tid)]
+        except KeyError:
+            raise FormatError(f"{what} refers to tensor {ref.tid}, which was not loaded") from None
 
-    return walk(ref_data)
+    return tree.map_leaves(ref_data, resolve, _is_reference, plain=True)
 
 
 def check_against_info(tid: int, tensor: torch.Tensor, info: dict[int, dict[str, Any]] | None, *, what: str) -> None:

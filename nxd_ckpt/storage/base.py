@@ -286,3 +286,17 @@ class DelegatingStorage(Storage):
 
     def walk_files(self, path: str = "") -> list[str]:
         return self.inner.walk_files(path)
+
+
+class ForwardWriter:
+    """What every write-only stream of ours says of itself: writable, not readable, not seekable (torch.save
+    and tarfile then write forward only)."""
+
+    def writable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return False
+
+    def seekable(self) -> bool:
+        return False

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from nxd_ckpt import knobs
+from nxd_ckpt.storage.base import ForwardWriter
 
 CHUNK_BYTES = 16 << 20
 BLOCK_BYTES = 4096
@@ -71,7 +72,7 @@ class _BufferPool:
 _pool = _BufferPool()
 
 
-class DirectWriter:
+class DirectWriter(ForwardWriter):
     """A write-only binary stream onto ``fd``; ``finish`` writes the tail and fsyncs, ``close`` releases."""
 
     def __init__(self, fd: int) -> None:
@@ -170,15 +171,6 @@ class DirectWriter:
 
     def fileno(self) -> int:
         return self._fd
-
-    def writable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return False
-
-    def seekable(self) -> bool:
-        return False
 
     @property
     def closed(self) -> bool:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from nxd_ckpt.dist import coordinator as nxd_dist
-from nxd_ckpt.dist.coordinator import Coordinator, resolve_timeout
+from nxd_ckpt.dist.coordinator import Coordinator
 
 T = TypeVar("T")
 
@@ -94,18 +94,10 @@ class ThreadCoordinator(Coordinator):
     store waits run on the world's real TCPStore), with threads exchanging objects instead of gloo."""
 
     def __init__(self, world: ThreadWorld, rank: int, timeout_s: float | None = None) -> None:
-        # no torch.distributed involved: the fields Coordinator.__init__ would read from it are set here
+        # no torch.distributed involved: the fields Coordinator.__init__ would read from it come from the world
         self.world = world
-        self.distributed = world.size > 1
-        self.rank = rank
-        self.world_size = world.size
-        self.timeout_s = resolve_timeout(timeout_s if timeout_s is not None else world.timeout_s)
-        self._group = None
-        self._own_group = True
-        self._subgroups: dict[tuple[int, ...], Any] = {}
-        self._session: str | None = None
-        self._step = 0
-        self._hosts: list[str] | None = None
+        timeout = timeout_s if timeout_s is not None else world.timeout_s
+        self._set_up(world.size > 1, rank, world.size, timeout, None, own_group=True)
 
     @property
     def store(self) -> Any | None:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import nxd_ckpt as nxd
 from nxd_ckpt import statefile
+from nxd_ckpt.dist import replicas
 from nxd_ckpt.dist.coordinator import Coordinator
 from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.errors import FormatError
@@ -93,7 +94,7 @@ def test_dp2_shared_read_reports_a_missing_tensor_file_on_every_replica(tmp_path
     state = {f"p{i}": torch.full((20_000 * (i + 1),), float(i)) for i in range(4)}  # files, not inline
     statefile.write_state_file(storage, path, state, xser_encoding=True, replicas=(0, 1), rank=rank)
     coord.barrier()
-    group = statefile.replica_groups(coord, topo)
+    group = replicas.replica_groups(coord, topo)
     assert group is not None and group.ranks == (0, 1)
     assert_state_equal(state, statefile.read_state_file(storage, path, group=group))
     coord.barrier()
@@ -137,7 +138,7 @@ def test_dp2_on_one_host_share_reads_through_the_page_cache(tmp_path):
     model = _big_model() | {f"big{i}": torch.randn(256, 1024, generator=gen) for i in range(8)}  # I/O dominates
     ckpt = str(tmp_path / "ckpt")
     nxd.save_checkpoint(ckpt, "step_1", model=model, use_xser=True)
-    group = statefile.replica_groups(coord, Topology(dp_size=2, rank=coord.rank, local_rank=coord.rank))
+    group = replicas.replica_groups(coord, Topology(dp_size=2, rank=coord.rank, local_rank=coord.rank))
     assert group is not None and group.same_host
     model_dir = os.path.join(ckpt, "step_1", "model")
     on_disk = sum(os.path.getsize(os.path.join(r, f)) for r, _, files in os.walk(model_dir) for f in files)

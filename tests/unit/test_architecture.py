@@ -97,3 +97,33 @@ def test_no_import_circles():
     """Modules import each other one way only (a function-level import does not hide a circle)."""
     graph = {m: d for m, d in _graph().items() if m != PACKAGE}  # the package's facade imports the public API
     assert _cycles(graph) == []
+
+
+LAYERS = [
+    {"errors", "knobs", "lazy", "tree", "rng"},
+    {"storage", "serialization", "dist", "xla"},
+    {"format", "log", "watchdog", "parallel_state"},
+    {"save", "load", "statefile", "adapters", "rank_state", "inspect", "tier"},
+    {"manager", "tools", "testing"},
+    {"api", "cli"},
+]
+"""Dependencies point down: a module imports only from its own layer or lower ones (the folders' order)."""
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[1]
+    for i, names in enumerate(LAYERS):
+        if top in names:
+            return i
+    raise AssertionError(f"{module} is in no layer of tests/unit/test_architecture.py: add {top!r} to one")
+
+
+def test_dependencies_point_down_the_layers():
+    upward = sorted(
+        f"{m} -> {d}"
+        for m, deps in _graph().items()
+        if m != PACKAGE
+        for d in deps
+        if d != PACKAGE and _layer(d) > _layer(m)
+    )
+    assert upward == [], "modules importing from a higher layer:\n" + "\n".join(upward)

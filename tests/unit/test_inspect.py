@@ -240,7 +240,7 @@ def _nxd_style_zero1_tag(root) -> dict:
 
 
 def test_nxd_written_checkpoint(tmp_path):
-    from nxd_ckpt.format.completeness import check_structure
+    from nxd_ckpt.tools.completeness import check_structure
 
     saved = _nxd_style_zero1_tag(tmp_path)
     ckpt = open_checkpoint(tmp_path)

@@ -15,6 +15,7 @@ from nxd_ckpt.errors import FormatError, IntegrityError
 from nxd_ckpt.format import integrity, layout
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_steps
+from nxd_ckpt.tools import verification
 
 
 def _save(ckpt: str, tag: str, seed: int, use_xser: bool = False) -> dict:
@@ -124,7 +125,7 @@ def test_save_writes_manifests_and_verify_passes(tmp_path):
     report = nxd.verify(ckpt)
     assert report.ok, report.summary()
     assert report.tag == "step_1" and report.complete and report.manifests == 1 and report.files_checked == 5
-    assert integrity.verify(ckpt).ok
+    assert verification.verify(ckpt).raise_if_failed().ok
 
 
 def test_resave_over_a_tag_drops_stale_manifests(tmp_path):
@@ -150,7 +151,7 @@ def test_verify_reports_every_problem_by_file(tmp_path):
     with pytest.raises(IntegrityError, match="scheduler.pt is missing"):
         report.raise_if_failed()
     with pytest.raises(IntegrityError, match="optim/dp_rank_00_tp_rank_00_pp_rank_00.pt is corrupt"):
-        integrity.verify(str(ckpt), "step_1")
+        verification.verify(str(ckpt), "step_1").raise_if_failed()
 
 
 def test_verify_without_manifests_checks_structure(tmp_path):
@@ -253,7 +254,7 @@ def test_scan_torch_file_reads_globals_without_running_them():
     buf = io.BytesIO()
     torch.save({"t": torch.ones(3), "ns": __import__("argparse").Namespace(a=1)}, buf)
     buf.seek(0)
-    from nxd_ckpt.format.verification import scan_torch_file
+    from nxd_ckpt.tools.verification import scan_torch_file
 
     names = scan_torch_file(buf)
     assert "argparse.Namespace" in names and "torch._utils._rebuild_tensor_v2" in names

@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from nxd_ckpt.errors import CheckpointError, CheckpointNotFoundError, FormatError, IntegrityError
-from nxd_ckpt.format import completeness, layout, manifests, tags
+from nxd_ckpt.format import layout, manifests, tags
 from nxd_ckpt.format.describe import describe, expected_files
 from nxd_ckpt.format.metadata import TagMetadata, read_metadata
 from nxd_ckpt.serialization.pickle_scan import allowed_globals, scan_torch_file
 from nxd_ckpt.storage import Storage, storage_for
+from nxd_ckpt.tools import completeness
 
 _MARKERS = {layout.CHECKPOINT_MARKER, layout.DONE_MARKER}
 
