@@ -104,6 +104,7 @@ def rank_main(total_mib: int, repeats: int, ckpt: str, mem: str, out: str) -> No
     results: dict[str, object] = {
         "blocked_plain_s": statistics.median(blocked["plain"]),
         "blocked_tier_s": statistics.median(blocked["tier"]),
+        "blocked_all": blocked,
         "rank_bytes": sum(t.numel() * t.element_size() for t in optimizer_tensors(optimizer))
         + (sum(t.numel() * t.element_size() for t in model.values()) if rank == 0 else 0),
     }
@@ -149,6 +150,7 @@ def rank_main(total_mib: int, repeats: int, ckpt: str, mem: str, out: str) -> No
         coord.barrier()
     for label, values in times.items():
         results[f"recovery_{label}_s"] = statistics.median(values)
+        results[f"recovery_{label}_all"] = values
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -186,13 +188,20 @@ def main() -> None:
     mem_s, peer_s, durable_s = r["recovery_memory_s"], r["recovery_peer_s"], r["recovery_durable_s"]
     print(f"state: {args.total_mib} MiB in all, 4 ranks as 2 nodes; memory tier in {mem_base}")
     print(f"recovery (median of {args.repeats}, slowest rank):")
-    print(f"recovery from node memory:   {mem_s:7.3f} s   ({r['recovery_memory_tiers']})")
-    print(f"recovery from the peer:      {peer_s:7.3f} s   ({r['recovery_peer_tiers']})")
-    print(f"recovery from durable, cold: {durable_s:7.3f} s   (page cache dropped by {r['cold_method']})")
+
+    def each(label: str) -> str:
+        return ", ".join(f"{v:.3f}" for v in r[f"recovery_{label}_all"])
+
+    print(f"recovery from node memory:   {mem_s:7.3f} s   ({r['recovery_memory_tiers']}; each: {each('memory')})")
+    print(f"recovery from the peer:      {peer_s:7.3f} s   ({r['recovery_peer_tiers']}; each: {each('peer')})")
+    print(f"recovery from durable, cold: {durable_s:7.3f} s   (page cache dropped by {r['cold_method']}; "
+          f"each: {each('durable')})")  # fmt: skip
     print(f"  durable / memory = {durable_s / mem_s:.2f}x, durable / peer = {durable_s / peer_s:.2f}x")
     plain, tiered = r["blocked_plain_s"], r["blocked_tier_s"]
     print(f"save blocked (async, median of {args.repeats}): without tier {plain:.3f} s, with tier {tiered:.3f} s "
           f"(ratio {tiered / plain:.2f})")  # fmt: skip
+    for mode, values in r["blocked_all"].items():
+        print(f"  blocked {mode}: " + ", ".join(f"{v:.3f}" for v in values))
 
 
 if __name__ == "__main__":
