@@ -267,6 +267,8 @@ def check_budget(
     os.makedirs(root, exist_ok=True)
     stats = os.statvfs(root)
     free = stats.f_bavail * stats.f_frsize
+    if free >= need_bytes:  # the usual case: nothing to walk
+        return
     freed = sum(
         _tree_bytes(os.path.join(root, share, victim))
         for victim in doomed_tags(root, tier.tags_kept, tag, own_share, own_ranks)
