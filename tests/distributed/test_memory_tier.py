@@ -19,6 +19,7 @@ from nxd_ckpt.manager import CheckpointManager
 from nxd_ckpt.testing.counting import ReadCountingStorage
 from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_steps
 from nxd_ckpt.testing.multiprocess import run_on_ranks
+from nxd_ckpt.tree import map_tensors
 
 STEPS = 5
 DURABLE_EVERY = 2
@@ -38,10 +39,8 @@ def _save_job(ckpt: str, mem: str, expected: str) -> None:
         report = nxd.save_checkpoint(
             ckpt, f"step_{step}", model=model, optimizer=opt, async_save=True, memory_tier=_tier(mem)
         )
-        torch.save(
-            {"model": model.state_dict(), "optimizer": opt.state_dict()},
-            os.path.join(expected, f"step_{step}_rank{rank}.pt"),
-        )
+        state = map_tensors({"model": model.state_dict(), "optimizer": opt.state_dict()}, lambda t: t.cpu().clone())
+        torch.save(state, os.path.join(expected, f"step_{step}_rank{rank}.pt"))
         report.wait()
     nxd.finalize_checkpoint()
     dist.barrier()
