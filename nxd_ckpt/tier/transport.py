@@ -12,12 +12,13 @@ operation has a deadline (no call waits forever).
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import socket
 import socketserver
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -99,6 +100,40 @@ class _Server(socketserver.ThreadingTCPServer):
         self.storage = storage
         self.token = token
         self.timeout_s = timeout_s
+
+
+def _read_line_raw(f: Any) -> dict[str, Any]:
+    """A header line from an unbuffered socket file, read byte by byte (nothing after it is consumed)."""
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        byte = f.read(1)
+        if not byte or len(line) > _MAX_HEADER:
+            raise StorageError("memory-tier peer closed the connection or sent a malformed header")
+        line += byte
+    return json.loads(line)
+
+
+class _Stream(io.RawIOBase):
+    """``size`` bytes of a file arriving on a socket, read once, front to back."""
+
+    def __init__(self, f: Any, size: int, what: str) -> None:
+        self._f = f
+        self.size = size
+        self._left = size
+        self._what = what
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")[: self._left]
+        if not len(view):
+            return 0
+        n = self._f.readinto(view) or 0
+        if not n:
+            raise PeerError(f"{self._what}: the peer stopped after {self.size - self._left} of {self.size} bytes")
+        self._left -= n
+        return n
 
 
 class FileServer:
@@ -184,6 +219,23 @@ class FileClient:
         with self._connect(address, what) as sock:
             _send_header(sock, {"token": self.token, "op": "delete", "path": path})
             self._reply(sock, address, what)
+
+    @contextlib.contextmanager
+    def open_stream(self, address: str, path: str) -> Iterator[_Stream]:
+        """The peer's file as a read-once stream: bytes go from the socket straight into the caller's buffers."""
+        what = f"fetching {path} from {address}"
+        with self._connect(address, what) as sock:
+            _send_header(sock, {"token": self.token, "op": "get", "path": path})
+            f = sock.makefile("rb", buffering=0)
+            try:
+                header = _read_line_raw(f)
+                if not header.get("ok"):
+                    cls = MissingOnPeer if header.get("missing") else PeerError
+                    raise cls(f"{what}: the memory-tier peer {address} answered: {header.get('error')}")
+                stream = _Stream(f, int(header["size"]), what)
+                yield stream
+            finally:
+                f.close()
 
     def get(
         self,

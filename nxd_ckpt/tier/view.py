@@ -138,6 +138,26 @@ class TierView(Storage):
                 self.bytes_local += os.fstat(f.fileno()).st_size
             yield f
 
+    @contextlib.contextmanager
+    def open_sequential(self, path: str, direct: bool = False) -> Iterator[BinaryIO]:
+        """Read once, front to back: a peer's file streams from the socket into the caller's buffers."""
+        if path == layout.tag_path(self.tag, layout.DONE_MARKER):
+            yield io.BytesIO(b"1")
+            return
+        rank, source = self._source_of(path)
+        if not source.remote:
+            with self.open_read(path) as f:
+                yield f
+            return
+        assert source.address is not None
+        try:
+            with self._client.open_stream(source.address, self._share_path(path, rank)) as stream:
+                with self._lock:
+                    self.bytes_remote += stream.size
+                yield stream  # type: ignore[misc]
+        except MissingOnPeer as e:
+            raise FormatError(f"memory-tier file {self.url}/{path} is missing: {e}") from e
+
     def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         data = self.read_buffer(path).tobytes()
         return data[offset:] if length is None else data[offset : offset + length]

@@ -180,3 +180,20 @@ def test_one_node_with_replicas_is_refused_clearly(tmp_path):
     with pytest.raises(TypeError, match="memory_tier must be a nxd_ckpt.MemoryTier"):
         manager.save(str(tmp_path / "ckpt"), "s1", model=_model(1), memory_tier="/dev/shm")
     manager.finalize()
+
+
+def test_transport_streams_a_file_into_the_callers_buffers(tmp_path):
+    payload = os.urandom((1 << 20) + 17)
+    (tmp_path / "peer" / "node_00001").mkdir(parents=True)
+    (tmp_path / "peer" / "node_00001" / "f.bin").write_bytes(payload)
+    server = FileServer(str(tmp_path / "peer"), token="t", timeout_s=10, bind="127.0.0.1")
+    try:
+        client = FileClient("t", timeout_s=10)
+        with client.open_stream(f"127.0.0.1:{server.port}", "node_00001/f.bin") as stream:
+            target = bytearray(len(payload) + 5)
+            view, done = memoryview(target), 0
+            while n := stream.readinto(view[done:]):
+                done += n
+        assert stream.size == len(payload) and bytes(target[:done]) == payload
+    finally:
+        server.close()
