@@ -6,9 +6,9 @@ Run:  $(bash scripts/setup_env.sh cpu | tail -1) scripts/bench_memory_tier.py [-
 4 spawned gloo ranks as 2 simulated nodes (LOCAL_WORLD_SIZE=2), each node with its own memory directory under
 /dev/shm (``MemoryTier(dir=.../node{node})``, replicas=1). State: a replicated fp32 model (written by rank 0)
 plus each rank's ZeRO-1 shard of AdamW state, --total-mib in all. In one run, on the same processes:
-  blocked    async saves alternating without and with the tier (durable every save, so both write the same
-             files to the same disk), each waited for before the next: median over repeats of the slowest rank's
-             time blocked in ``save_checkpoint``;
+  blocked    async saves without and with the tier (durable every save, so both write the same files to the
+             same disk; which goes first alternates), each waited for before the next: median over repeats of the
+             slowest rank's time blocked in ``save_checkpoint``;
   recovery   a fresh manager loads the newest tag (the slowest rank's time in ``load_checkpoint``):
              memory  every rank reads its node's memory directory;
              peer    node 0's memory directory is moved away (a replaced node): its ranks fetch from node 1;
@@ -91,7 +91,7 @@ def rank_main(total_mib: int, repeats: int, ckpt: str, mem: str, out: str) -> No
     nxd.save_checkpoint(ckpt, "warmup_tier", model=model, optimizer=optimizer, zero1_optimizer=True,
                         async_save=True, num_kept_ckpts=2, memory_tier=tier).wait()  # fmt: skip
     for i in range(repeats):
-        for mode in ("plain", "tier"):
+        for mode in ("plain", "tier") if i % 2 == 0 else ("tier", "plain"):  # alternate which goes first
             coord.barrier()
             report = nxd.save_checkpoint(
                 ckpt, f"{mode}_{i}", model=model, optimizer=optimizer, zero1_optimizer=True, async_save=True,

@@ -21,7 +21,6 @@ import logging
 import os
 import shutil
 import socket
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -326,7 +325,3 @@ def choose_memory_tag(reports: list[Report], tag: str | None = None) -> MemoryCh
             held = {q: tuple(sorted(h)) for q, h in holders.items() if q < world}
             return MemoryChoice(name, created_at, world, held, {q: shares[key][q] for q in held})
     return None
-
-
-def now() -> float:
-    return time.time()

@@ -52,6 +52,7 @@ class TierView(Storage):
         self._sources = sources
         self._client = client
         self._owner: dict[str, int] | None = None
+        self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
         self.bytes_local = 0
         self.bytes_remote = 0
@@ -80,6 +81,7 @@ class TierView(Storage):
             if self._owner is not None:
                 return self._owner
         owner: dict[str, int] = {}
+        sizes: dict[str, int] = {}
         for rank in sorted(self._sources):
             path = layout.manifest_file(self.tag, rank)
             try:
@@ -89,11 +91,11 @@ class TierView(Storage):
                     f"the memory-tier copy of rank {rank}'s manifest of {self.tag} is missing: {e}"
                 ) from e
             _, records = parse_manifest(data, f"{self.url}/{path}")
-            owner[path] = rank
-            for rel in records:
-                owner[f"{self.tag}/{rel}"] = rank
+            owner[path], sizes[path] = rank, len(data)
+            for rel, rec in records.items():
+                owner[f"{self.tag}/{rel}"], sizes[f"{self.tag}/{rel}"] = rank, rec.size
         with self._lock:
-            self._owner = owner
+            self._owner, self._sizes = owner, sizes
         return owner
 
     def _owner_of(self, path: str) -> int | None:
@@ -179,7 +181,11 @@ class TierView(Storage):
         return sorted(names)
 
     def size(self, path: str) -> int:
-        return int(self.read_buffer(path).nbytes)
+        """The size its manifest records (the read that follows checks it)."""
+        self.owners()
+        if path not in self._sizes:
+            raise FileNotFoundError(f"{self.url}/{path} is not part of the memory-tier copy of {self.tag}")
+        return self._sizes[path]
 
     def mtime(self, path: str) -> float:
         return 0.0
@@ -193,10 +199,6 @@ class TierView(Storage):
 
     def delete_tree(self, path: str) -> None:
         raise PermissionError(f"the memory-tier view of {self.tag} is read-only")
-
-
-def local_file(root: str, share: int, path: str) -> str:
-    return os.path.join(root, layout.memory_share_dir(share), path)
 
 
 class _ArrayReader(io.RawIOBase):
