@@ -16,6 +16,8 @@ plus each rank's ZeRO-1 shard of AdamW state, --total-mib in all. In one run, on
                      the page cache (``/proc/sys/vm/drop_caches`` if writable, else ``posix_fadvise(DONTNEED)``
                      on every checkpoint file; said in the output).
              After one untimed load (the processes' first), the three alternate --repeats times; medians.
+  blocked, one process   the same comparison in the parent process alone (a quarter of the state, replicas=0):
+             the training thread's own cost of the tier, without 4 ranks competing for the 2 cores.
 Ratios are printed; absolute times vary 2-5x on this shared 2-core VM.
 """
 
@@ -99,6 +101,7 @@ def rank_main(total_mib: int, repeats: int, ckpt: str, mem: str, out: str) -> No
             )  # fmt: skip
             blocked[mode].append(_slowest(coord, report.blocked_s))
             report.wait()
+            nxd.get_manager().wait_pending()  # retention too: the next save must not wait for anything
     nxd.finalize_checkpoint()
     newest = f"tier_{repeats - 1}"
     results: dict[str, object] = {
@@ -156,6 +159,29 @@ def rank_main(total_mib: int, repeats: int, ckpt: str, mem: str, out: str) -> No
             json.dump(results, f)
 
 
+def single_process_blocked(total_mib: int, repeats: int, work: str) -> dict[str, list[float]]:
+    """The same comparison in this one process (``replicas=0``): the training thread's own cost of the tier,
+    without 4 ranks competing for 2 cores."""
+    import nxd_ckpt as nxd
+
+    model, _ = _state(total_mib * MIB, 0, 1)
+    ckpt, mem = os.path.join(work, "single"), os.path.join(work, "single_mem")
+    tier = nxd.MemoryTier(dir=mem, replicas=0, durable_every=1, max_copies=2)
+    out: dict[str, list[float]] = {"plain": [], "tier": []}
+    for i in range(repeats + 1):
+        for mode in ("plain", "tier") if i % 2 == 0 else ("tier", "plain"):
+            report = nxd.save_checkpoint(
+                ckpt, f"{mode}_{i}", model=model, async_save=True, num_kept_ckpts=2,
+                memory_tier=tier if mode == "tier" else None,
+            )  # fmt: skip
+            if i:  # the first round allocates the staging buffers
+                out[mode].append(report.blocked_s)
+            report.wait()
+            nxd.get_manager().wait_pending()
+    nxd.reset_manager()
+    return out
+
+
 def optimizer_tensors(optimizer: dict) -> list[torch.Tensor]:
     return [t for s in optimizer["state"].values() for t in s.values() if t.dim() > 0]
 
@@ -182,6 +208,7 @@ def main() -> None:
         )  # fmt: skip
         with open(out) as f:
             r = json.load(f)
+        single = single_process_blocked(args.total_mib // 4, args.repeats * 2, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(mem, ignore_errors=True)
@@ -201,6 +228,11 @@ def main() -> None:
     print(f"save blocked (async, median of {args.repeats}): without tier {plain:.3f} s, with tier {tiered:.3f} s "
           f"(ratio {tiered / plain:.2f})")  # fmt: skip
     for mode, values in r["blocked_all"].items():
+        print(f"  blocked {mode}: " + ", ".join(f"{v:.3f}" for v in values))
+    plain1, tier1 = statistics.median(single["plain"]), statistics.median(single["tier"])
+    print(f"save blocked, one process ({args.total_mib // 4} MiB, replicas=0, median of {args.repeats * 2}): "
+          f"without tier {plain1:.3f} s, with tier {tier1:.3f} s (ratio {tier1 / plain1:.2f})")  # fmt: skip
+    for mode, values in single.items():
         print(f"  blocked {mode}: " + ", ".join(f"{v:.3f}" for v in values))
 
 
