@@ -150,3 +150,27 @@ def test_corrupted_copies_everywhere_fall_back_to_durable(saved, tmp_path):
         with open(model_file, "r+b") as f:
             f.truncate(os.path.getsize(model_file) - 1)
     _restore(saved, mem, "step_4", ["durable"] * 4, durable_state_reads=True)
+
+
+def _unreachable_peer_job(ckpt: str, mem: str) -> None:
+    """Node 1's file servers go away: node 0's pushes fail, and the save fails on every rank with that error."""
+    rank = dist.get_rank()
+    model = {"w": torch.full((1024,), float(rank % 2))}
+    tier = nxd.MemoryTier(dir=os.path.join(mem, "node{node}"), replicas=1, durable_every=1)
+    nxd.save_checkpoint(ckpt, "ok", model=model, async_save=True, memory_tier=tier).wait()
+    dist.barrier()
+    if rank >= 2:
+        nxd.get_manager()._tier_runtime.server.close()  # node 1 stops serving (its processes stay in the job)
+    dist.barrier()
+    report = nxd.save_checkpoint(ckpt, "lost_copy", model=model, async_save=True, memory_tier=tier)
+    with pytest.raises(nxd.StorageError, match="cannot reach the memory-tier peer"):  # every rank, same type
+        report.wait()
+    with pytest.raises(nxd.AsyncSaveError, match="cannot reach the memory-tier peer"):
+        nxd.finalize_checkpoint()
+    assert nxd.latest_checkpoint_tag(ckpt) == "ok"  # no 'done' for the save whose copy failed
+    nxd.reset_manager()
+
+
+def test_unreachable_peer_fails_the_save_on_every_rank(tmp_path):
+    kwargs = dict(ckpt=str(tmp_path / "ckpt"), mem=str(tmp_path / "mem"))
+    run_on_ranks(_unreachable_peer_job, 4, kwargs, ranks_per_node=2)
