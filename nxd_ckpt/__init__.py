@@ -14,6 +14,7 @@ from nxd_ckpt.errors import (
     LayoutMismatchError,
     MemoryTierFullError,
     RemoteRankError,
+    ReshardError,
     StateMismatchError,
     StorageError,
     StorageStallError,
@@ -41,6 +42,8 @@ _LAZY = {
     "destroy_model_parallel": "parallel_state",
     "initialize_model_parallel": "parallel_state",
     "Topology": "dist.topology",
+    "ShardingRecord": "format.sharding",
+    "TensorSharding": "format.sharding",
     "VerifyReport": "tools.verification",
     "verify": "tools.verification",
 }
@@ -57,6 +60,7 @@ if TYPE_CHECKING:
         save_checkpoint,
     )
     from nxd_ckpt.dist.topology import Topology
+    from nxd_ckpt.format.sharding import ShardingRecord, TensorSharding
     from nxd_ckpt.inspect import Checkpoint, open_checkpoint
     from nxd_ckpt.manager import CheckpointManager, RestoreReport, SaveReport
     from nxd_ckpt.parallel_state import destroy_model_parallel, initialize_model_parallel
@@ -96,11 +100,14 @@ __all__ = [
     "MemoryTier",
     "MemoryTierFullError",
     "RemoteRankError",
+    "ReshardError",
     "RestoreReport",
     "SaveReport",
+    "ShardingRecord",
     "StateMismatchError",
     "StorageError",
     "StorageStallError",
+    "TensorSharding",
     "Topology",
     "UnsafeCheckpointError",
     "VerifyReport",

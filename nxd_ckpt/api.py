@@ -145,6 +145,7 @@ def load_checkpoint(
     fallback_to_verified: bool = False,
     timeout: float | None = None,
     memory_tier: MemoryTier | None = None,
+    sharding: Any = None,
 ) -> Any:
     """Load ``tag`` (default: the latest complete checkpoint) from ``path`` into the given objects; every rank
     must call it. The parameters up to ``use_zero1_dcp`` are NxD's, in NxD's order; ZeRO-1 state is read from
@@ -167,6 +168,11 @@ def load_checkpoint(
     ``timeout`` is the deadline in seconds of each step of the load (default ``NXD_CKPT_TIMEOUT_S``, 1800).
     With ``memory_tier`` the newest complete copy across tiers loads: this node's memory, else copies fetched
     from peer nodes, else ``path``; a damaged copy falls back to the next tier (docs/memory-tier.md).
+    A checkpoint saved at another TP or PP size is re-sharded on load (each rank reads only the parts of the
+    tensors it holds now) from the sharding recorded at save time; for checkpoints without one (NxD's),
+    ``sharding`` describes it: name patterns -> partition dim or ``(dim, stride)`` (None: replicated), a model
+    whose parameters carry NxD's tensor-parallel attributes, or a ``ShardingRecord``. Tensors that cannot be
+    re-sharded raise ReshardError (a LayoutMismatchError) naming them, before anything is loaded.
 
     Returns:
         The saved user content, or None if none was saved.
@@ -187,6 +193,7 @@ def load_checkpoint(
         fallback_to_verified=fallback_to_verified,
         timeout=timeout,
         memory_tier=memory_tier,
+        sharding=sharding,
     )
 
 

@@ -94,3 +94,7 @@ class DeviceUnavailableError(CheckpointError, RuntimeError):
 
 class MemoryTierFullError(CheckpointError):
     """The memory tier cannot hold the next save within its budget (raised before anything is staged)."""
+
+
+class ReshardError(LayoutMismatchError):
+    """A tensor cannot be moved to the requested TP/PP layout (its sharding is unsupported, or not known)."""

@@ -54,10 +54,11 @@ from nxd_ckpt.errors import (
     LayoutMismatchError,
     RemoteRankError,
 )
-from nxd_ckpt.format import integrity, layout, tags
+from nxd_ckpt.format import integrity, layout, sharding, tags
 from nxd_ckpt.format.describe import TagDescription, describe
 from nxd_ckpt.format.metadata import FORMAT_VERSION, TagMetadata, metadata_path, write_metadata
-from nxd_ckpt.load import zero1_io
+from nxd_ckpt.format.sharding import ShardingRecord
+from nxd_ckpt.load import reshard, zero1_io
 from nxd_ckpt.log import format_bytes, format_rate
 from nxd_ckpt.parallel_state import current_topology
 from nxd_ckpt.save import plan, staging
@@ -172,6 +173,8 @@ class _SaveContext:
     items: tuple[str, ...]
     timeout_s: float
     monitor: StorageMonitor
+    sharding: ShardingRecord | None = None
+    """How the model's tensors are sharded (rank 0 only; recorded in nxd_ckpt.json)."""
     resave_of: Storage | None = None
     """Set when the tag already held a complete checkpoint: this save is written beside it (tags.ResaveStorage)
     and swapped in by rank 0's commit; the storage the swap happens in."""
@@ -402,18 +405,20 @@ class CheckpointManager:
         rank_files = rank_states.stage_for_save(
             coord, topo, tag, rank_state, save_rng=save_rng, mode=rank_state_mode, copy_state=async_save
         )
+        model_sd = adapters.model_state(model) if model is not None else None
+        record = _record_sharding(coord, topo, model, model_sd, optimizer) if model is not None else None
         runtime, durable = None, True
         if tier is not None:
             runtime = self._tier(tier, storage.url, coord, topo)
             self._tier_saves += 1
             durable = self._tier_saves % tier.durable_every == 0
-        ctx = self._begin(coord, storage, tag, topo, zero1, use_xser, num_kept_ckpts, items, timeout_s, durable)
+        ctx = self._begin(coord, storage, tag, topo, zero1, use_xser, num_kept_ckpts, items, timeout_s, record, durable)
         report.checkpoint_dir = storage.url
         stage_start = time.perf_counter()
         writes = plan.plan_save(
             topo,
             tag,
-            model=adapters.model_state(model) if model is not None else None,
+            model=model_sd,
             optimizer=tree.nxd_containers(adapters.optimizer_state(optimizer)) if optimizer is not None else None,
             scheduler=adapters.scheduler_state(scheduler) if scheduler is not None else None,
             user_content=user_content,
@@ -514,6 +519,7 @@ class CheckpointManager:
         num_kept_ckpts: int | None,
         items: tuple[str, ...],
         timeout_s: float,
+        sharding: ShardingRecord | None = None,
         durable: bool = True,
     ) -> _SaveContext:
         """Rank 0 marks the tag as being saved (a complete one is re-saved beside it); all ranks agree on the save.
@@ -553,6 +559,7 @@ class CheckpointManager:
             items=items,
             timeout_s=timeout_s,
             monitor=monitor,
+            sharding=sharding,
             resave_of=storage if resave else None,
             durable=durable,
         )
@@ -728,6 +735,7 @@ class CheckpointManager:
             xser=ctx.use_xser,
             items=ctx.items,
             torch_version=torch.__version__,
+            sharding=ctx.sharding,
         )
 
     def _write_done(self, ctx: _SaveContext, world_size: int) -> None:
@@ -761,6 +769,7 @@ class CheckpointManager:
         verify: bool = True,
         fallback_to_verified: bool = False,
         timeout: float | None = None,
+        sharding: Any = None,
         *,
         memory_tier: MemoryTier | None = None,
     ) -> Any:
@@ -780,11 +789,12 @@ class CheckpointManager:
                 verify=verify,
                 fallback_to_verified=fallback_to_verified,
                 timeout=timeout,
+                sharding=sharding,
             )
             return self._load_tiers(checkpoint_dir, tag, tier, options)
         return self._load_dir(
             checkpoint_dir, tag, model, optimizer, scheduler, num_workers, strict, allow_pickle, rank_state,
-            skip_rank_state, device, verify, fallback_to_verified, timeout,
+            skip_rank_state, device, verify, fallback_to_verified, timeout, sharding,
         )  # fmt: skip
 
     def _load_dir(
@@ -803,6 +813,7 @@ class CheckpointManager:
         verify: bool,
         fallback_to_verified: bool,
         timeout: float | None,
+        sharding: Any = None,
     ) -> Any:
         """A load from one checkpoint directory (or one memory-tier view, a Storage)."""
         timeout_s = resolve_timeout(timeout)
@@ -818,13 +829,14 @@ class CheckpointManager:
                 skip_rank_state=skip_rank_state,
                 device=device,
                 timeout=timeout,
+                sharding=sharding,
             )
             return self._load_newest_verified(checkpoint_dir, options)
         coord = self.coordinator()
         with coord.deadline(timeout_s):
             return self._load(
                 coord, checkpoint_dir, tag, model, optimizer, scheduler, num_workers, strict, allow_pickle,
-                rank_state, skip_rank_state, device, verify,
+                rank_state, skip_rank_state, device, verify, sharding,
             )  # fmt: skip
 
     def _load(
@@ -842,6 +854,7 @@ class CheckpointManager:
         skip_rank_state: bool,
         device: str | torch.device | None,
         verify: bool,
+        sharding_spec: Any = None,
     ) -> Any:
         call_start = time.perf_counter()
         target_device = xla.resolve_device(device)  # before any collective: a missing torch_xla fails fast
@@ -862,7 +875,11 @@ class CheckpointManager:
                 lambda: integrity.read_index(storage, resolved), f"reading the manifests of {resolved!r}"
             )
             storage = integrity.VerifyingStorage(storage, resolved, index)
-        _check_layout(info, topo, storage.url, resolved)
+        resharded = None
+        if _check_layout(info, topo, storage.url, resolved) and (model is not None or optimizer is not None):
+            resharded = self._plan_reshard(
+                coord, storage, resolved, info, topo, model, optimizer, strict, allow_pickle, sharding_spec
+            )
 
         # DP replicas reading the same xser file share the reads; only when all replicas load in one wave.
         replicas = None
@@ -870,7 +887,15 @@ class CheckpointManager:
             replicas = replica_reads.replica_groups(coord, topo)
 
         def read_and_apply() -> Any:
-            if model is not None:
+            if resharded is not None:  # another TP/PP layout: every tensor assembled from the parts it covers
+                where = f"{storage.url}/{resolved}"
+                if model is not None:
+                    state = resharded.model_state()
+                    adapters.load_model_state(model, state, strict=strict, source=where, device=target_device)
+                if optimizer is not None:
+                    state = resharded.optimizer_state()
+                    adapters.load_optimizer_state(optimizer, state, source=where, device=target_device)
+            elif model is not None:
                 path = layout.model_file(resolved, topo.tp_rank, topo.pp_rank, topo.file_ep_rank)
                 # Straight into the live model's tensors (no second copy), checked against it first.
                 target = adapters.load_target(model, "model", strict=strict, source=f"{storage.url}/{path}")
@@ -878,7 +903,7 @@ class CheckpointManager:
                 adapters.load_model_state(
                     model, state, strict=strict, source=f"{storage.url}/{path}", device=target_device
                 )
-            if optimizer is not None:
+            if optimizer is not None and resharded is None:
                 if info.zero1:
                     path = layout.optim_file(resolved, topo.zero1_rank, topo.tp_rank, topo.pp_rank)
                 else:
@@ -1013,6 +1038,38 @@ class CheckpointManager:
                         " after: " + " | ".join(failures) if failures else "")  # fmt: skip
         return result
 
+    def _plan_reshard(
+        self,
+        coord: Coordinator,
+        storage: Storage,
+        tag: str,
+        info: TagDescription,
+        topo: Topology,
+        model: Any,
+        optimizer: Any,
+        strict: bool,
+        allow_pickle: bool,
+        sharding_spec: Any,
+    ) -> reshard.ReshardedLoad:
+        """Every rank's plan of a load at another TP/PP size, checked on all ranks before anything is read."""
+        saved = info.metadata.sharding if info.metadata is not None else None
+        if saved is None and sharding_spec is None:
+            raise LayoutMismatchError(
+                f"checkpoint {storage.url}/{tag} was saved with TP={info.tp} PP={info.pp} but this job runs "
+                f"{topo.describe()}, and it records no sharding (written by NxD, an older nxd_ckpt, or from a "
+                "dict): pass sharding= to load_checkpoint (name patterns -> partition dim, or a model whose "
+                "parameters carry NxD's attributes) to re-shard it, or load it with the same TP and PP sizes "
+                "(DP may differ)"
+            )
+
+        def plan() -> reshard.ReshardedLoad:
+            record = reshard.source_record(storage, tag, info, saved, sharding_spec, trusted=allow_pickle)
+            return reshard.ReshardedLoad(
+                storage, tag, info, record, topo, model, optimizer, strict=strict, trusted=allow_pickle
+            )
+
+        return coord.run_all(plan, f"planning the load of {tag!r} at another parallel layout")
+
     def _load_newest_verified(self, checkpoint_dir: str | os.PathLike[str], options: dict[str, Any]) -> Any:
         """Auto-latest load that skips, newest first, complete tags failing verification (logged as WARNING).
 
@@ -1105,21 +1162,52 @@ def _read(
     return target.finish(state) if target is not None else state
 
 
+def _record_sharding(
+    coord: Coordinator, topo: Topology, model: Any, model_sd: Any, optimizer: Any
+) -> ShardingRecord | None:
+    """Rank 0: how every model tensor of every PP stage is sharded (each stage's first replica of TP rank 0
+    describes its stage; a collective). None, with a warning, when it cannot be recorded (the checkpoint is
+    then still saved, only not re-shardable without a sharding spec)."""
+    local: ShardingRecord | str | None = None
+    if topo.tp_rank == 0 and topo.replica_rank == 0:
+        try:
+            local = sharding.record_for_save(model, model_sd, optimizer, topo.tp_size, topo.pp_rank)
+        except Exception as e:  # never fail (or hang) a save over the record: every rank reaches the gather
+            local = f"rank {coord.rank}: {e}"
+    gathered = coord.gather_object(local, phase="recording how the model is sharded")
+    if gathered is None:
+        return None
+    problems = [g for g in gathered if isinstance(g, str)]
+    try:
+        if problems:
+            raise ValueError("; ".join(problems))
+        merged = ShardingRecord.merge(g for g in gathered if isinstance(g, ShardingRecord))
+        return merged if merged.tensors else None  # e.g. a dict at TP > 1: nothing known, nothing recorded
+    except Exception as e:
+        logger.warning(
+            "the sharding of the model could not be recorded (%s): loads at another layout will need sharding=", e
+        )
+        return None
+
+
 def describe_checkpoint(storage: Storage, tag: str) -> TagDescription:
     """Layout facts of a saved tag (kept for callers of the old name): ``format.describe.describe``."""
     return describe(storage, tag)
 
 
-def _check_layout(info: TagDescription, topo: Topology, url: str, tag: str) -> None:
+def _check_layout(info: TagDescription, topo: Topology, url: str, tag: str) -> bool:
+    """Whether the load changes the TP or PP size (re-sharded on load); raises for what cannot change."""
     if info.tp is None:
-        return
+        return False
     if info.ep != topo.ep_size:
         raise LayoutMismatchError(
             f"checkpoint {url}/{tag} was saved with expert parallelism EP={info.ep} but this job runs "
             f"{topo.describe()}; load it with the same EP size (experts are not re-sharded)"
         )
-    if (info.tp, info.pp) != (topo.tp_size, topo.pp_size):
+    if (info.tp, info.pp) != (topo.tp_size, topo.pp_size) and (info.ep > 1 or topo.expert_parallel):
         raise LayoutMismatchError(
-            f"checkpoint {url}/{tag} was saved with TP={info.tp} PP={info.pp} but this job runs "
-            f"{topo.describe()}; load it with the same TP and PP sizes (DP may differ)"
+            f"checkpoint {url}/{tag} was saved with TP={info.tp} PP={info.pp} EP={info.ep} but this job runs "
+            f"{topo.describe()}; re-sharding under expert parallelism is not supported: load it with the same "
+            "TP and PP sizes (DP may differ)"
         )
+    return (info.tp, info.pp) != (topo.tp_size, topo.pp_size)

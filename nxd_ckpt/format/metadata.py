@@ -15,6 +15,7 @@ from typing import Any
 
 from nxd_ckpt.errors import FormatError
 from nxd_ckpt.format import layout
+from nxd_ckpt.format.sharding import ShardingRecord
 
 FORMAT = "nxd_ckpt"
 FORMAT_VERSION = 1
@@ -33,6 +34,7 @@ _KNOWN = (
     "zero1_full",
     "converted_from",
     "manifest_ranks",
+    "sharding",
 )
 
 
@@ -79,6 +81,8 @@ class TagMetadata:
     """For convert-zero1 outputs: ``{"tag", "zero1_dp_size"}`` of the input."""
     manifest_ranks: int | None = None
     """How many per-rank manifests the tag has (ranks 0..n-1); None: one per rank of ``world_size``."""
+    sharding: ShardingRecord | None = None
+    """How each model tensor was sharded over TP ranks and PP stages (format/sharding.py); None: not recorded."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Keys this version does not know, kept so that rewriting a newer file loses nothing."""
 
@@ -135,6 +139,8 @@ class TagMetadata:
             out["converted_from"] = dict(self.converted_from)
         if self.manifest_ranks is not None:
             out["manifest_ranks"] = self.manifest_ranks
+        if self.sharding is not None:
+            out["sharding"] = self.sharding.to_json()
         for key, value in self.extra.items():
             out.setdefault(key, value)
         return out
@@ -179,6 +185,7 @@ class TagMetadata:
                 zero1_full=None if zero1_full is None else bool(zero1_full),
                 converted_from=converted,
                 manifest_ranks=_opt_int(doc.get("manifest_ranks")),
+                sharding=None if doc.get("sharding") is None else ShardingRecord.from_json(doc["sharding"], where),
                 extra={k: v for k, v in doc.items() if k not in _KNOWN},
             )
         except (TypeError, ValueError) as e:

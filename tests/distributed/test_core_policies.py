@@ -77,7 +77,8 @@ def test_num_workers_bounds_concurrent_ranks(tmp_path):
 def test_layout_mismatch_raises_on_every_rank(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     nxd.initialize_model_parallel(tensor_model_parallel_size=2)
-    nxd.save_checkpoint(ckpt, "tp2", model=TinyMLP())
+    # A dict carries no sharding (a module would be recorded, and re-sharded on load)
+    nxd.save_checkpoint(ckpt, "tp2", model=TinyMLP().state_dict())
     nxd.destroy_model_parallel()
     with pytest.raises(nxd.LayoutMismatchError, match="saved with TP=2 PP=1 but this job runs TP=1 PP=1 DP=2"):
         nxd.load_checkpoint(ckpt, model=TinyMLP())

@@ -18,6 +18,7 @@ from nxd_ckpt.testing.crashloop import CrashLoop, model_state, optimizer_state, 
 from nxd_ckpt.testing.fakes import assert_state_equal
 
 KILL_POINTS_PER_MODE = int(os.environ.get("NXD_CKPT_KILL_POINTS", "12"))
+MAX_KILL_POINTS = 3 * KILL_POINTS_PER_MODE
 KEEP = 2
 
 
@@ -53,15 +54,21 @@ def test_sigkill_all_ranks_at_random_moments(tmp_path, use_xser, async_save):
     loop = CrashLoop(
         ckpt, world_size=2, options={"use_xser": use_xser, "async_save": async_save, "num_kept_ckpts": KEEP}
     )
-    in_flight = 0
-    for _ in range(KILL_POINTS_PER_MODE):
+    in_flight = points = 0
+    scale = 1.0  # a busy machine starts ranks and saves slower: later kills until both kinds of moment were hit
+    while points < KILL_POINTS_PER_MODE or (
+        points < MAX_KILL_POINTS and not (in_flight and os.path.isdir(ckpt) and nxd.list_checkpoint_tags(ckpt))
+    ):
+        if points >= KILL_POINTS_PER_MODE:
+            scale *= 1.5
         before = nxd.list_checkpoint_tags(ckpt) if os.path.isdir(ckpt) else []
-        loop.run_once(delay=rng.uniform(0.05, 1.2))
+        loop.run_once(delay=rng.uniform(0.05, 1.2) * scale)
         in_flight += _check_after_kill(ckpt, before)
-    completed = nxd.list_checkpoint_tags(ckpt)
+        points += 1
+    completed = nxd.list_checkpoint_tags(ckpt) if os.path.isdir(ckpt) else []
     print(
-        f"\n[kill points] xser={use_xser} async={async_save}: {KILL_POINTS_PER_MODE} kill points, {in_flight} "
-        f"interrupted a save (a newer tag without 'done' was left); newest complete {completed[-1:]}"
+        f"\n[kill points] xser={use_xser} async={async_save}: {points} kill points (delays up to x{scale:.1f}), "
+        f"{in_flight} interrupted a save (a newer tag without 'done' was left); newest complete {completed[-1:]}"
     )
     assert completed, "no save completed in any run: the delays are too short for this machine"
     assert in_flight > 0, "no kill landed during a save: the test did not exercise an interrupted save"

@@ -16,6 +16,7 @@ from nxd_ckpt.format import layout, manifests
 from nxd_ckpt.format.describe import describe, expected_files
 from nxd_ckpt.format.hashing import hash_bytes
 from nxd_ckpt.format.metadata import TagMetadata, read_metadata
+from nxd_ckpt.format.sharding import ShardingRecord, TensorSharding
 from nxd_ckpt.storage import LocalStorage
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -75,6 +76,25 @@ def test_metadata_records_context_and_expert_parallel_sizes_in_the_layout():
     golden = GOLDEN_METADATA.replace(b'  "dp": 4,\n', b'  "dp": 4,\n  "cp": 2,\n  "ep": 4,\n')
     assert meta.to_json() == golden
     assert TagMetadata.from_json(golden) == meta
+
+
+def test_metadata_records_the_sharding_after_the_other_keys():
+    record = ShardingRecord(
+        {"qkv.weight": TensorSharding((12, 4), 0, 3, 2, 0), "norm.weight": TensorSharding((4,), pp_stage=0)},
+        {0: ("qkv.weight", "norm.weight")},
+    )
+    meta = SAVED.with_changes(sharding=record)
+    golden = GOLDEN_METADATA[:-2] + (
+        b',\n "sharding": {\n  "tensors": {\n   "qkv.weight": {\n    "shape": [\n     12,\n     4\n    ],\n'
+        b'    "dim": 0,\n    "stride": 3,\n    "partitions": 2,\n    "pp": 0\n   },\n   "norm.weight": {\n'
+        b'    "shape": [\n     4\n    ],\n    "pp": 0\n   }\n  },\n  "optimizer_params": {\n   "0": [\n'
+        b'    "qkv.weight",\n    "norm.weight"\n   ]\n  }\n }\n}'
+    )
+    assert meta.to_json() == golden
+    assert TagMetadata.from_json(golden) == meta
+    assert TagMetadata.from_json(GOLDEN_METADATA).sharding is None  # tags without it: unchanged bytes, None
+    with pytest.raises(FormatError, match="sharding"):
+        TagMetadata.from_json(GOLDEN_METADATA[:-2] + b', "sharding": {"tensors": {"w": {"dim": 0}}}}')
 
 
 def test_manifest_golden_bytes():
@@ -137,7 +157,11 @@ def test_every_key_is_documented():
     with open(os.path.join(REPO, "docs", "format.md")) as f:
         doc = f.read()
     section = doc[doc.index("## `<tag>/nxd_ckpt.json`") : doc.index("## `<tag>/nxd_ckpt/manifest_rank")]
-    keys = set(SAVED.to_dict()) | set(SAVED.to_dict()["layout"]) | {"zero1_full", "converted_from", "manifest_ranks"}
+    keys = (
+        set(SAVED.to_dict())
+        | set(SAVED.to_dict()["layout"])
+        | {"zero1_full", "converted_from", "manifest_ranks", "sharding"}
+    )
     missing = [k for k in sorted(keys) if not re.search(rf"`{k}`", section)]
     assert not missing, f"docs/format.md does not document {missing}"
 
