@@ -144,8 +144,8 @@ def load_checkpoint(
     verify: bool = True,
     fallback_to_verified: bool = False,
     timeout: float | None = None,
-    memory_tier: MemoryTier | None = None,
     sharding: Any = None,
+    memory_tier: MemoryTier | None = None,
 ) -> Any:
     """Load ``tag`` (default: the latest complete checkpoint) from ``path`` into the given objects; every rank
     must call it. The parameters up to ``use_zero1_dcp`` are NxD's, in NxD's order; ZeRO-1 state is read from
@@ -192,8 +192,8 @@ def load_checkpoint(
         verify=verify,
         fallback_to_verified=fallback_to_verified,
         timeout=timeout,
-        memory_tier=memory_tier,
         sharding=sharding,
+        memory_tier=memory_tier,
     )
 
 
