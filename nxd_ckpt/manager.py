@@ -953,8 +953,9 @@ class CheckpointManager:
         self, checkpoint_dir: str | os.PathLike[str], tag: str | None, tier: MemoryTier, options: dict[str, Any]
     ) -> Any:
         """The newest complete checkpoint across tiers (or ``tag``): this node's memory, else copies fetched from
-        other nodes, else the checkpoint directory. Every rank takes the same decision (rank 0's); a copy that
-        fails verification anywhere sends every rank to the next tier. Logs (rank 0) where each rank's state came
+        other nodes, else the checkpoint directory. Every rank takes the same decision (one rule applied to the
+        gathered reports and rank 0's durable listing); a copy that fails verification anywhere sends every rank
+        to the next tier. Logs (rank 0) where each rank's state came
         from; ``last_restore`` holds it."""
         coord = self.coordinator()
         self.check_for_errors()
