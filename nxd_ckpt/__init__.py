@@ -12,6 +12,7 @@ from nxd_ckpt.errors import (
     IntegrityError,
     InvalidTagError,
     LayoutMismatchError,
+    MemoryTierFullError,
     RemoteRankError,
     ReshardError,
     StateMismatchError,
@@ -36,6 +37,8 @@ _LAZY = {
     "open_checkpoint": "inspect",
     "CheckpointManager": "manager",
     "SaveReport": "manager",
+    "RestoreReport": "manager",
+    "MemoryTier": "tier.memory",
     "destroy_model_parallel": "parallel_state",
     "initialize_model_parallel": "parallel_state",
     "Topology": "dist.topology",
@@ -59,8 +62,9 @@ if TYPE_CHECKING:
     from nxd_ckpt.dist.topology import Topology
     from nxd_ckpt.format.sharding import ShardingRecord, TensorSharding
     from nxd_ckpt.inspect import Checkpoint, open_checkpoint
-    from nxd_ckpt.manager import CheckpointManager, SaveReport
+    from nxd_ckpt.manager import CheckpointManager, RestoreReport, SaveReport
     from nxd_ckpt.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from nxd_ckpt.tier.memory import MemoryTier
     from nxd_ckpt.tools.verification import VerifyReport, verify
 
 
@@ -93,8 +97,11 @@ __all__ = [
     "IntegrityError",
     "InvalidTagError",
     "LayoutMismatchError",
+    "MemoryTier",
+    "MemoryTierFullError",
     "RemoteRankError",
     "ReshardError",
+    "RestoreReport",
     "SaveReport",
     "ShardingRecord",
     "StateMismatchError",

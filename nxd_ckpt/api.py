@@ -12,6 +12,7 @@ from nxd_ckpt.format import tags
 from nxd_ckpt.log import get_logger
 from nxd_ckpt.manager import CheckpointManager, SaveReport
 from nxd_ckpt.storage import storage_for
+from nxd_ckpt.tier.memory import MemoryTier
 
 
 class _DefaultManager:
@@ -72,6 +73,7 @@ def save_checkpoint(
     rank_state_mode: str = "per_rank",
     timeout: float | None = None,
     on_save_error: str = "raise",
+    memory_tier: MemoryTier | None = None,
 ) -> SaveReport:
     """Save a checkpoint under ``checkpoint_dir_str/tag`` in NxD's layout; every rank must call it.
 
@@ -97,6 +99,8 @@ def save_checkpoint(
     ``on_save_error="warn"`` keeps training going when the save fails (logged on every rank, in the
     SaveReport's ``error``, or the next SaveReport's ``earlier_failures`` for async saves); the previous
     complete checkpoint stays the latest. The default ``"raise"`` raises the failure, on every rank.
+    ``memory_tier`` (a ``MemoryTier``) keeps the checkpoint in node memory with copies on peer nodes and writes
+    ``checkpoint_dir_str`` only every ``durable_every``-th save (docs/memory-tier.md).
 
     Returns:
         A SaveReport (bytes, blocked/staging/write time); for async saves ``wait()`` blocks until durable.
@@ -119,6 +123,7 @@ def save_checkpoint(
         rank_state_mode=rank_state_mode,
         timeout=timeout,
         on_save_error=on_save_error,
+        memory_tier=memory_tier,
     )
 
 
@@ -140,6 +145,7 @@ def load_checkpoint(
     fallback_to_verified: bool = False,
     timeout: float | None = None,
     sharding: Any = None,
+    memory_tier: MemoryTier | None = None,
 ) -> Any:
     """Load ``tag`` (default: the latest complete checkpoint) from ``path`` into the given objects; every rank
     must call it. The parameters up to ``use_zero1_dcp`` are NxD's, in NxD's order; ZeRO-1 state is read from
@@ -160,6 +166,8 @@ def load_checkpoint(
     IntegrityError naming a damaged file. With ``fallback_to_verified`` and no ``tag``, a latest checkpoint that
     is damaged is skipped (logged as a WARNING) for the newest complete one that verifies.
     ``timeout`` is the deadline in seconds of each step of the load (default ``NXD_CKPT_TIMEOUT_S``, 1800).
+    With ``memory_tier`` the newest complete copy across tiers loads: this node's memory, else copies fetched
+    from peer nodes, else ``path``; a damaged copy falls back to the next tier (docs/memory-tier.md).
     A checkpoint saved at another TP or PP size is re-sharded on load (each rank reads only the parts of the
     tensors it holds now) from the sharding recorded at save time; for checkpoints without one (NxD's),
     ``sharding`` describes it: name patterns -> partition dim or ``(dim, stride)`` (None: replicated), a model
@@ -185,6 +193,7 @@ def load_checkpoint(
         fallback_to_verified=fallback_to_verified,
         timeout=timeout,
         sharding=sharding,
+        memory_tier=memory_tier,
     )
 
 

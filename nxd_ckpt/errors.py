@@ -92,5 +92,9 @@ class DeviceUnavailableError(CheckpointError, RuntimeError):
     """A device was asked for (e.g. ``xla``) whose runtime is not installed in this environment."""
 
 
+class MemoryTierFullError(CheckpointError):
+    """The memory tier cannot hold the next save within its budget (raised before anything is staged)."""
+
+
 class ReshardError(LayoutMismatchError):
     """A tensor cannot be moved to the requested TP/PP layout (its sharding is unsupported, or not known)."""

@@ -89,6 +89,19 @@ KNOBS: dict[str, Knob] = {
             "(default: torch_neuronx's answer, else `generic`)",
         ),
         Knob("NXD_CKPT_S3_ENDPOINT_URL", "str", None, "S3 endpoint (MinIO, a proxy); else the AWS default chain"),
+        Knob(
+            "NXD_CKPT_MEMORY_DIR",
+            "str",
+            None,
+            "node-local directory of the memory tier (default `/dev/shm/nxd_ckpt`); `{node}` in it becomes the node "
+            "index",
+        ),
+        Knob(
+            "NXD_CKPT_MEMORY_TIER_HOST",
+            "str",
+            None,
+            "host name or address peers reach this node's memory-tier file server at (default: the host name)",
+        ),
     )
 }
 
@@ -199,3 +212,11 @@ def platform() -> str | None:
 
 def s3_endpoint_url() -> str | None:
     return get_str("NXD_CKPT_S3_ENDPOINT_URL")
+
+
+def memory_dir() -> str | None:
+    return get_str("NXD_CKPT_MEMORY_DIR")
+
+
+def memory_tier_host() -> str | None:
+    return get_str("NXD_CKPT_MEMORY_TIER_HOST")

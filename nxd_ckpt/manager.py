@@ -65,11 +65,14 @@ from nxd_ckpt.save import plan, staging
 from nxd_ckpt.save.commit import CommitBarrier
 from nxd_ckpt.save.writer import AsyncWriter
 from nxd_ckpt.storage import Storage, storage_for
+from nxd_ckpt.tier.memory import MemoryTier, choose_memory_tag
+from nxd_ckpt.tier.runtime import TierRuntime, TierSave, close_quietly
+from nxd_ckpt.tier.view import TierView
 from nxd_ckpt.watchdog import StorageMonitor, WatchedStorage, run_watched
 
 logger = logging.getLogger("nxd_ckpt")
 
-__all__ = ["FORMAT_VERSION", "CheckpointManager", "SaveReport", "describe_checkpoint"]
+__all__ = ["FORMAT_VERSION", "CheckpointManager", "RestoreReport", "SaveReport", "describe_checkpoint"]
 SAVE_ERROR_POLICIES = ("raise", "warn")
 
 
@@ -125,6 +128,39 @@ class SaveReport:
 
 
 @dataclass(frozen=True)
+class RestoreReport:
+    """Where a load through the memory tier found its checkpoint: the tag, and each rank's tier."""
+
+    tag: str
+    tiers: list[str]
+    """By rank: ``memory`` (this node's memory directory), ``peer`` (files fetched from another node), or
+    ``durable`` (the checkpoint directory)."""
+
+    @property
+    def tier(self) -> str:
+        """The tier of this load as a whole: the furthest any rank had to go."""
+        order = ("memory", "peer", "durable")
+        return max(self.tiers, key=order.index) if self.tiers else "durable"
+
+    def summary(self) -> str:
+        groups: dict[str, list[int]] = {}
+        for rank, tier in enumerate(self.tiers):
+            groups.setdefault(tier, []).append(rank)
+        return ", ".join(f"{tier}: ranks {_ranges(ranks)}" for tier, ranks in groups.items())
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2,5``."""
+    out: list[str] = []
+    for r in ranks:
+        if out and r == int(out[-1].split("-")[-1]) + 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return ",".join(out)
+
+
+@dataclass(frozen=True)
 class _SaveContext:
     storage: Storage
     tag: str
@@ -142,6 +178,10 @@ class _SaveContext:
     resave_of: Storage | None = None
     """Set when the tag already held a complete checkpoint: this save is written beside it (tags.ResaveStorage)
     and swapped in by rank 0's commit; the storage the swap happens in."""
+    durable: bool = True
+    """Whether this save goes to the checkpoint directory (with a memory tier: every ``durable_every``-th)."""
+    tier: TierSave | None = None
+    """This rank's part of the save in the memory tier, if one is used."""
 
 
 class CheckpointManager:
@@ -153,10 +193,12 @@ class CheckpointManager:
         coordinator: Coordinator | None = None,
         topology: Topology | Callable[[], Topology] | None = None,
         storage: Callable[[Any], Storage] | None = None,
+        memory_tier: MemoryTier | None = None,
     ) -> None:
         """Defaults: a Coordinator over torch.distributed (re-made when the process group changes), the parallel
         state's topology at each call, and ``storage_for`` of the checkpoint directory. Inject others to run the
-        manager's policies without processes (``nxd_ckpt.testing.threadworld``) or on another backend."""
+        manager's policies without processes (``nxd_ckpt.testing.threadworld``) or on another backend.
+        ``memory_tier`` is used by every save and load that does not pass its own (docs/memory-tier.md)."""
         self._injected_coordinator = coordinator
         self._topology_source = topology
         self._storage_for = storage or storage_for
@@ -169,6 +211,14 @@ class CheckpointManager:
         self._warned: list[str] = []
         """Background save failures under ``on_save_error="warn"``, reported by the next SaveReport."""
         self._retention_jobs: list[Future] = []
+        if memory_tier is not None and not isinstance(memory_tier, MemoryTier):
+            raise TypeError(f"memory_tier must be a nxd_ckpt.MemoryTier, got {type(memory_tier).__name__}")
+        self.memory_tier = memory_tier
+        self._tier_runtime: TierRuntime | None = None
+        self._tier_key: tuple | None = None
+        self._tier_saves = 0
+        self.last_restore: RestoreReport | None = None
+        """Set by each load through the memory tier: where every rank's state came from."""
 
     # ----------------------------------------------------------------- plumbing
     def coordinator(self) -> Coordinator:
@@ -188,6 +238,23 @@ class CheckpointManager:
         if source is None:
             return current_topology()
         return source() if callable(source) else source
+
+    def _tier(self, tier: MemoryTier, url: str, coord: Coordinator, topo: Topology) -> TierRuntime:
+        """The memory tier's run-time state for this checkpoint directory and process group (set up once,
+        collectively, on the training thread)."""
+        key = (tier, url, self._coordinator_key, topo.local_world_size)
+        if self._tier_runtime is None or self._tier_key != key:
+            close_quietly(self._tier_runtime)
+            self._tier_runtime = None
+            self._tier_runtime = TierRuntime(tier, url, coord, topo.local_world_size, topo.local_rank)
+            self._tier_key = key
+            self._tier_saves = 0
+        return self._tier_runtime
+
+    def _resolve_tier(self, memory_tier: MemoryTier | None) -> MemoryTier | None:
+        if memory_tier is not None and not isinstance(memory_tier, MemoryTier):
+            raise TypeError(f"memory_tier must be a nxd_ckpt.MemoryTier, got {type(memory_tier).__name__}")
+        return memory_tier if memory_tier is not None else self.memory_tier
 
     def _writer(self) -> AsyncWriter:
         if self._async_writer is None:
@@ -209,6 +276,8 @@ class CheckpointManager:
         if writer is not None:
             writer.close()
         self._staging_pool.clear()
+        close_quietly(self._tier_runtime)
+        self._tier_runtime, self._tier_key = None, None
         if writer is not None:
             writer.check_for_errors()
 
@@ -231,8 +300,11 @@ class CheckpointManager:
         rank_state_mode: str = "per_rank",
         timeout: float | None = None,
         on_save_error: str = "raise",
+        *,
+        memory_tier: MemoryTier | None = None,
     ) -> SaveReport:
         call_start = time.perf_counter()
+        tier = self._resolve_tier(memory_tier)
         layout.validate_tag(tag)
         if on_save_error not in SAVE_ERROR_POLICIES:
             raise ValueError(f"on_save_error must be 'raise' or 'warn', got {on_save_error!r}")
@@ -271,7 +343,7 @@ class CheckpointManager:
                 self._save(
                     coord, report, checkpoint_dir, tag, model, optimizer, scheduler, user_content, num_workers,
                     use_xser, num_kept_ckpts, async_save, zero1_optimizer, rank_state, save_rng, rank_state_mode,
-                    timeout_s, on_save_error,
+                    timeout_s, on_save_error, tier,
                 )  # fmt: skip
         except Exception as e:
             if on_save_error == "raise":
@@ -311,6 +383,7 @@ class CheckpointManager:
         rank_state_mode: str,
         timeout_s: float,
         on_save_error: str,
+        tier: MemoryTier | None = None,
     ) -> None:
         call_start, waited = report._started, report.waited_s
         if waited >= 0.001 and coord.rank == 0:
@@ -334,7 +407,12 @@ class CheckpointManager:
         )
         model_sd = adapters.model_state(model) if model is not None else None
         record = _record_sharding(coord, topo, model, model_sd, optimizer) if model is not None else None
-        ctx = self._begin(coord, storage, tag, topo, zero1, use_xser, num_kept_ckpts, items, timeout_s, record)
+        runtime, durable = None, True
+        if tier is not None:
+            runtime = self._tier(tier, storage.url, coord, topo)
+            self._tier_saves += 1
+            durable = self._tier_saves % tier.durable_every == 0
+        ctx = self._begin(coord, storage, tag, topo, zero1, use_xser, num_kept_ckpts, items, timeout_s, record, durable)
         report.checkpoint_dir = storage.url
         stage_start = time.perf_counter()
         writes = plan.plan_save(
@@ -347,6 +425,14 @@ class CheckpointManager:
             zero1=zero1,
             use_xser=use_xser,
         )
+        if runtime is not None:  # before staging: a node that cannot hold the save fails it here, on every rank
+            rank_bytes = sum(t.numel() * t.element_size() for t in plan.tensors_to_write(writes, coord.rank))
+            try:
+                coord.run_all(lambda: runtime.check_budget(tag, rank_bytes), "memory tier: checking the budget")
+            except BaseException as e:
+                self._barrier(ctx, coord).arrive(e)
+                raise
+            ctx = dataclasses.replace(ctx, tier=runtime.begin_save(tag, ctx.created_at, coord.world_size, ctx.monitor))
         lease: staging.StagedState | None = None
         fetcher: staging.HostFetcher | None = None
         if async_save:  # a training-safe copy in reused host buffers, handed back once the files are durable
@@ -409,7 +495,7 @@ class CheckpointManager:
 
     def _queue_retention(self, ctx: _SaveContext, report: SaveReport, coord: Coordinator) -> None:
         """Rank 0: retention as a writer job behind the save (it runs only if the save was committed)."""
-        if coord.rank != 0 or ctx.num_kept_ckpts is None:
+        if coord.rank != 0 or ctx.num_kept_ckpts is None or not ctx.durable:
             return
         future = self._writer().submit(lambda: self._retention_after(ctx, report), name=f"retention after {ctx.tag}")
         self._retention_jobs = [f for f in self._retention_jobs if not f.done()] + [future]
@@ -434,12 +520,16 @@ class CheckpointManager:
         items: tuple[str, ...],
         timeout_s: float,
         sharding: ShardingRecord | None = None,
+        durable: bool = True,
     ) -> _SaveContext:
-        """Rank 0 marks the tag as being saved (a complete one is re-saved beside it); all ranks agree on the save."""
+        """Rank 0 marks the tag as being saved (a complete one is re-saved beside it); all ranks agree on the save.
+        A save to the memory tier only (``durable`` False) leaves the checkpoint directory alone."""
 
         def prepare() -> tuple[float, bool]:
             if coord.rank != 0:
                 return 0.0, False
+            if not durable:
+                return time.time(), False
             tags.recover_resaves(storage)  # a re-save a crash interrupted is finished or dropped first
             if storage.exists(layout.tag_path(tag, layout.DONE_MARKER)):
                 # The tag holds a complete checkpoint: write the new one beside it and swap it in once it is
@@ -471,6 +561,7 @@ class CheckpointManager:
             monitor=monitor,
             sharding=sharding,
             resave_of=storage if resave else None,
+            durable=durable,
         )
 
     def _write_and_commit(
@@ -492,19 +583,38 @@ class CheckpointManager:
         error: BaseException | None = None
 
         def write_files() -> None:
+            if ctx.tier is not None:
+                write_tiers(ctx.tier)
+                return
             # All of this rank's files are fsynced together at the end (one flush, not one per state file).
             with ctx.storage.durability_batch():
-                written = write_all()
+                written = write_all(ctx.storage)
             ctx.storage.sync_dirs({p.rsplit("/", 1)[0] for p in written})
             ctx.storage.write_manifest()  # before arriving: 'done' implies every rank's manifest exists
             report.files_written = len(written)
 
-        def write_all() -> list[str]:
+        def write_tiers(tier: TierSave) -> None:
+            # Node memory first (the copy every other tier is made from), then the peers, then durable storage.
+            tier.begin()
+            written = write_all(tier.storage)
+            if coord.rank == 0:  # the metadata a restore from memory needs (durable storage gets it at 'done')
+                write_metadata(tier.storage, self._metadata(ctx, coord.world_size))
+            tier.seal()
+            if lease is not None:  # the state is in node memory: the staging buffers can be reused
+                lease.release()
+            tier.replicate()
+            if ctx.durable:
+                tier.copy_to(ctx.storage)
+                ctx.storage.sync_dirs({p.rsplit("/", 1)[0] for p in written})
+                ctx.storage.write_manifest()
+            report.files_written = len(written)
+
+        def write_all(target: Storage) -> list[str]:
             written: list[str] = []
             for w in staged:
                 if w.is_state_file:
                     done = statefile.write_state_file(
-                        ctx.storage,
+                        target,
                         w.path,
                         w.state,
                         xser_encoding=w.xser,
@@ -516,7 +626,7 @@ class CheckpointManager:
                     report.bytes_written += done.nbytes
                     continue
                 written += statefile.write_plain(
-                    ctx.storage, w.path, w.state, host=fetcher.host if fetcher is not None else None
+                    target, w.path, w.state, host=fetcher.host if fetcher is not None else None
                 )
                 report.bytes_written += sum(t.numel() * t.element_size() for t in _tensors(w.state))
             return written
@@ -561,7 +671,7 @@ class CheckpointManager:
                 failures = barrier.wait_all_arrived()
             except CheckpointTimeoutError as e:  # ranks that never arrived: the save fails, on every rank
                 failures, commit_error = {}, e
-            if not failures and commit_error is None:
+            if not failures and commit_error is None and ctx.durable:
                 try:
                     ctx.monitor.reset(f"committing {ctx.tag!r} on rank 0")
                     run_watched(lambda: self._write_done(ctx, coord.world_size), ctx.monitor, "nxd_ckpt_commit")
@@ -609,9 +719,9 @@ class CheckpointManager:
         if report.completed:
             self._apply_retention(ctx)
 
-    def _write_done(self, ctx: _SaveContext, world_size: int) -> None:
+    def _metadata(self, ctx: _SaveContext, world_size: int) -> TagMetadata:
         topo = ctx.topology
-        metadata = TagMetadata(
+        return TagMetadata(
             tag=ctx.tag,
             created_at=ctx.created_at,
             tp=topo.tp_size,
@@ -627,7 +737,9 @@ class CheckpointManager:
             torch_version=torch.__version__,
             sharding=ctx.sharding,
         )
-        write_metadata(ctx.storage, metadata)
+
+    def _write_done(self, ctx: _SaveContext, world_size: int) -> None:
+        write_metadata(ctx.storage, self._metadata(ctx, world_size))
         ctx.storage.write_manifest()  # rank 0's manifest again, now listing the metadata file too
         ctx.storage.sync_dirs([ctx.tag, ""])  # the tag's entries are durable before 'done' can be
         ctx.storage.write_bytes(layout.tag_path(ctx.tag, layout.DONE_MARKER), b"1")
@@ -658,7 +770,52 @@ class CheckpointManager:
         fallback_to_verified: bool = False,
         timeout: float | None = None,
         sharding: Any = None,
+        *,
+        memory_tier: MemoryTier | None = None,
     ) -> Any:
+        resolve_timeout(timeout)  # a bad timeout fails before anything else
+        tier = self._resolve_tier(memory_tier)
+        if tier is not None:
+            options = dict(
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                num_workers=num_workers,
+                strict=strict,
+                allow_pickle=allow_pickle,
+                rank_state=rank_state,
+                skip_rank_state=skip_rank_state,
+                device=device,
+                verify=verify,
+                fallback_to_verified=fallback_to_verified,
+                timeout=timeout,
+                sharding=sharding,
+            )
+            return self._load_tiers(checkpoint_dir, tag, tier, options)
+        return self._load_dir(
+            checkpoint_dir, tag, model, optimizer, scheduler, num_workers, strict, allow_pickle, rank_state,
+            skip_rank_state, device, verify, fallback_to_verified, timeout, sharding,
+        )  # fmt: skip
+
+    def _load_dir(
+        self,
+        checkpoint_dir: str | os.PathLike[str] | Storage,
+        tag: str | None,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any,
+        num_workers: int,
+        strict: bool,
+        allow_pickle: bool,
+        rank_state: Any,
+        skip_rank_state: bool,
+        device: str | torch.device | None,
+        verify: bool,
+        fallback_to_verified: bool,
+        timeout: float | None,
+        sharding: Any = None,
+    ) -> Any:
+        """A load from one checkpoint directory (or one memory-tier view, a Storage)."""
         timeout_s = resolve_timeout(timeout)
         if fallback_to_verified and tag is None:
             options = dict(
@@ -705,7 +862,7 @@ class CheckpointManager:
         self.wait_pending()
         self.check_for_errors()
         topo = coord.run_all(self.topology, "reading the parallel layout")
-        storage = self._storage_for(checkpoint_dir)
+        storage = checkpoint_dir if isinstance(checkpoint_dir, TierView) else self._storage_for(checkpoint_dir)
 
         def resolve() -> tuple[str, TagDescription]:
             tags.recover_resaves(storage, finish_only=True)  # a crash mid-swap: the complete copy gets its name
@@ -792,6 +949,96 @@ class CheckpointManager:
             )
         return result
 
+    def _load_tiers(
+        self, checkpoint_dir: str | os.PathLike[str], tag: str | None, tier: MemoryTier, options: dict[str, Any]
+    ) -> Any:
+        """The newest complete checkpoint across tiers (or ``tag``): this node's memory, else copies fetched from
+        other nodes, else the checkpoint directory. Every rank takes the same decision (one rule applied to the
+        gathered reports and rank 0's durable listing); a copy that fails verification anywhere sends every rank
+        to the next tier. Logs (rank 0) where each rank's state came
+        from; ``last_restore`` holds it."""
+        coord = self.coordinator()
+        self.check_for_errors()
+        self.wait_pending()
+        self.check_for_errors()
+        timeout_s = resolve_timeout(options.get("timeout"))
+        storage = self._storage_for(checkpoint_dir)
+        with coord.deadline(timeout_s):
+            topo = coord.run_all(self.topology, "reading the parallel layout")
+            runtime = self._tier(tier, storage.url, coord, topo)
+            reports = coord.all_gather_object(runtime.report(), phase="memory tier: what each node holds")
+
+            def durable_newest() -> tuple[str, float] | None:
+                if tag is not None:
+                    return None
+                tags.recover_resaves(storage, finish_only=True)
+                listed = tags.list_tags(storage)
+                return (listed[-1].name, listed[-1].order_time) if listed else None
+
+            choice = choose_memory_tag(reports, tag)
+            durable = coord.master_computes(durable_newest, f"listing the checkpoints in {storage.url}")
+        failures: list[str] = []
+        if choice is not None and (durable is None or choice.created_at >= durable[1] or durable[0] == choice.tag):
+            view: TierView | None = runtime.view(choice, reports, prefer_remote=False)
+            damaged = False
+            for attempt in ("local", "peer"):
+                if attempt == "peer":
+                    # Ranks that found damage read every share from another node's copy; the others keep theirs.
+                    if damaged:
+                        view = runtime.view(choice, reports, prefer_remote=True)
+                    with coord.deadline(timeout_s):
+                        ready = coord.all_gather_object(view is not None, phase="memory tier: other copies")
+                    if not all(ready):
+                        break
+                assert view is not None
+                result, error = None, None
+                try:
+                    # a tier copy counts only verified: every file read is checked against its manifest
+                    verified = {**options, "fallback_to_verified": False, "verify": True}
+                    result = self._load_dir(view, choice.tag, **verified)
+                except Exception as e:
+                    error = e
+                damaged = isinstance(error, FormatError)
+                where = "peer" if view.bytes_remote else "memory"
+                verdict = None if error is None else ("damaged" if damaged else type(error).__name__)
+                # the load's steps raise one rank's damage on every rank: only the rank that found it changes copy
+                damaged = damaged and getattr(error, "origin_rank", coord.rank) == coord.rank
+                with coord.deadline(timeout_s):
+                    verdicts = coord.all_gather_object(
+                        (verdict, str(error) if damaged else None, where),
+                        phase=f"memory tier: agreeing whether {choice.tag!r} loaded",
+                    )
+                if all(v is None for v, _, _ in verdicts):
+                    self.last_restore = RestoreReport(choice.tag, [w for _, _, w in verdicts])
+                    if coord.rank == 0:
+                        logger.info("restored %s from the memory tier (%s)", choice.tag, self.last_restore.summary())
+                    return result
+                if any(v not in (None, "damaged", "RemoteRankError") for v, _, _ in verdicts):
+                    if error is not None:
+                        raise error
+                    raise RemoteRankError(
+                        f"loading {choice.tag} from the memory tier failed on another rank: {verdicts}"
+                    )
+                reason = next(msg for v, msg, _ in verdicts if v == "damaged")
+                failures.append(f"{attempt} copy: {reason}")
+                if coord.rank == 0:
+                    logger.warning(
+                        "the %s copy of checkpoint %s in the memory tier failed verification (%s); trying the "
+                        "next tier",
+                        attempt,
+                        choice.tag,
+                        reason,
+                    )
+        elif choice is None and coord.rank == 0:
+            logger.info("no complete checkpoint%s in the memory tier; loading from %s",
+                        f" {tag!r}" if tag else "", storage.url)  # fmt: skip
+        result = self._load_dir(checkpoint_dir, tag, **options)
+        self.last_restore = RestoreReport(tag or tags.latest_tag(storage) or "", ["durable"] * coord.world_size)
+        if coord.rank == 0:
+            logger.info("restored %s from %s (durable)%s", self.last_restore.tag, storage.url,
+                        " after: " + " | ".join(failures) if failures else "")  # fmt: skip
+        return result
+
     def _plan_reshard(
         self,
         coord: Coordinator,
@@ -830,7 +1077,7 @@ class CheckpointManager:
         A tag is skipped when any rank found one of its files damaged or missing (FormatError, which includes
         IntegrityError); every other error is raised. All ranks agree on each attempt's outcome.
         """
-        options = {**options, "verify": True}  # each candidate is one verified load of a named tag
+        options = {**options, "verify": True, "fallback_to_verified": False}  # one verified load per candidate
         coord = self.coordinator()
         storage = self._storage_for(checkpoint_dir)
 
@@ -846,7 +1093,7 @@ class CheckpointManager:
         for candidate in candidates:
             result, error = None, None
             try:
-                result = self.load(checkpoint_dir, candidate, **options)
+                result = self._load_dir(checkpoint_dir, candidate, **options)
             except Exception as e:
                 error = e
             damaged = isinstance(error, FormatError)

@@ -145,3 +145,30 @@ def rank_state_file(tag: str, rank: int) -> str:
 def gathered_rank_states_file(tag: str) -> str:
     """Every rank's per-rank state in one file, written by the master (the gather-to-master pattern)."""
     return tag_path(tag, EXTRAS_DIR, "rank_states.pt")
+
+
+# --------------------------------------------------------------------------------------------- the memory tier
+MEMORY_SHARE_PREFIX = "node_"
+"""A node's memory directory holds one folder per share: ``node_NNNNN`` holds what node NNNNN's ranks wrote."""
+TIER_MARKER_PREFIX = "tier_rank_"
+_SHARE_RE = re.compile(r"^node_(\d{5})$")
+_TIER_MARKER_RE = re.compile(r"^tier_rank_(\d{5})\.json$")
+
+
+def memory_share_dir(node: int) -> str:
+    return f"{MEMORY_SHARE_PREFIX}{node:05d}"
+
+
+def parse_memory_share_dir(name: str) -> int | None:
+    m = _SHARE_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def tier_marker_file(tag: str, rank: int) -> str:
+    """Written last, after a rank's files and manifest, in every memory-tier copy of them: that copy is complete."""
+    return tag_path(tag, EXTRAS_DIR, f"{TIER_MARKER_PREFIX}{rank:05d}.json")
+
+
+def parse_tier_marker_name(name: str) -> int | None:
+    m = _TIER_MARKER_RE.match(name)
+    return int(m.group(1)) if m else None

@@ -6,6 +6,9 @@
 
 The decorated function is re-imported by module and name in each child (spawn, as on a real cluster), so it
 must live at module level. Each rank's exception and traceback is reported by the parent.
+
+``ranks_per_node`` numbers the ranks as torchrun does on several nodes (LOCAL_RANK, LOCAL_WORLD_SIZE and
+GROUP_RANK per simulated node); ``sigkill_ok`` accepts ranks that end by SIGKILL (a simulated crash) as passed.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import sys
 import time
@@ -41,16 +45,19 @@ def _rank_main(
     results: Any,
     sys_path: list[str],
     extra_env: dict[str, str],
+    ranks_per_node: int | None = None,
 ) -> None:
     sys.path[:] = sys_path
+    per_node = ranks_per_node or world_size
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "RANK": str(rank),
             "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank % per_node),
+            "LOCAL_WORLD_SIZE": str(per_node),
+            "GROUP_RANK": str(rank // per_node),
             _RANK_ENV: str(rank),
             **extra_env,
         }
@@ -97,8 +104,12 @@ def run_on_ranks(
     kwargs: dict[str, Any] | None = None,
     timeout: float = 240.0,
     env: dict[str, str] | None = None,
+    ranks_per_node: int | None = None,
+    sigkill_ok: bool = False,
 ) -> None:
     """Run module-level function ``fn(**kwargs)`` on ``world_size`` spawned gloo ranks; raise if any failed."""
+    if ranks_per_node is not None and (ranks_per_node < 1 or world_size % ranks_per_node):
+        raise ValueError(f"ranks_per_node={ranks_per_node} must divide world_size={world_size}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
@@ -106,7 +117,18 @@ def run_on_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(module, qualname, r, world_size, port, kwargs or {}, results, list(sys.path), env or {}),
+            args=(
+                module,
+                qualname,
+                r,
+                world_size,
+                port,
+                kwargs or {},
+                results,
+                list(sys.path),
+                env or {},
+                ranks_per_node,
+            ),
             name=f"rank{r}",
         )
         for r in range(world_size)
@@ -126,7 +148,8 @@ def run_on_ranks(
             dead = [i for i, p in enumerate(procs) if not p.is_alive() and i not in reported]
             if dead and all(not p.is_alive() for p in procs):
                 for i in dead:
-                    failures[i] = f"rank {i} exited with code {procs[i].exitcode} without reporting"
+                    if not (sigkill_ok and procs[i].exitcode == -signal.SIGKILL):
+                        failures[i] = f"rank {i} exited with code {procs[i].exitcode} without reporting"
                 break
             if time.monotonic() > deadline:
                 for i in range(world_size):
@@ -145,7 +168,9 @@ def run_on_ranks(
         raise AssertionError(f"{len(failures)} of {world_size} ranks failed:\n{details}")
 
 
-def run_with_ranks(world_size: int, timeout: float = 240.0, env: dict[str, str] | None = None) -> Callable:
+def run_with_ranks(
+    world_size: int, timeout: float = 240.0, env: dict[str, str] | None = None, ranks_per_node: int | None = None
+) -> Callable:
     """Decorator form of ``run_on_ranks`` for plain pytest functions (fixtures arrive as keyword arguments)."""
 
     def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -153,7 +178,7 @@ def run_with_ranks(world_size: int, timeout: float = 240.0, env: dict[str, str] 
         def wrapper(*args: Any, **kwargs: Any) -> None:
             if args:
                 raise TypeError("run_with_ranks functions take keyword arguments (pytest fixtures) only")
-            run_on_ranks(wrapper, world_size, kwargs, timeout=timeout, env=env)
+            run_on_ranks(wrapper, world_size, kwargs, timeout=timeout, env=env, ranks_per_node=ranks_per_node)
 
         wrapper.__rank_fn__ = fn  # type: ignore[attr-defined]
         return wrapper

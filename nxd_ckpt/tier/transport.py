@@ -1,0 +1,270 @@
+"""Moving memory-tier files between nodes: a small file server per process and its client, over plain TCP.
+
+Replication and peer restores run on the writer thread (or inside a load), never as a collective on the
+training thread: a collective from a background thread would interleave with the training thread's own on the
+same group. Each process serves its node's memory directory (``FileServer``); a peer pushes a file with one
+``put`` (streamed with ``sendfile``, written under a temporary name and renamed, as ``LocalStorage`` does) and
+fetches one with ``get``. Every request carries the job's token (made by rank 0, shared at set-up), so a stray
+connection cannot read or write the memory directory; paths are checked like every storage path. Each socket
+operation has a deadline (no call waits forever).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import socket
+import socketserver
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from nxd_ckpt.errors import CheckpointTimeoutError, StorageError
+from nxd_ckpt.storage import LocalStorage, check_relative_path
+
+_MAX_HEADER = 64 << 10
+_PIECE = 8 << 20
+
+
+def _read_line(sock_file: Any) -> dict[str, Any]:
+    line = sock_file.readline(_MAX_HEADER)
+    if not line.endswith(b"\n"):
+        raise StorageError("memory-tier peer closed the connection or sent a malformed header")
+    return json.loads(line)
+
+
+def _send_header(sock: socket.socket, header: dict[str, Any]) -> None:
+    sock.sendall(json.dumps(header).encode() + b"\n")
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    server: _Server
+
+    def handle(self) -> None:
+        try:
+            request = _read_line(self.rfile)
+        except Exception:
+            return
+        try:
+            if request.get("token") != self.server.token:
+                raise PermissionError("wrong token: this request is not from this job")
+            op, path = request.get("op"), check_relative_path(str(request.get("path", "")))
+            self.request.settimeout(self.server.timeout_s)
+            if op == "get":
+                self._get(path)
+            elif op == "put":
+                self._put(path, int(request["size"]))
+            elif op == "delete":
+                self.server.storage.delete(path)
+                _send_header(self.request, {"ok": True})
+            else:
+                raise ValueError(f"unknown operation {op!r}")
+        except Exception as e:
+            with contextlib.suppress(OSError):
+                _send_header(self.request, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+
+    def _get(self, path: str) -> None:
+        full = self.server.storage.local_path(path)
+        assert full is not None
+        if not os.path.isfile(full):
+            _send_header(self.request, {"ok": False, "missing": True, "error": f"{path} is not held here"})
+            return
+        with open(full, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            _send_header(self.request, {"ok": True, "size": size})
+            if size:
+                self.request.sendfile(f)
+
+    def _put(self, path: str, size: int) -> None:
+        remaining = size
+        with self.server.storage.open_write(path) as f:
+            while remaining:
+                data = self.rfile.read(min(_PIECE, remaining))
+                if not data:
+                    raise StorageError(f"the sender of {path} stopped after {size - remaining} of {size} bytes")
+                f.write(data)
+                remaining -= len(data)
+        _send_header(self.request, {"ok": True})
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], storage: LocalStorage, token: str, timeout_s: float) -> None:
+        super().__init__(address, _Handler)
+        self.storage = storage
+        self.token = token
+        self.timeout_s = timeout_s
+
+
+def _read_line_raw(f: Any) -> dict[str, Any]:
+    """A header line from an unbuffered socket file, read byte by byte (nothing after it is consumed)."""
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        byte = f.read(1)
+        if not byte or len(line) > _MAX_HEADER:
+            raise StorageError("memory-tier peer closed the connection or sent a malformed header")
+        line += byte
+    return json.loads(line)
+
+
+class _Stream(io.RawIOBase):
+    """``size`` bytes of a file arriving on a socket, read once, front to back."""
+
+    def __init__(self, f: Any, size: int, what: str) -> None:
+        self._f = f
+        self.size = size
+        self._left = size
+        self._what = what
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")[: self._left]
+        if not len(view):
+            return 0
+        n = self._f.readinto(view) or 0
+        if not n:
+            raise PeerError(f"{self._what}: the peer stopped after {self.size - self._left} of {self.size} bytes")
+        self._left -= n
+        return n
+
+
+class FileServer:
+    """Serves (and receives) the files under ``root`` on a background thread until ``close``."""
+
+    def __init__(self, root: str, token: str, timeout_s: float, bind: str = "0.0.0.0") -> None:
+        os.makedirs(root, exist_ok=True)
+        self.root = root
+        self._server = _Server((bind, 0), LocalStorage(root), token, timeout_s)
+        self.port = int(self._server.server_address[1])
+        self._thread = threading.Thread(target=self._server.serve_forever, name="nxd_ckpt_tier_server", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+class PeerError(StorageError):
+    """A memory-tier peer could not be reached, or refused or failed a request."""
+
+
+class MissingOnPeer(PeerError):
+    """The peer does not hold the requested file."""
+
+
+class FileClient:
+    """Requests to the file servers of other nodes; ``address`` is ``host:port``."""
+
+    def __init__(self, token: str, timeout_s: float) -> None:
+        self.token = token
+        self.timeout_s = timeout_s
+
+    @contextlib.contextmanager
+    def _connect(self, address: str, what: str) -> Any:
+        host, _, port = address.rpartition(":")
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
+        except TimeoutError as e:
+            raise CheckpointTimeoutError(
+                f"{what}: the memory-tier peer {address} did not accept a connection within {self.timeout_s:g} s"
+            ) from e
+        except OSError as e:
+            raise PeerError(f"{what}: cannot reach the memory-tier peer {address}: {e.strerror or e}") from e
+        try:
+            with sock:
+                yield sock
+        except TimeoutError as e:
+            raise CheckpointTimeoutError(
+                f"{what}: the memory-tier peer {address} sent nothing for {self.timeout_s:g} s"
+            ) from e
+
+    def _reply(self, sock: socket.socket, address: str, what: str) -> dict[str, Any]:
+        with sock.makefile("rb") as f:
+            header = _read_line(f)
+        if not header.get("ok"):
+            cls = MissingOnPeer if header.get("missing") else PeerError
+            raise cls(f"{what}: the memory-tier peer {address} answered: {header.get('error')}")
+        return header
+
+    def put_file(self, address: str, path: str, local_file: str) -> None:
+        """Copy the local file to ``path`` under the peer's root (it appears there complete or not at all)."""
+        what = f"copying {path} to {address}"
+        with self._connect(address, what) as sock, open(local_file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            _send_header(sock, {"token": self.token, "op": "put", "path": path, "size": size})
+            try:
+                if size:
+                    sock.sendfile(f)
+            except (BrokenPipeError, ConnectionResetError) as e:  # the peer refused early: its answer says why
+                try:
+                    self._reply(sock, address, what)
+                except PeerError:
+                    raise
+                except Exception:
+                    pass
+                raise PeerError(f"{what}: the memory-tier peer {address} closed the connection: {e}") from e
+            self._reply(sock, address, what)
+
+    def delete(self, address: str, path: str) -> None:
+        what = f"deleting {path} on {address}"
+        with self._connect(address, what) as sock:
+            _send_header(sock, {"token": self.token, "op": "delete", "path": path})
+            self._reply(sock, address, what)
+
+    @contextlib.contextmanager
+    def open_stream(self, address: str, path: str) -> Iterator[_Stream]:
+        """The peer's file as a read-once stream: bytes go from the socket straight into the caller's buffers."""
+        what = f"fetching {path} from {address}"
+        with self._connect(address, what) as sock:
+            _send_header(sock, {"token": self.token, "op": "get", "path": path})
+            f = sock.makefile("rb", buffering=0)
+            try:
+                header = _read_line_raw(f)
+                if not header.get("ok"):
+                    cls = MissingOnPeer if header.get("missing") else PeerError
+                    raise cls(f"{what}: the memory-tier peer {address} answered: {header.get('error')}")
+                stream = _Stream(f, int(header["size"]), what)
+                yield stream
+            finally:
+                f.close()
+
+    def get(
+        self,
+        address: str,
+        path: str,
+        allocate: Callable[[int], np.ndarray] | None = None,
+        on_piece: Callable[[memoryview], None] | None = None,
+    ) -> np.ndarray:
+        """The whole file, in one array from ``allocate``; ``on_piece`` sees each piece as it arrives."""
+        what = f"fetching {path} from {address}"
+        with self._connect(address, what) as sock:
+            _send_header(sock, {"token": self.token, "op": "get", "path": path})
+            f = sock.makefile("rb")
+            try:
+                header = _read_line(f)
+                if not header.get("ok"):
+                    cls = MissingOnPeer if header.get("missing") else PeerError
+                    raise cls(f"{what}: the memory-tier peer {address} answered: {header.get('error')}")
+                size = int(header["size"])
+                buffer = allocate(size) if allocate is not None else np.empty(size, dtype=np.uint8)
+                view = memoryview(buffer).cast("B")
+                done = 0
+                while done < size:
+                    n = f.readinto(view[done : min(size, done + _PIECE)])
+                    if not n:
+                        raise PeerError(f"{what}: the peer stopped after {done} of {size} bytes")
+                    if on_piece is not None:
+                        on_piece(view[done : done + n])
+                    done += n
+                return buffer[:size]
+            finally:
+                f.close()

@@ -1,0 +1,240 @@
+"""Memory tier benchmark (issue 20): recovery time from node memory, from a peer node, and from durable storage
+(cold), for the same state, and what the tiers add to the time a save blocks training.
+
+Run:  $(bash scripts/setup_env.sh cpu | tail -1) scripts/bench_memory_tier.py [--total-mib 512] [--repeats 3]
+
+4 spawned gloo ranks as 2 simulated nodes (LOCAL_WORLD_SIZE=2), each node with its own memory directory under
+/dev/shm (``MemoryTier(dir=.../node{node})``, replicas=1). State: a replicated fp32 model (written by rank 0)
+plus each rank's ZeRO-1 shard of AdamW state, --total-mib in all. In one run, on the same processes:
+  blocked    async saves without and with the tier (durable every save, so both write the same files to the
+             same disk; which goes first alternates), each waited for before the next: median over repeats of the
+             slowest rank's time blocked in ``save_checkpoint``;
+  recovery   a fresh manager loads the newest tag (the slowest rank's time in ``load_checkpoint``):
+             memory  every rank reads its node's memory directory;
+             peer    node 0's memory directory is moved away (a replaced node): its ranks fetch from node 1;
+             durable both memory directories moved away: everything from the checkpoint directory, after dropping
+                     the page cache (``/proc/sys/vm/drop_caches`` if writable, else ``posix_fadvise(DONTNEED)``
+                     on every checkpoint file; said in the output).
+             After one untimed load (the processes' first), the three alternate --repeats times; medians.
+  blocked, one process   the same comparison in the parent process alone (a quarter of the state, replicas=0):
+             the training thread's own cost of the tier, without 4 ranks competing for the 2 cores.
+Ratios are printed; absolute times vary 2-5x on this shared 2-core VM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # spawned ranks import this file by name
+
+MIB = 1 << 20
+
+
+def _state(total_bytes: int, rank: int, world: int) -> tuple[dict, dict]:
+    """A replicated fp32 model (a third of the bytes) and this rank's shard of AdamW's two moments."""
+    n = max(1, total_bytes // 3 // 4 // 8)
+    gen = torch.Generator().manual_seed(0)
+    model = {f"layer{i}.weight": torch.rand(n, generator=gen) for i in range(8)}
+    shard = n // world
+    state = {
+        i: {"step": torch.tensor(5.0), "exp_avg": torch.rand(shard) + rank, "exp_avg_sq": torch.rand(shard)}
+        for i in range(8)
+    }
+    return model, {"state": state, "param_groups": [{"lr": 1e-4, "params": list(range(8))}]}
+
+
+def _drop_cache(root: str) -> str:
+    """Evict the checkpoint's files from the page cache; return how."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return "posix_fadvise(DONTNEED) per file"
+
+
+def _slowest(coord, seconds: float) -> float:
+    return max(coord.all_gather_object(seconds, phase="benchmark"))
+
+
+def rank_main(total_mib: int, repeats: int, ckpt: str, mem: str, out: str) -> None:
+    import torch.distributed as dist
+
+    import nxd_ckpt as nxd
+    from nxd_ckpt.dist.coordinator import Coordinator
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    coord = Coordinator()
+    tier = nxd.MemoryTier(dir=os.path.join(mem, "node{node}"), replicas=1, durable_every=1, max_copies=4)
+    model, optimizer = _state(total_mib * MIB, rank, world)
+    blocked: dict[str, list[float]] = {"plain": [], "tier": []}
+    nxd.save_checkpoint(ckpt, "warmup_plain", model=model, optimizer=optimizer, zero1_optimizer=True,
+                        async_save=True, num_kept_ckpts=2).wait()  # fmt: skip
+    nxd.save_checkpoint(ckpt, "warmup_tier", model=model, optimizer=optimizer, zero1_optimizer=True,
+                        async_save=True, num_kept_ckpts=2, memory_tier=tier).wait()  # fmt: skip
+    for i in range(repeats):
+        for mode in ("plain", "tier") if i % 2 == 0 else ("tier", "plain"):  # alternate which goes first
+            coord.barrier()
+            report = nxd.save_checkpoint(
+                ckpt, f"{mode}_{i}", model=model, optimizer=optimizer, zero1_optimizer=True, async_save=True,
+                num_kept_ckpts=2, memory_tier=tier if mode == "tier" else None,
+            )  # fmt: skip
+            blocked[mode].append(_slowest(coord, report.blocked_s))
+            report.wait()
+            nxd.get_manager().wait_pending()  # retention too: the next save must not wait for anything
+    nxd.finalize_checkpoint()
+    newest = f"tier_{repeats - 1}"
+    results: dict[str, object] = {
+        "blocked_plain_s": statistics.median(blocked["plain"]),
+        "blocked_tier_s": statistics.median(blocked["tier"]),
+        "blocked_all": blocked,
+        "rank_bytes": sum(t.numel() * t.element_size() for t in optimizer_tensors(optimizer))
+        + (sum(t.numel() * t.element_size() for t in model.values()) if rank == 0 else 0),
+    }
+
+    def timed_load(label: str) -> float:
+        manager = nxd.CheckpointManager()
+        target_model = {k: torch.empty_like(v) for k, v in model.items()}
+        target_opt = {
+            "state": {i: {k: torch.empty_like(v) for k, v in s.items()} for i, s in optimizer["state"].items()},
+            "param_groups": [dict(g) for g in optimizer["param_groups"]],
+        }
+        coord.barrier()
+        start = time.perf_counter()
+        manager.load(ckpt, model=target_model, optimizer=target_opt, memory_tier=tier)
+        elapsed = _slowest(coord, time.perf_counter() - start)
+        restore = manager.last_restore
+        assert restore is not None and restore.tag == newest, restore
+        assert all(torch.equal(target_model[k], model[k]) for k in model)
+        pairs = zip(optimizer_tensors(target_opt), optimizer_tensors(optimizer), strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs)
+        results[f"recovery_{label}_tiers"] = restore.summary()
+        manager.finalize()
+        return elapsed
+
+    times: dict[str, list[float]] = {"memory": [], "peer": [], "durable": []}
+    node0, node1 = os.path.join(mem, "node0"), os.path.join(mem, "node1")
+    timed_load("warmup")  # first load of the processes (imports, allocator): not counted
+    for _ in range(repeats):
+        times["memory"].append(timed_load("memory"))
+        if rank == 0:
+            os.rename(node0, node0 + ".lost")
+        coord.barrier()
+        times["peer"].append(timed_load("peer"))
+        if rank == 0:
+            os.rename(node1, node1 + ".lost")
+            results["cold_method"] = _drop_cache(ckpt)
+        coord.barrier()
+        times["durable"].append(timed_load("durable"))
+        if rank == 0:  # the replaced nodes' new (empty) memory directories give way to the saved ones
+            for node_dir in (node0, node1):
+                shutil.rmtree(node_dir, ignore_errors=True)
+                os.rename(node_dir + ".lost", node_dir)
+        coord.barrier()
+    for label, values in times.items():
+        results[f"recovery_{label}_s"] = statistics.median(values)
+        results[f"recovery_{label}_all"] = values
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+
+
+def single_process_blocked(total_mib: int, repeats: int, work: str) -> dict[str, list[float]]:
+    """The same comparison in this one process (``replicas=0``): the training thread's own cost of the tier,
+    without 4 ranks competing for 2 cores."""
+    import nxd_ckpt as nxd
+
+    model, _ = _state(total_mib * MIB, 0, 1)
+    ckpt, mem = os.path.join(work, "single"), os.path.join(work, "single_mem")
+    tier = nxd.MemoryTier(dir=mem, replicas=0, durable_every=1, max_copies=2)
+    out: dict[str, list[float]] = {"plain": [], "tier": []}
+    for i in range(repeats + 1):
+        for mode in ("plain", "tier") if i % 2 == 0 else ("tier", "plain"):
+            report = nxd.save_checkpoint(
+                ckpt, f"{mode}_{i}", model=model, async_save=True, num_kept_ckpts=2,
+                memory_tier=tier if mode == "tier" else None,
+            )  # fmt: skip
+            if i:  # the first round allocates the staging buffers
+                out[mode].append(report.blocked_s)
+            report.wait()
+            nxd.get_manager().wait_pending()
+    nxd.reset_manager()
+    return out
+
+
+def optimizer_tensors(optimizer: dict) -> list[torch.Tensor]:
+    return [t for s in optimizer["state"].values() for t in s.values() if t.dim() > 0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--total-mib", type=int, default=512, help="tensor data of the whole job")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--durable-dir", default=None, help="where the checkpoint directory goes (default: a temp dir)")
+    args = parser.parse_args()
+    from nxd_ckpt.testing.multiprocess import run_on_ranks
+
+    bench = __import__("bench_memory_tier")  # by module name, as the spawned ranks import it
+
+    work = tempfile.mkdtemp(prefix="nxd_bench_tier_", dir=args.durable_dir)
+    mem_base = "/dev/shm" if os.path.isdir("/dev/shm") else work
+    mem = tempfile.mkdtemp(prefix="nxd_bench_tier_mem_", dir=mem_base)
+    out = os.path.join(work, "results.json")
+    try:
+        run_on_ranks(
+            bench.rank_main, 4, dict(total_mib=args.total_mib, repeats=args.repeats, ckpt=os.path.join(work, "ckpt"),
+                               mem=mem, out=out),
+            timeout=1800, ranks_per_node=2,
+        )  # fmt: skip
+        with open(out) as f:
+            r = json.load(f)
+        single = single_process_blocked(args.total_mib // 4, args.repeats * 2, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(mem, ignore_errors=True)
+    mem_s, peer_s, durable_s = r["recovery_memory_s"], r["recovery_peer_s"], r["recovery_durable_s"]
+    print(f"state: {args.total_mib} MiB in all, 4 ranks as 2 nodes; memory tier in {mem_base}")
+    print(f"recovery (median of {args.repeats}, slowest rank):")
+
+    def each(label: str) -> str:
+        return ", ".join(f"{v:.3f}" for v in r[f"recovery_{label}_all"])
+
+    print(f"recovery from node memory:   {mem_s:7.3f} s   ({r['recovery_memory_tiers']}; each: {each('memory')})")
+    print(f"recovery from the peer:      {peer_s:7.3f} s   ({r['recovery_peer_tiers']}; each: {each('peer')})")
+    print(f"recovery from durable, cold: {durable_s:7.3f} s   (page cache dropped by {r['cold_method']}; "
+          f"each: {each('durable')})")  # fmt: skip
+    print(f"  durable / memory = {durable_s / mem_s:.2f}x, durable / peer = {durable_s / peer_s:.2f}x")
+    plain, tiered = r["blocked_plain_s"], r["blocked_tier_s"]
+    print(f"save blocked (async, median of {args.repeats}): without tier {plain:.3f} s, with tier {tiered:.3f} s "
+          f"(ratio {tiered / plain:.2f})")  # fmt: skip
+    for mode, values in r["blocked_all"].items():
+        print(f"  blocked {mode}: " + ", ".join(f"{v:.3f}" for v in values))
+    plain1, tier1 = statistics.median(single["plain"]), statistics.median(single["tier"])
+    print(f"save blocked, one process ({args.total_mib // 4} MiB, replicas=0, median of {args.repeats * 2}): "
+          f"without tier {plain1:.3f} s, with tier {tier1:.3f} s (ratio {tier1 / plain1:.2f})")  # fmt: skip
+    for mode, values in single.items():
+        print(f"  blocked {mode}: " + ", ".join(f"{v:.3f}" for v in values))
+
+
+if __name__ == "__main__":
+    main()
