@@ -4,7 +4,8 @@
 # Environments are built on first use and cached (~/.cache/nxd-ckpt/envs): cpu ~1.3 GB, xla ~7.3 GB (PyPI's torch
 # 2.9.0 is the CUDA build); the suite takes about 30 minutes on 2 cores. See scripts/setup_env.sh.
 # pytest removes the temporary directories of passing tests at the end (pyproject: tmp_path_retention_policy).
-# Set NXD_CKPT_LANES="cpu" or "xla" to run one lane; extra arguments go to pytest.
+# Set NXD_CKPT_LANES="cpu" or "xla" to run one lane; extra arguments go to pytest. Suites marked
+# device_independent (file-protocol and storage fault injection: no state on a device) run in the CPU lane only.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -29,7 +30,8 @@ for lane in $lanes; do
   env "${lane_env[@]}" "$py" -c "import sys, torch; xla = sys.argv[1] == 'xla' and __import__('torch_xla'); print('[$lane] python', sys.version.split()[0], '| torch', torch.__version__, '| torch_xla', xla.__version__ if xla else '-', flush=True)" "$lane"
   echo "[$lane] env: ${lane_env[*]}"
   set +e
-  env "${lane_env[@]}" "$py" -m pytest -p no:cacheprovider "$@"
+  # --durations: the slowest tests of each lane in the log, to keep the whole run within CI's budget
+  env "${lane_env[@]}" "$py" -m pytest -p no:cacheprovider --durations=15 "$@"
   rc=$?
   set -e
   # pytest exit code 5 means no tests were collected: that is a failure here, never a silent pass.

@@ -22,7 +22,14 @@ if HAVE_TORCH_XLA and os.environ.get("NXD_CKPT_TEST_LANE") == "xla":
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``xla``-marked tests when torch_xla is absent; in the XLA lane its absence is an error instead."""
+    """Skip ``xla``-marked tests when torch_xla is absent; in the XLA lane its absence is an error instead.
+    ``device_independent`` suites (file protocol and storage fault injection, no state on a device) run once, in
+    the CPU lane, which keeps both lanes together within CI's time budget."""
+    if os.environ.get("NXD_CKPT_TEST_LANE") == "xla":
+        once = pytest.mark.skip(reason="device-independent: runs once, in the CPU lane")
+        for item in items:
+            if item.get_closest_marker("device_independent") is not None:
+                item.add_marker(once)
     if HAVE_TORCH_XLA:
         return
     if os.environ.get("NXD_CKPT_TEST_LANE") == "xla":

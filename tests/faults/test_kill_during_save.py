@@ -17,6 +17,8 @@ from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.crashloop import CrashLoop, model_state, optimizer_state, step_of
 from nxd_ckpt.testing.fakes import assert_state_equal
 
+pytestmark = pytest.mark.device_independent
+
 KILL_POINTS_PER_MODE = int(os.environ.get("NXD_CKPT_KILL_POINTS", "12"))
 MAX_KILL_POINTS = 3 * KILL_POINTS_PER_MODE
 KEEP = 2

@@ -29,6 +29,7 @@ _REASON = fuse_unavailable_reason()
 pytestmark = [
     pytest.mark.skipif(not os.path.exists("/dev/fuse"), reason=_REASON or ""),
     pytest.mark.timeout(600),
+    pytest.mark.device_independent,
 ]
 
 WORLD = 2

@@ -18,6 +18,8 @@ from nxd_ckpt.format import layout
 from nxd_ckpt.testing.crashloop import model_state, optimizer_state, run_resave
 from nxd_ckpt.testing.fakes import assert_state_equal
 
+pytestmark = pytest.mark.device_independent
+
 TAG = "step_7"
 
 

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
+
 import nxd_ckpt as nxd
 from nxd_ckpt.format import tags
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.crashloop import model_state, optimizer_state, run_retention
 from nxd_ckpt.testing.fakes import assert_state_equal
+
+pytestmark = pytest.mark.device_independent
 
 
 def _pristine(root) -> str:

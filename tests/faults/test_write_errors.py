@@ -19,6 +19,8 @@ from nxd_ckpt.testing.crashloop import model_state, optimizer_state
 from nxd_ckpt.testing.fakes import assert_state_equal
 from nxd_ckpt.testing.multiprocess import run_with_ranks
 
+pytestmark = pytest.mark.device_independent
+
 ERRNOS = [errno.ENOSPC, errno.EIO, errno.EACCES]
 POINTS_PER_ERRNO = 5
 

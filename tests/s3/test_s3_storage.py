@@ -14,7 +14,7 @@ from nxd_ckpt.storage import storage_for
 from nxd_ckpt.storage.s3 import ENDPOINT_ENV, MIB, S3Storage, parse_s3_url
 from nxd_ckpt.testing.s3server import ThrottlingProxy, free_port
 
-pytestmark = pytest.mark.s3
+pytestmark = [pytest.mark.s3, pytest.mark.device_independent]
 
 
 def test_parse_url_and_routing(s3_url):

@@ -15,7 +15,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the set-up scripts target Linux")
+pytestmark = [
+    pytest.mark.skipif(sys.platform != "linux", reason="the set-up scripts target Linux"),
+    pytest.mark.device_independent,
+]
 
 
 def _stub_env(env_root: Path, lane: str, pytest_status: int) -> Path:
