@@ -85,7 +85,10 @@ def rank_main(total_mib: int, repeats: int, ckpt: str, mem: str, out: str) -> No
 
     rank, world = dist.get_rank(), dist.get_world_size()
     coord = Coordinator()
-    tier = nxd.MemoryTier(dir=os.path.join(mem, "node{node}"), replicas=1, durable_every=1, max_copies=4)
+    os.environ["NXD_CKPT_MEMORY_TIER_HOST"] = "127.0.0.1"  # simulated nodes on one machine meet on loopback
+    tier = nxd.MemoryTier(
+        dir=os.path.join(mem, "node{node}"), replicas=1, durable_every=1, max_copies=4, bind="127.0.0.1"
+    )
     model, optimizer = _state(total_mib * MIB, rank, world)
     blocked: dict[str, list[float]] = {"plain": [], "tier": []}
     nxd.save_checkpoint(ckpt, "warmup_plain", model=model, optimizer=optimizer, zero1_optimizer=True,

@@ -26,7 +26,10 @@ DURABLE_EVERY = 2
 
 
 def _tier(mem: str) -> nxd.MemoryTier:
-    return nxd.MemoryTier(dir=os.path.join(mem, "node{node}"), replicas=1, durable_every=DURABLE_EVERY, max_copies=4)
+    os.environ["NXD_CKPT_MEMORY_TIER_HOST"] = "127.0.0.1"  # this rank's process: peers meet on loopback only
+    return nxd.MemoryTier(
+        dir=os.path.join(mem, "node{node}"), replicas=1, durable_every=DURABLE_EVERY, max_copies=4, bind="127.0.0.1"
+    )
 
 
 def _save_job(ckpt: str, mem: str, expected: str) -> None:
@@ -156,7 +159,8 @@ def _unreachable_peer_job(ckpt: str, mem: str) -> None:
     """Node 1's file servers go away: node 0's pushes fail, and the save fails on every rank with that error."""
     rank = dist.get_rank()
     model = {"w": torch.full((1024,), float(rank % 2))}
-    tier = nxd.MemoryTier(dir=os.path.join(mem, "node{node}"), replicas=1, durable_every=1)
+    os.environ["NXD_CKPT_MEMORY_TIER_HOST"] = "127.0.0.1"
+    tier = nxd.MemoryTier(dir=os.path.join(mem, "node{node}"), replicas=1, durable_every=1, bind="127.0.0.1")
     nxd.save_checkpoint(ckpt, "ok", model=model, async_save=True, memory_tier=tier).wait()
     dist.barrier()
     if rank >= 2:
