@@ -16,13 +16,14 @@ import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import numpy as np
 
 from nxd_ckpt.errors import FormatError
 from nxd_ckpt.format import layout
 from nxd_ckpt.format.manifests import parse_manifest
+from nxd_ckpt.serialization.inmemory import BufferReader
 from nxd_ckpt.storage import LocalStorage, Storage
 from nxd_ckpt.storage.base import Allocator
 from nxd_ckpt.tier.transport import FileClient, MissingOnPeer
@@ -127,7 +128,7 @@ class TierView(Storage):
             return
         rank, source = self._source_of(path)
         if source.remote:
-            yield _ArrayReader(self.read_buffer(path))  # type: ignore[misc]
+            yield BufferReader(self.read_buffer(path))  # type: ignore[misc]
             return
         assert source.local_root is not None
         full = os.path.join(source.local_root, self._share_path(path, rank))
@@ -199,32 +200,3 @@ class TierView(Storage):
 
     def delete_tree(self, path: str) -> None:
         raise PermissionError(f"the memory-tier view of {self.tag} is read-only")
-
-
-class _ArrayReader(io.RawIOBase):
-    """A seekable read stream over a fetched file's buffer, without copying it again."""
-
-    def __init__(self, data: np.ndarray) -> None:
-        self._view = memoryview(data).cast("B")
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        target = memoryview(b).cast("B")
-        n = min(len(target), len(self._view) - self._pos)
-        target[:n] = self._view[self._pos : self._pos + n]
-        self._pos += n
-        return n
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
