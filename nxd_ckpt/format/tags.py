@@ -34,6 +34,9 @@ class TagInfo:
     complete: bool
     order_time: float
     metadata: TagMetadata | None
+    time_resolution_s: float = 0.0
+    """How coarse ``order_time`` is: 0 for the recorded creation time, the storage's mtime resolution for a
+    marker's mtime (tags without metadata)."""
 
     @property
     def sort_key(self) -> tuple:
@@ -64,12 +67,14 @@ def _tag_info(storage: Storage, name: str) -> TagInfo | None:
         meta = read_metadata(storage, name)
     except FormatError:
         logger.warning("ignoring unreadable metadata of tag %s in %s", name, storage.url)
+    resolution = 0.0
     if meta is not None and meta.created_at is not None:
         order_time = meta.created_at
     else:
         marker = layout.DONE_MARKER if complete else layout.CHECKPOINT_MARKER
         order_time = storage.mtime(layout.tag_path(name, marker))
-    return TagInfo(name=name, complete=complete, order_time=order_time, metadata=meta)
+        resolution = storage.mtime_resolution_s
+    return TagInfo(name=name, complete=complete, order_time=order_time, metadata=meta, time_resolution_s=resolution)
 
 
 def list_tags(storage: Storage, include_incomplete: bool = False) -> list[TagInfo]:
@@ -147,7 +152,7 @@ def _why_empty(storage: Storage) -> str:
 
 def tags_to_delete(tags: list[TagInfo], keep: int, protect: set[str] = frozenset()) -> list[str]:
     """Retention policy (pure): complete tags beyond the newest ``keep``, oldest first, then incomplete tags
-    older than the oldest kept complete one. Tags in ``protect`` (saves in flight) are never chosen."""
+    surely older than the oldest kept complete one. Tags in ``protect`` (saves in flight) are never chosen."""
     if keep < 1:
         raise ValueError(f"num_kept_ckpts must be >= 1, got {keep}")
     ordered = sorted(tags, key=lambda i: i.sort_key)
@@ -155,9 +160,17 @@ def tags_to_delete(tags: list[TagInfo], keep: int, protect: set[str] = frozenset
     doomed = [t.name for t in complete[: max(0, len(complete) - keep)]]
     kept = complete[-keep:] if complete else []
     if kept:
-        oldest_kept = kept[0].sort_key
-        doomed += [t.name for t in ordered if not t.complete and t.sort_key < oldest_kept]
+        doomed += [t.name for t in ordered if not t.complete and _surely_older(t, kept[0])]
     return [name for name in doomed if name not in protect]
+
+
+def _surely_older(tag: TagInfo, than: TagInfo) -> bool:
+    """Whether ``tag`` began before ``than`` beyond doubt: a whole-second mtime (S3) of an interrupted save is
+    only older once its second has ended before ``than`` began (else a save started just after the newest kept
+    one could be taken for an old leftover and deleted)."""
+    if tag.time_resolution_s > 0:
+        return tag.order_time + tag.time_resolution_s <= than.order_time
+    return tag.sort_key < than.sort_key
 
 
 def delete_tag(storage: Storage, tag: str) -> None:

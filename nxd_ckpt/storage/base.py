@@ -58,6 +58,9 @@ class Storage(abc.ABC):
     ranged_reads: bool = False
     """Whether ``read_bytes(path, offset, length)`` fetches just that range while ``open_read`` fetches the whole
     file (S3): readers that need a few parts of a big file should then read ranges."""
+    mtime_resolution_s: float = 0.0
+    """How coarse ``mtime`` is: the true time lies in ``[mtime, mtime + resolution)`` (S3's LastModified is whole
+    seconds), so ordering by it is only certain beyond that."""
 
     def durability_batch(self) -> AbstractContextManager[None]:
         """Files written inside the block are made durable together when it ends (one flush for many files,
@@ -225,6 +228,10 @@ class DelegatingStorage(Storage):
     @property  # type: ignore[override]
     def whole_file_reads(self) -> bool:
         return self.inner.whole_file_reads
+
+    @property  # type: ignore[override]
+    def mtime_resolution_s(self) -> float:
+        return self.inner.mtime_resolution_s
 
     @property  # type: ignore[override]
     def renames_dirs(self) -> bool:

@@ -362,6 +362,7 @@ class S3Storage(Storage):
             buf.close()
 
     ranged_reads = True  # read_bytes(offset, length) is one ranged GET; open_read downloads the whole object
+    mtime_resolution_s = 1.0  # LastModified: whole seconds
 
     def write_from_local_file(self, path: str, local_file: str) -> None:
         """Upload a local file as it is (multipart past ``part_size``), without buffering it again."""

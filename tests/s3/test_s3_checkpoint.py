@@ -4,6 +4,8 @@ save/load with retention and an async save."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -49,6 +51,7 @@ def test_latest_and_retention(s3_url):
     model, _, _ = _trained()
     storage = S3Storage(s3_url)
     storage.write_bytes("step_0/checkpoint", b"1")  # an interrupted save, older than everything kept
+    time.sleep(1.0)  # S3 stamps whole seconds: retention deletes a leftover only once it is surely older
     for step in range(1, 5):
         with torch.no_grad():
             model.fc1.bias.fill_(step)

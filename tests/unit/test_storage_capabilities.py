@@ -113,6 +113,10 @@ class _Spy(Storage):
     def whole_file_reads(self):  # type: ignore[no-untyped-def, override]
         return self._hit("whole_file_reads", True)
 
+    @property
+    def mtime_resolution_s(self):  # type: ignore[no-untyped-def, override]
+        return self._hit("mtime_resolution_s", 1.0)
+
 
 class _null:
     def __enter__(self):  # type: ignore[no-untyped-def]

@@ -87,6 +87,20 @@ def test_retention_policy_keeps_newest_n_and_drops_stale_incomplete():
         tags.tags_to_delete(all_tags, keep=0)
 
 
+def test_retention_keeps_an_interrupted_save_whose_whole_second_mtime_may_be_newer():
+    """S3's LastModified is whole seconds: a leftover stamped 3.0 may have begun at 3.9, after the oldest kept tag
+    (3.4); it is deleted only once its whole second ended before that tag began."""
+    kept = [tags.TagInfo(name=n, complete=True, order_time=t, metadata=None) for n, t in (("s3", 3.4), ("s4", 4.2))]
+
+    def leftover(name: str, t: float) -> tags.TagInfo:
+        return tags.TagInfo(name=name, complete=False, order_time=t, metadata=None, time_resolution_s=1.0)
+
+    assert tags.tags_to_delete([*kept, leftover("new", 3.0)], keep=2) == []
+    assert tags.tags_to_delete([*kept, leftover("old", 2.0)], keep=2) == ["old"]
+    exact = tags.TagInfo(name="exact", complete=False, order_time=3.0, metadata=None)  # a local mtime: exact
+    assert tags.tags_to_delete([*kept, exact], keep=2) == ["exact"]
+
+
 def test_delete_removes_done_first(tmp_path):
     _make_tag(tmp_path, "s1", created_at=1.0)
     s = LocalStorage(tmp_path)
