@@ -28,6 +28,7 @@ def test_sync_save_deletes_old_tags_on_the_writer_thread_after_the_new_tag_is_co
     release.set()
     for step in range(1, 4):
         nxd.save_checkpoint(tmp_path, f"step_{step}", model=model, num_kept_ckpts=2)
+    assert nxd.list_checkpoint_tags(tmp_path) == ["step_2", "step_3"]  # step_1's deletion is done, not pending
     release.clear()
     report = nxd.save_checkpoint(tmp_path, "step_4", model=model, num_kept_ckpts=2)  # returns, deletion blocked
     assert report.completed and os.path.exists(tmp_path / "step_4" / "done")
