@@ -385,9 +385,9 @@ class Checkpoint:
         self, sf: StateFile, tid: int, info: dict[int, dict[str, Any]] | None
     ) -> tuple[torch.dtype, tuple[int, ...]]:
         """dtype and shape of one xser tensor: from the info file, else from the tensor file's pickle alone."""
-        entry = info.get(tid) if info is not None else None
-        if isinstance(entry, dict) and isinstance(entry.get("dtype"), torch.dtype) and entry.get("shape") is not None:
-            return entry["dtype"], tuple(int(d) for d in entry["shape"])
+        recorded = xser.info_meta(info, tid)
+        if recorded is not None:
+            return recorded
         tensor_path = layout.xser_tensor_file(sf.path, tid)
         if not self.storage.exists(tensor_path):
             raise FormatError(

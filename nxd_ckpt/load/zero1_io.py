@@ -116,9 +116,9 @@ class ShardFile:
         if isinstance(value, torch.Tensor):
             return value.dtype, tuple(value.shape)
         tid = int(value.tid)
-        entry = self.info.get(tid) if self.info is not None else None
-        if isinstance(entry, dict) and isinstance(entry.get("dtype"), torch.dtype) and entry.get("shape") is not None:
-            return entry["dtype"], tuple(int(d) for d in entry["shape"])
+        recorded = xser.info_meta(self.info, tid)
+        if recorded is not None:
+            return recorded
         t = self._load_tid(tid)
         return t.dtype, tuple(t.shape)
 

@@ -234,6 +234,15 @@ def decode(ref_data: Any, tensors: dict[int, torch.Tensor], *, what: str) -> Any
     return tree.map_leaves(ref_data, resolve, _is_reference, plain=True)
 
 
+def info_meta(info: dict[int, dict[str, Any]] | None, tid: int) -> tuple[torch.dtype, tuple[int, ...]] | None:
+    """dtype and shape of tensor ``tid`` as its info file records them, or None when it does not (torch_xla's
+    files have no info file)."""
+    entry = info.get(tid) if info is not None else None
+    if isinstance(entry, dict) and isinstance(entry.get("dtype"), torch.dtype) and entry.get("shape") is not None:
+        return entry["dtype"], tuple(int(d) for d in entry["shape"])
+    return None
+
+
 def check_against_info(tid: int, tensor: torch.Tensor, info: dict[int, dict[str, Any]] | None, *, what: str) -> None:
     """Raise FormatError when the info file disagrees with a loaded tensor (or does not list its tid)."""
     if info is None:
