@@ -79,7 +79,8 @@ class Outcome:
             return Outcome(None, None, where)
         if not isinstance(error, FormatError):
             return Outcome(type(error).__name__, None, where)
-        return Outcome("damaged", str(error), where, getattr(error, "origin_rank", rank) == rank)
+        origin = getattr(error, "origin_rank", None)  # set when a collective step raised it on every rank
+        return Outcome("damaged", str(error), where, origin is None or origin == rank)
 
 
 def settle(coord: Coordinator, outcome: Outcome, error: BaseException | None, phase: str) -> list[Outcome]:
