@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -25,6 +25,8 @@ logger = logging.getLogger("nxd_ckpt")
 
 SAVE_ERROR_POLICIES = ("raise", "warn")
 """``on_save_error``: raise a failed save on every rank, or log it and keep training."""
+
+_Options = TypeVar("_Options", "SaveOptions", "LoadOptions")
 
 SAVE_ITEMS = ("model", "optimizer", "scheduler", "user_content")
 """The state NxD's ``save_checkpoint`` takes, in the order it is listed in a tag's metadata."""
@@ -131,23 +133,24 @@ class LoadOptions:
 def save_options(checkpoint_dir: str | os.PathLike[str] | Any, tag: str | None = None, **keywords: Any) -> SaveOptions:
     """``checkpoint_dir`` if it already is a SaveOptions (then nothing else may be given), else one built from
     the arguments: the manager's ``save`` accepts either."""
-    if isinstance(checkpoint_dir, SaveOptions):
-        if tag is not None or keywords:
-            raise TypeError("pass either a SaveOptions or the save's arguments, not both")
-        return checkpoint_dir
-    if tag is None:
+    if tag is None and not isinstance(checkpoint_dir, SaveOptions):
         raise TypeError("save needs a tag (the name of the checkpoint's directory, e.g. 'step_100')")
-    return SaveOptions(checkpoint_dir, tag, **keywords)
+    return _given_or_built(SaveOptions, checkpoint_dir, tag, keywords)
 
 
 def load_options(checkpoint_dir: str | os.PathLike[str] | Any, tag: str | None = None, **keywords: Any) -> LoadOptions:
     """``checkpoint_dir`` if it already is a LoadOptions (then nothing else may be given), else one built from
     the arguments: the manager's ``load`` accepts either."""
-    if isinstance(checkpoint_dir, LoadOptions):
-        if tag is not None or keywords:
-            raise TypeError("pass either a LoadOptions or the load's arguments, not both")
-        return checkpoint_dir
-    return LoadOptions(checkpoint_dir, tag, **keywords)
+    return _given_or_built(LoadOptions, checkpoint_dir, tag, keywords)
+
+
+def _given_or_built(cls: type[_Options], first: Any, tag: str | None, keywords: dict[str, Any]) -> _Options:
+    if not isinstance(first, cls):
+        return cls(first, tag, **keywords)
+    if tag is not None or keywords:
+        action = "save" if cls is SaveOptions else "load"
+        raise TypeError(f"pass either a {cls.__name__} or the {action}'s arguments, not both")
+    return first
 
 
 def _check_workers(num_workers: Any) -> None:
