@@ -500,6 +500,14 @@ class CheckpointManager:
         future = self._writer().submit(lambda: self._retention_after(ctx, report), name=f"retention after {ctx.tag}")
         self._retention_jobs = [f for f in self._retention_jobs if not f.done()] + [future]
 
+    def queue_deletion(self, fn: Callable[[], Any], name: str) -> Future:
+        """Run the deletion ``fn`` on the writer thread behind every save submitted so far (so it never touches
+        a tag while it is written), like retention: tag listings wait for it (``wait_retention``). Issue 25:
+        ``remove_checkpoint`` of frameworks (Lightning) that delete tags themselves."""
+        future = self._writer().submit(fn, name=name)
+        self._retention_jobs = [f for f in self._retention_jobs if not f.done()] + [future]
+        return future
+
     def wait_retention(self) -> None:
         """Wait for queued retention deletions (so tag listings see what retention keeps); errors stay with
         the writer (raised by the next save/load/finalize)."""
