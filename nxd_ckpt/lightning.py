@@ -301,7 +301,13 @@ def _build(pl: ModuleType) -> dict[str, type]:
         (NxdCheckpointIOBase, pl.plugins.io.CheckpointIO),
         {"__module__": __name__, "__doc__": NxdCheckpointIOBase.__doc__},
     )
-    return {"NxdCheckpointIO": io_class, "NxdDDPStrategy": _ddp_strategy(pl), "NxdXLAStrategy": _xla_strategy(pl)}
+    accelerator = _xla_accelerator(pl)
+    return {
+        "NxdCheckpointIO": io_class,
+        "NxdDDPStrategy": _ddp_strategy(pl),
+        "NxdXLAStrategy": _xla_strategy(pl, accelerator),
+        "NxdXLAAccelerator": accelerator,
+    }
 
 
 def classes_for(package: str) -> dict[str, type]:
@@ -312,7 +318,7 @@ def classes_for(package: str) -> dict[str, type]:
     return _classes(importlib.import_module(package))
 
 
-_PUBLIC = ("NxdCheckpointIO", "NxdDDPStrategy", "NxdXLAStrategy")
+_PUBLIC = ("NxdCheckpointIO", "NxdDDPStrategy", "NxdXLAStrategy", "NxdXLAAccelerator")
 
 
 def __getattr__(name: str) -> Any:
@@ -357,7 +363,40 @@ def _remove_on_every_rank(strategy: Any, parent: Any, filepath: Any) -> None:
         parent.remove_checkpoint(filepath)
 
 
-def _xla_strategy(pl: ModuleType) -> type:
+def _xla_accelerator(pl: ModuleType) -> type:
+    class NxdXLAAccelerator(pl.accelerators.XLAAccelerator):
+        """Lightning's XLA accelerator, available wherever torch_xla is (Trainium, XLA on CPU), not only on TPUs;
+        one device per process under torchrun."""
+
+        @staticmethod
+        def is_available() -> bool:
+            return xla.available()
+
+        @staticmethod
+        def auto_device_count() -> int:
+            return 1
+
+        @staticmethod
+        def parse_devices(devices: Any) -> int:
+            """A device count (Lightning's TPU parsing asks a TPU metadata server, which is not there)."""
+            if devices == "auto":
+                return 1
+            count = len(devices) if isinstance(devices, (list, tuple)) else devices
+            if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+                raise ValueError(f"devices must be a positive int (XLA devices of this process), got {devices!r}")
+            return count
+
+        @staticmethod
+        def get_parallel_devices(devices: Any) -> list:
+            import torch
+
+            return [torch.device("xla", i) for i in range(NxdXLAAccelerator.parse_devices(devices))]
+
+    NxdXLAAccelerator.__module__, NxdXLAAccelerator.__qualname__ = __name__, "NxdXLAAccelerator"
+    return NxdXLAAccelerator
+
+
+def _xla_strategy(pl: ModuleType, accelerator: type) -> type:
     base = pl.strategies.XLAStrategy
     ddp = pl.strategies.DDPStrategy
 
@@ -372,8 +411,10 @@ def _xla_strategy(pl: ModuleType) -> type:
         Outside torchrun it is Lightning's ``XLAStrategy`` (``xmp.spawn``)."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
+            if not args and kwargs.get("accelerator") is None:
+                kwargs["accelerator"] = accelerator()
             super().__init__(*args, **kwargs)
-            elastic = pl.plugins.environments.TorchElasticEnvironment
+            elastic = importlib.import_module(f"{pl.__name__}.plugins.environments").TorchElasticEnvironment
             self._torchrun = bool(elastic.detect())
             if self._torchrun:
                 self.cluster_environment = elastic()
