@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
+from nxd_ckpt import cli
 from nxd_ckpt.format.describe import describe
 from nxd_ckpt.storage import storage_for
 from nxd_ckpt.testing.multiprocess import run_on_ranks
@@ -138,6 +139,7 @@ def _check_directory(ckpt_dir: str) -> None:
         assert os.path.exists(os.path.join(ckpt_dir, tag, "done"))
         assert nxd.verify(ckpt_dir, tag).ok
         assert set(describe(storage, tag).saved_items) == {"model", "optimizer", "user_content"}
+    assert cli.main(["verify", ckpt_dir, "--all", "--quick"]) == 0  # the command line agrees
     content = nxd.Checkpoint(storage, "last.ckpt").read("user_content")
     assert content["global_step"] == STEPS
     assert "state_dict" not in content and "optimizer_states" not in content
