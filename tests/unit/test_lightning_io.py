@@ -64,7 +64,7 @@ def _assert_same(a: object, b: object, where: str = "") -> None:
             _assert_same(a[k], b[k], f"{where}/{k}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             _assert_same(x, y, f"{where}/{i}")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
