@@ -1,6 +1,7 @@
 """Stock PyTorch Lightning jobs on 2 real ranks with NxdCheckpointIO: save, stop, resume from "last", exactly.
 
-Each rank runs three Trainers in one process (the job's process group stays up between them, as under torchrun):
+Each rank runs three Trainers, once with sync saves and ``save_last=True``, once with async saves and
+``save_last="link"`` in one process (the job's process group stays up between them, as under torchrun):
 A trains 8 steps without checkpoints; B trains with ``ModelCheckpoint(every_n_train_steps=2, save_top_k=2,
 save_last=True)`` and is stopped by an exception at step 5 (its last checkpoint is step 4); C is a fresh module
 resumed with ``fit(ckpt_path="last")`` to step 8. C's losses and final weights must equal A's bit for bit, and the
@@ -95,9 +96,9 @@ def _trainer(strategy_kind: str, async_save: bool, callbacks: list, checkpoints:
     )
 
 
-def _checkpointing(ckpt_dir: str) -> pl.callbacks.ModelCheckpoint:
+def _checkpointing(ckpt_dir: str, save_last: bool | str) -> pl.callbacks.ModelCheckpoint:
     return pl.callbacks.ModelCheckpoint(
-        dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=2, monitor="step", mode="max", save_last=True
+        dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=2, monitor="step", mode="max", save_last=save_last
     )
 
 
@@ -106,19 +107,22 @@ def _weights(module: pl.LightningModule) -> dict[str, torch.Tensor]:
 
 
 def _lightning_job(ckpt_dir: str, async_save: bool, strategy_kind: str) -> None:
-    """On every rank: A (uninterrupted), B (stopped at step 5), C (resumed from "last"), then compare."""
+    """On every rank: A (uninterrupted), B (stopped at step 5), C (resumed from "last"), then compare. Sync saves
+    use ``save_last=True`` (last.ckpt saved again each time), async ones ``save_last="link"`` (a symbolic link)."""
+    save_last = "link" if async_save else True
     per_rank_data = strategy_kind == "ddp"
     a = Tiny(per_rank_data)
     _trainer(strategy_kind, async_save, [], checkpoints=False).fit(a)
     assert sorted(a.losses) == list(range(STEPS))
 
     b = Tiny(per_rank_data)
+    callbacks = [_checkpointing(ckpt_dir, save_last), Stop(STOP_AT)]
     with pytest.raises(KeyError, match="stop at step 5"):
-        _trainer(strategy_kind, async_save, [_checkpointing(ckpt_dir), Stop(STOP_AT)], checkpoints=True).fit(b)
+        _trainer(strategy_kind, async_save, callbacks, checkpoints=True).fit(b)
     assert sorted(b.losses) == list(range(STOP_AT))
 
     c = Tiny(per_rank_data)
-    trainer = _trainer(strategy_kind, async_save, [_checkpointing(ckpt_dir)], checkpoints=True)
+    trainer = _trainer(strategy_kind, async_save, [_checkpointing(ckpt_dir, save_last)], checkpoints=True)
     trainer.fit(c, ckpt_path="last")
     assert sorted(c.losses) == list(range(4, STEPS)), "resumed from the step-4 checkpoint"
     assert a.devices == b.devices == c.devices == {"xla" if strategy_kind == "xla" else "cpu"}
@@ -126,7 +130,9 @@ def _lightning_job(ckpt_dir: str, async_save: bool, strategy_kind: str) -> None:
         assert torch.equal(c.losses[step], a.losses[step]), f"loss at step {step} differs from the uninterrupted run"
     for name, value in _weights(a).items():
         assert torch.equal(_weights(c)[name], value), f"{name} differs from the uninterrupted run"
+    torch.distributed.barrier()  # rank 0 deletes (on its writer, finished by its teardown): wait for it
     _check_directory(ckpt_dir)
+    assert os.path.islink(os.path.join(ckpt_dir, "last.ckpt")) == (save_last == "link")
 
 
 def _check_directory(ckpt_dir: str) -> None:
