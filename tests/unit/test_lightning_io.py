@@ -207,3 +207,13 @@ def test_without_lightning_the_error_says_what_to_install(monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(ImportError, match=r"pip install 'pytorch-lightning>=2.1,<3'"):
         lightning_package()
+
+
+def test_omegaconf_hyper_parameters_become_plain_containers():
+    """NxDT's config is an OmegaConf DictConfig: stored as plain dicts (loads without unpickling), ZeRO-1 read."""
+    omegaconf = pytest.importorskip("omegaconf")
+    cfg = omegaconf.OmegaConf.create({"cfg": {"wrap_with_zero": True, "layers": [1, 2]}})
+    _, _, content = split_checkpoint({"state_dict": {}, "hyper_parameters": cfg})
+    assert content["hyper_parameters"] == {"cfg": {"wrap_with_zero": True, "layers": [1, 2]}}
+    assert type(content["hyper_parameters"]) is dict and type(content["hyper_parameters"]["cfg"]["layers"]) is list
+    assert zero1_from_config(content)
