@@ -285,6 +285,11 @@ class NxdCheckpointIOBase:
         api.finalize_checkpoint()
 
 
+_IO_DOC = """A Lightning ``CheckpointIO`` that saves each checkpoint as an nxd_ckpt tag in NxD's layout: the tag of
+``checkpoint_location(path)``, with ``state_dict`` as the model, ``optimizer_states[0]`` as the optimizer and the rest
+as user content (NxDT's split). Every rank must save: use it with ``NxdDDPStrategy`` or ``NxdXLAStrategy``. Its
+arguments are ``NxdCheckpointIOBase``'s; docs/lightning.md has the recipe."""
+
 _built: dict[str, dict[str, type]] = {}
 
 
@@ -299,7 +304,7 @@ def _build(pl: ModuleType) -> dict[str, type]:
     io_class = type(
         "NxdCheckpointIO",
         (NxdCheckpointIOBase, pl.plugins.io.CheckpointIO),
-        {"__module__": __name__, "__doc__": NxdCheckpointIOBase.__doc__},
+        {"__module__": __name__, "__doc__": _IO_DOC},
     )
     accelerator = _xla_accelerator(pl)
     return {
