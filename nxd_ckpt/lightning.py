@@ -33,7 +33,7 @@ from typing import Any
 
 from nxd_ckpt import api, xla
 from nxd_ckpt.dist import coordinator
-from nxd_ckpt.format import tags
+from nxd_ckpt.format import layout, tags
 from nxd_ckpt.format.describe import describe
 from nxd_ckpt.storage import Storage, storage_for
 
@@ -148,6 +148,27 @@ def _remove_tag(storage: Storage, tag: str) -> None:
         logger.warning("could not remove checkpoint %s in %s: %s", tag, storage.url, e)
 
 
+def _through_link(storage: Storage, tag: str) -> str:
+    """The tag to load for ``tag``: itself, except for a symbolic link (``ModelCheckpoint(save_last="link")``)
+    to a tag that is not complete. Lightning links ``last.ckpt`` to a checkpoint as soon as its save starts, so
+    after a crash during an async save the link names an incomplete tag: "the newest checkpoint" is then the
+    newest complete tag of the directory (logged)."""
+    local = storage.local_path(tag)
+    if local is None or not os.path.islink(local) or storage.exists(layout.tag_path(tag, layout.DONE_MARKER)):
+        return tag
+    newest = tags.latest_tag(storage)
+    if newest is None:
+        return tag  # the load names what is missing
+    logger.warning(
+        "%s links to %s, which is not complete (its save was interrupted); loading the newest complete "
+        "checkpoint, %s, instead",
+        tag,
+        os.readlink(local),
+        newest,
+    )
+    return newest
+
+
 def queue_removal(checkpoint_dir: str | os.PathLike[str], tag: str) -> None:
     """Delete ``tag`` of ``checkpoint_dir`` behind every save this process has submitted (global rank 0 deletes;
     the other ranks do nothing). A save in flight is committed before its tag can be deleted, and the next save
@@ -251,6 +272,7 @@ class NxdCheckpointIOBase:
         optimizer). ``map_location`` and ``weights_only`` are not used: what may be unpickled is
         ``allow_pickle``'s decision."""
         directory, tag = self.location(path)
+        tag = _through_link(storage_for(directory), tag)
         model: dict[str, Any] = {}
         optimizer: dict[str, Any] | None = None
         if not self.weight_init_only and "optimizer" in describe(storage_for(directory), tag).saved_items:

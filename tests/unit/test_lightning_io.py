@@ -217,3 +217,18 @@ def test_omegaconf_hyper_parameters_become_plain_containers():
     assert content["hyper_parameters"] == {"cfg": {"wrap_with_zero": True, "layers": [1, 2]}}
     assert type(content["hyper_parameters"]) is dict and type(content["hyper_parameters"]["cfg"]["layers"]) is list
     assert zero1_from_config(content)
+
+
+def test_a_link_to_an_interrupted_save_loads_the_newest_complete_tag(tmp_path, caplog):
+    """save_last="link" links last.ckpt before an async save is complete: after a crash, "last" is the newest
+    complete checkpoint."""
+    io = _io()
+    io.save_checkpoint({"state_dict": {"w": torch.ones(1)}, "global_step": 2}, str(tmp_path / "step=2.ckpt"))
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(1)}, "global_step": 4}, str(tmp_path / "step=4.ckpt"))
+    (tmp_path / "step=4.ckpt" / "done").unlink()  # as if the job died while step 4 was being written
+    os.symlink("step=4.ckpt", tmp_path / "last.ckpt")
+    loaded = io.load_checkpoint(str(tmp_path / "last.ckpt"))
+    assert loaded["global_step"] == 2 and loaded["state_dict"]["w"].item() == 1.0
+    assert "not complete" in caplog.text and "step=2.ckpt" in caplog.text
+    with pytest.raises(nxd.CheckpointError, match="step=4.ckpt"):
+        io.load_checkpoint(str(tmp_path / "step=4.ckpt"))  # named directly: refused, not replaced
