@@ -323,16 +323,20 @@ def _classes(pl: ModuleType) -> dict[str, type]:
 
 
 def _build(pl: ModuleType) -> dict[str, type]:
-    io_class = type(
-        "NxdCheckpointIO",
-        (NxdCheckpointIOBase, pl.plugins.io.CheckpointIO),
-        {"__module__": __name__, "__doc__": _IO_DOC},
-    )
-    accelerator = _xla_accelerator(pl)
+    def make(name: str, bases: tuple[type, ...], doc: str | None, **attrs: Any) -> type:
+        return type(name, bases, {"__module__": __name__, "__qualname__": name, "__doc__": doc, **attrs})
+
+    accelerator = make("NxdXLAAccelerator", (_AnyXLADevice, pl.accelerators.XLAAccelerator), _AnyXLADevice.__doc__)
     return {
-        "NxdCheckpointIO": io_class,
-        "NxdDDPStrategy": _ddp_strategy(pl),
-        "NxdXLAStrategy": _xla_strategy(pl, accelerator),
+        "NxdCheckpointIO": make("NxdCheckpointIO", (NxdCheckpointIOBase, pl.plugins.io.CheckpointIO), _IO_DOC),
+        "NxdDDPStrategy": make("NxdDDPStrategy", (_SavesOnEveryRank, pl.strategies.DDPStrategy), _DDP_DOC),
+        "NxdXLAStrategy": make(
+            "NxdXLAStrategy",
+            (_TorchrunXLA, pl.strategies.XLAStrategy),
+            _TorchrunXLA.__doc__,
+            _lightning=pl,
+            _accelerator_class=accelerator,
+        ),
         "NxdXLAAccelerator": accelerator,
     }
 
@@ -355,162 +359,139 @@ def __getattr__(name: str) -> Any:
 
 
 # ----------------------------------------------------------------------------------------------- strategies
-def _ddp_strategy(pl: ModuleType) -> type:
-    class NxdDDPStrategy(pl.strategies.DDPStrategy):
-        """Lightning's DDP strategy whose checkpoint saves and removals run the ``NxdCheckpointIO`` on every rank
-        (Lightning's own calls it on global rank 0 only; an nxd_ckpt save is collective). With another
-        CheckpointIO it behaves as Lightning's ``DDPStrategy``."""
+# Mixins without a Lightning base; ``_build`` puts each in front of Lightning's class of the package in use.
+class _SavesOnEveryRank:
+    """Strategy mixin: checkpoint saves and removals run the ``NxdCheckpointIO`` on every rank (Lightning's own
+    strategies call it on global rank 0 only; an nxd_ckpt save is collective). With another CheckpointIO the
+    strategy behaves as Lightning's."""
 
-        def save_checkpoint(
-            self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
-        ) -> None:
-            _save_on_every_rank(self, super(), checkpoint, filepath, storage_options)
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        io = self.checkpoint_io
+        if isinstance(io, NxdCheckpointIOBase):
+            io.save_on_every_rank(checkpoint, filepath, storage_options)
+        else:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
-        def remove_checkpoint(self, filepath: Any) -> None:
-            _remove_on_every_rank(self, super(), filepath)
-
-    NxdDDPStrategy.__module__, NxdDDPStrategy.__qualname__ = __name__, "NxdDDPStrategy"
-    return NxdDDPStrategy
-
-
-def _save_on_every_rank(strategy: Any, parent: Any, checkpoint: dict, filepath: Any, storage_options: Any) -> None:
-    io = strategy.checkpoint_io
-    if isinstance(io, NxdCheckpointIOBase):
-        io.save_on_every_rank(checkpoint, filepath, storage_options)
-    else:
-        parent.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Every rank tells its CheckpointIO (which keeps the same record of tags on every rank); rank 0 deletes."""
+        io = self.checkpoint_io
+        if isinstance(io, NxdCheckpointIOBase):
+            io.remove_checkpoint(filepath)
+        else:
+            super().remove_checkpoint(filepath)
 
 
-def _remove_on_every_rank(strategy: Any, parent: Any, filepath: Any) -> None:
-    """Every rank tells its CheckpointIO (which keeps the same record of tags on every rank); rank 0 deletes."""
-    io = strategy.checkpoint_io
-    if isinstance(io, NxdCheckpointIOBase):
-        io.remove_checkpoint(filepath)
-    else:
-        parent.remove_checkpoint(filepath)
+_DDP_DOC = """Lightning's ``DDPStrategy`` (same arguments) whose checkpoint saves and removals run the
+``NxdCheckpointIO`` on every rank (Lightning's own calls it on global rank 0 only; an nxd_ckpt save is collective).
+With another CheckpointIO it behaves as Lightning's ``DDPStrategy``."""
 
 
-def _xla_accelerator(pl: ModuleType) -> type:
-    class NxdXLAAccelerator(pl.accelerators.XLAAccelerator):
-        """Lightning's XLA accelerator, available wherever torch_xla is (Trainium, XLA on CPU), not only on TPUs;
-        one device per process under torchrun."""
+class _AnyXLADevice:
+    """Accelerator mixin: Lightning's XLA accelerator, available wherever torch_xla is (Trainium, XLA on CPU), not
+    only on TPUs, without asking a TPU metadata server; one device per process under torchrun."""
 
-        @staticmethod
-        def is_available() -> bool:
-            return xla.available()
+    @staticmethod
+    def is_available() -> bool:
+        return xla.available()
 
-        @staticmethod
-        def auto_device_count() -> int:
+    @staticmethod
+    def auto_device_count() -> int:
+        return 1
+
+    @staticmethod
+    def parse_devices(devices: Any) -> int:
+        if devices == "auto":
             return 1
+        count = len(devices) if isinstance(devices, (list, tuple)) else devices
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise ValueError(f"devices must be a positive int (XLA devices of this process), got {devices!r}")
+        return count
 
-        @staticmethod
-        def parse_devices(devices: Any) -> int:
-            """A device count (Lightning's TPU parsing asks a TPU metadata server, which is not there)."""
-            if devices == "auto":
-                return 1
-            count = len(devices) if isinstance(devices, (list, tuple)) else devices
-            if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-                raise ValueError(f"devices must be a positive int (XLA devices of this process), got {devices!r}")
-            return count
+    @staticmethod
+    def get_parallel_devices(devices: Any) -> list:
+        import torch
 
-        @staticmethod
-        def get_parallel_devices(devices: Any) -> list:
-            import torch
-
-            return [torch.device("xla", i) for i in range(NxdXLAAccelerator.parse_devices(devices))]
-
-    NxdXLAAccelerator.__module__, NxdXLAAccelerator.__qualname__ = __name__, "NxdXLAAccelerator"
-    return NxdXLAAccelerator
+        return [torch.device("xla", i) for i in range(_AnyXLADevice.parse_devices(devices))]
 
 
-def _xla_strategy(pl: ModuleType, accelerator: type) -> type:
-    base = pl.strategies.XLAStrategy
-    ddp = pl.strategies.DDPStrategy
+class _TorchrunXLA(_SavesOnEveryRank):
+    """Strategy mixin over Lightning's ``XLAStrategy``: every-rank saves, and processes started by torchrun.
 
-    class NxdXLAStrategy(base):
-        """Lightning's XLA strategy whose checkpoint saves and removals run the ``NxdCheckpointIO`` on every rank.
+    Under torchrun (``TORCHELASTIC_RUN_ID`` set), as NxDT runs on Trainium, ranks come from torchrun's variables,
+    nothing is spawned, and the default process group is used (initialised with the ``xla`` backend if nobody did).
+    When that group is not an ``xla`` one (``gloo``: XLA on CPU) the strategy's barrier, broadcast and reduce
+    exchange host copies through it, since torch_xla's collectives do not cross processes there; gradients are
+    still reduced by torch_xla (``XLAPrecision``). Outside torchrun it is Lightning's ``XLAStrategy`` (xmp.spawn).
+    """
 
-        It also runs in processes started by torchrun (``TORCHELASTIC_RUN_ID`` set), as NxDT runs on Trainium:
-        ranks come from torchrun's variables, nothing is spawned, and the default process group is used
-        (initialised with the ``xla`` backend if nobody did). When that group is not an ``xla`` one (``gloo``:
-        XLA on CPU) the strategy's barrier, broadcast and reduce exchange host copies through it, since torch_xla's
-        collectives do not cross processes there; gradients are still reduced by torch_xla (``XLAPrecision``).
-        Outside torchrun it is Lightning's ``XLAStrategy`` (``xmp.spawn``)."""
+    _lightning: ModuleType  # the Lightning package (set by ``_build``)
+    _accelerator_class: type
 
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            if not args and kwargs.get("accelerator") is None:
-                kwargs["accelerator"] = accelerator()
-            super().__init__(*args, **kwargs)
-            elastic = importlib.import_module(f"{pl.__name__}.plugins.environments").TorchElasticEnvironment
-            self._torchrun = bool(elastic.detect())
-            if self._torchrun:
-                self.cluster_environment = elastic()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if not args and kwargs.get("accelerator") is None:
+            kwargs["accelerator"] = self._accelerator_class()
+        super().__init__(*args, **kwargs)
+        environments = importlib.import_module(f"{self._lightning.__name__}.plugins.environments")
+        self._torchrun = bool(environments.TorchElasticEnvironment.detect())
+        if self._torchrun:
+            self.cluster_environment = environments.TorchElasticEnvironment()
 
-        @property
-        def checkpoint_io(self) -> Any:
-            io = self._checkpoint_io
-            return io if isinstance(io, NxdCheckpointIOBase) else base.checkpoint_io.fget(self)
+    @property
+    def checkpoint_io(self) -> Any:
+        io = self._checkpoint_io
+        return io if isinstance(io, NxdCheckpointIOBase) else super().checkpoint_io
 
-        @checkpoint_io.setter
-        def checkpoint_io(self, io: Any) -> None:
-            if isinstance(io, NxdCheckpointIOBase):
-                self._checkpoint_io = io
-            else:
-                base.checkpoint_io.fset(self, io)
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        if isinstance(io, NxdCheckpointIOBase):
+            self._checkpoint_io = io
+        else:  # Lightning's own check (an XLACheckpointIO)
+            self._lightning.strategies.XLAStrategy.checkpoint_io.fset(self, io)
 
-        def _configure_launcher(self) -> None:
-            if self._torchrun:
-                self._launcher = None  # torchrun started every process
-            else:
-                super()._configure_launcher()
+    def _configure_launcher(self) -> None:
+        if self._torchrun:
+            self._launcher = None  # torchrun started every process
+        else:
+            super()._configure_launcher()
 
-        def set_world_ranks(self) -> None:
-            if self._torchrun:
-                ddp.set_world_ranks(self)
-            else:
-                super().set_world_ranks()
+    def set_world_ranks(self) -> None:
+        if self._torchrun:
+            self._lightning.strategies.DDPStrategy.set_world_ranks(self)
+        else:
+            super().set_world_ranks()
 
-        def setup_distributed(self) -> None:
-            if not self._torchrun:
-                return super().setup_distributed()
-            if not coordinator.is_distributed():
-                importlib.import_module("torch_xla.distributed.xla_backend")  # registers the "xla" backend
-                self._process_group_backend = "xla"
-            return ddp.setup_distributed(self)
+    def setup_distributed(self) -> None:
+        if not self._torchrun:
+            return super().setup_distributed()
+        if not coordinator.is_distributed():
+            importlib.import_module("torch_xla.distributed.xla_backend")  # registers the "xla" backend
+            self._process_group_backend = "xla"
+        return self._lightning.strategies.DDPStrategy.setup_distributed(self)
 
-        def _host_collectives(self) -> bool:
-            return self._torchrun and coordinator.backend() not in (None, "xla")
+    def _host_collectives(self) -> bool:
+        return self._torchrun and coordinator.backend() not in (None, "xla")
 
-        def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
-            if self._host_collectives():
-                api.get_manager().coordinator().barrier(f"Lightning barrier {name or ''}".strip())
-            else:
-                super().barrier(name, *args, **kwargs)
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
+        if self._host_collectives():
+            api.get_manager().coordinator().barrier(f"Lightning barrier {name or ''}".strip())
+        else:
+            super().barrier(name, *args, **kwargs)
 
-        def broadcast(self, obj: Any, src: int = 0) -> Any:
-            if not self._host_collectives():
-                return super().broadcast(obj, src)
-            device = getattr(obj, "device", None)
-            moved = obj.cpu() if device is not None else obj
-            out = api.get_manager().coordinator().broadcast_object(moved, src=src)
-            return out.to(device) if device is not None else out
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not self._host_collectives():
+            return super().broadcast(obj, src)
+        device = getattr(obj, "device", None)
+        out = api.get_manager().coordinator().broadcast_object(obj.cpu() if device is not None else obj, src=src)
+        return out.to(device) if device is not None else out
 
-        def reduce(self, output: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-            if not self._host_collectives():
-                return super().reduce(output, group, reduce_op)
-            return _host_reduce(self, output, reduce_op)
+    def reduce(self, output: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        if not self._host_collectives():
+            return super().reduce(output, group, reduce_op)
+        return _host_reduce(self, output, reduce_op)
 
-        def save_checkpoint(
-            self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
-        ) -> None:
-            xla.mark_step()  # as Lightning's XLA strategy: no rank enters the save with a graph pending
-            _save_on_every_rank(self, super(), checkpoint, filepath, storage_options)
-
-        def remove_checkpoint(self, filepath: Any) -> None:
-            _remove_on_every_rank(self, super(), filepath)
-
-    NxdXLAStrategy.__module__, NxdXLAStrategy.__qualname__ = __name__, "NxdXLAStrategy"
-    return NxdXLAStrategy
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        xla.mark_step()  # as Lightning's XLA strategy: no rank enters the save with a graph pending
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
 
 def _host_reduce(strategy: Any, output: Any, reduce_op: Any) -> Any:

@@ -169,7 +169,7 @@ def _ddp_rank(tmp: str) -> None:
 @pytest.mark.skipif(XLA_LANE, reason="the XLA lane runs test_lightning_xla_resumes_exactly")
 def test_lightning_ddp_resumes_exactly(tmp_path):
     """Sync saves, then async saves (one pair of processes for both: Lightning's start-up is most of the time)."""
-    run_on_ranks(_ddp_rank, WORLD, {"tmp": str(tmp_path)}, env=TORCHRUN_ENV)
+    run_on_ranks(_ddp_rank, WORLD, {"tmp": str(tmp_path)}, env=TORCHRUN_ENV, timeout=480)
 
 
 def _xla_rank(tmp: str) -> None:
@@ -182,4 +182,4 @@ def _xla_rank(tmp: str) -> None:
 
 @pytest.mark.xla
 def test_lightning_xla_resumes_exactly(tmp_path):
-    run_on_ranks(_xla_rank, WORLD, {"tmp": str(tmp_path)}, env=TORCHRUN_ENV, timeout=400)
+    run_on_ranks(_xla_rank, WORLD, {"tmp": str(tmp_path)}, env=TORCHRUN_ENV, timeout=480)
