@@ -4,6 +4,7 @@ round trips through a Trainer, ZeRO-1 from the config, weight_init_only, and rem
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -11,7 +12,13 @@ import torch
 
 import nxd_ckpt as nxd
 from nxd_ckpt.format.describe import describe
-from nxd_ckpt.lightning import checkpoint_location, lightning_package, split_checkpoint, zero1_from_config
+from nxd_ckpt.lightning import (
+    checkpoint_location,
+    classes_for,
+    lightning_package,
+    split_checkpoint,
+    zero1_from_config,
+)
 from nxd_ckpt.storage import storage_for
 
 pl = pytest.importorskip("pytorch_lightning")
@@ -232,3 +239,50 @@ def test_a_link_to_an_interrupted_save_loads_the_newest_complete_tag(tmp_path, c
     assert "not complete" in caplog.text and "step=2.ckpt" in caplog.text
     with pytest.raises(nxd.CheckpointError, match="step=4.ckpt"):
         io.load_checkpoint(str(tmp_path / "step=4.ckpt"))  # named directly: refused, not replaced
+
+
+def test_the_lightning_package_works_too(tmp_path):
+    """The same classes built on ``lightning.pytorch`` (the unified ``lightning`` package) save and load."""
+    lp = pytest.importorskip("lightning.pytorch")
+    classes = classes_for("lightning.pytorch")
+    assert issubclass(classes["NxdDDPStrategy"], lp.strategies.DDPStrategy)
+    assert issubclass(classes["NxdXLAStrategy"], lp.strategies.XLAStrategy)
+
+    class Module(lp.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 2)
+
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self) -> object:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=2)
+
+    io = classes["NxdCheckpointIO"]()
+    trainer = lp.Trainer(
+        accelerator="cpu", max_steps=2, plugins=[io], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(Module())
+    trainer.save_checkpoint(str(tmp_path / "a.ckpt"))
+    loaded = io.load_checkpoint(str(tmp_path / "a.ckpt"))
+    assert loaded["global_step"] == 2 and set(loaded["state_dict"]) == {"net.weight", "net.bias"}
+
+
+def test_the_imported_lightning_package_is_the_one_built_on():
+    """A program that imported lightning.pytorch gets classes of that package (a fresh interpreter)."""
+    pytest.importorskip("lightning.pytorch")
+    code = (
+        "import lightning.pytorch as L\n"
+        "from nxd_ckpt.lightning import NxdCheckpointIO, NxdDDPStrategy\n"
+        "assert issubclass(NxdCheckpointIO, L.plugins.io.CheckpointIO)\n"
+        "assert issubclass(NxdDDPStrategy, L.strategies.DDPStrategy)\n"
+        "import sys; assert 'pytorch_lightning.plugins.io' not in sys.modules or not issubclass(\n"
+        "    NxdCheckpointIO, sys.modules['pytorch_lightning'].plugins.io.CheckpointIO)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=240)
