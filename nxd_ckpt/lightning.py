@@ -136,13 +136,11 @@ def zero1_from_config(content: Mapping[str, Any]) -> bool:
 
 # ----------------------------------------------------------------------------------------------- removal
 def _remove_tag(storage: Storage, tag: str) -> None:
-    """Delete one tag (``done`` first); a symbolic link (``ModelCheckpoint(save_last="link")``) is unlinked, never
-    followed. Failures are logged: a checkpoint that could not be deleted must not stop training."""
+    """Delete one tag (``done`` first; a symbolic link is unlinked, never followed). Failures are logged: a
+    checkpoint that could not be deleted must not stop training."""
     try:
         local = storage.local_path(tag)
-        if local is not None and os.path.islink(local):
-            os.unlink(local)
-        elif storage.exists(tag):
+        if os.path.lexists(local) if local is not None else storage.exists(tag):  # a dangling link counts
             tags.delete_tag(storage, tag)
     except Exception as e:
         logger.warning("could not remove checkpoint %s in %s: %s", tag, storage.url, e)
