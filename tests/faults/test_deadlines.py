@@ -28,6 +28,9 @@ DEADLINE_S = 3.0
 SLACK_S = 8.0
 """Raising may take the deadline plus polling and a loaded 2-core machine: seconds, where without deadlines it
 would take the process group's timeout (120 s here, 30 minutes by default)."""
+SETUP_TIMEOUT_S = 120.0
+"""The deadline of the saves around the one under test: freshly spawned ranks on a loaded machine reach their
+first save seconds apart, which is not what these tests are about."""
 
 
 class _Records(logging.Handler):
@@ -96,14 +99,14 @@ class _BlockingStream:
 
 def _save(storage: Any, tag: str, **options: Any) -> nxd.SaveReport:
     model, opt, _ = make_training(seed=0)
-    return nxd.save_checkpoint(storage, tag, model=model, optimizer=opt, timeout=DEADLINE_S, **options)
+    return nxd.save_checkpoint(storage, tag, model=model, optimizer=opt, **{"timeout": DEADLINE_S, **options})
 
 
 @run_with_ranks(3)
 def test_rank_that_never_reaches_the_save_is_named_by_every_rank(tmp_path):
     rank = dist.world_rank()
     ckpt = str(tmp_path / "ckpt")
-    _save(ckpt, "step_1")
+    _save(ckpt, "step_1", timeout=SETUP_TIMEOUT_S)
     with _captured_log() as log:
         start = time.monotonic()
         if rank == 1:  # busy elsewhere (a data loader, a hung kernel) until the others gave up
@@ -130,7 +133,7 @@ def test_rank_that_never_reaches_the_save_is_named_by_every_rank(tmp_path):
     deadline = time.monotonic() + 60
     while not flag.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
-    _save(ckpt, "step_3")
+    _save(ckpt, "step_3", timeout=SETUP_TIMEOUT_S)
     assert nxd.latest_checkpoint_tag(ckpt) == "step_3"
 
 
@@ -152,7 +155,7 @@ def test_rank_stuck_in_a_write(tmp_path, async_save, rank1_timeout):
 def _stuck_in_a_write(tmp_path, async_save, rank1_timeout):
     rank = dist.world_rank()
     ckpt = str(tmp_path / "ckpt")
-    _save(ckpt, "step_1")
+    _save(ckpt, "step_1", timeout=SETUP_TIMEOUT_S)
     # Rank 1 writes one file of its own (its RNG state); that write hangs after some bytes.
     storage = BlockingStorage(ckpt, block="rank_state_00001" if rank == 1 else "never", after_bytes=1000)
     timeout = rank1_timeout if rank == 1 else DEADLINE_S
@@ -190,7 +193,7 @@ def _stuck_in_a_write(tmp_path, async_save, rank1_timeout):
 def test_master_stuck_in_the_commit(tmp_path):
     rank = dist.world_rank()
     ckpt = str(tmp_path / "ckpt")
-    _save(ckpt, "step_0")
+    _save(ckpt, "step_0", timeout=SETUP_TIMEOUT_S)
     storage = BlockingStorage(ckpt, block="nxd_ckpt.json" if rank == 0 else "never")
     try:
         with _captured_log() as log:
