@@ -61,7 +61,7 @@ from nxd_ckpt.format.sharding import ShardingRecord
 from nxd_ckpt.load import reshard, zero1_io
 from nxd_ckpt.log import format_bytes, format_rate
 from nxd_ckpt.parallel_state import current_topology
-from nxd_ckpt.save import plan, staging
+from nxd_ckpt.save import budget, plan, staging
 from nxd_ckpt.save.commit import CommitBarrier
 from nxd_ckpt.save.writer import AsyncWriter
 from nxd_ckpt.storage import Storage, storage_for
@@ -93,6 +93,9 @@ class SaveReport:
     """Time to plan and copy the state to host memory."""
     staging_allocated_bytes: int = 0
     """Host staging memory newly allocated by this save (0 when the previous save's buffers were reused)."""
+    budget_wait_s: float = 0.0
+    """Part of ``blocked_s`` an async save under a host memory budget waited for the writer (to free memory, or to
+    write what did not fit); 0 without a budget."""
     write_s: float = 0.0
     """Time to write this rank's files and make them durable."""
     total_s: float = 0.0
@@ -194,11 +197,14 @@ class CheckpointManager:
         topology: Topology | Callable[[], Topology] | None = None,
         storage: Callable[[Any], Storage] | None = None,
         memory_tier: MemoryTier | None = None,
+        host_memory_budget: int | str | None = None,
     ) -> None:
         """Defaults: a Coordinator over torch.distributed (re-made when the process group changes), the parallel
         state's topology at each call, and ``storage_for`` of the checkpoint directory. Inject others to run the
         manager's policies without processes (``nxd_ckpt.testing.threadworld``) or on another backend.
-        ``memory_tier`` is used by every save and load that does not pass its own (docs/memory-tier.md)."""
+        ``memory_tier`` is used by every save and load that does not pass its own (docs/memory-tier.md);
+        ``host_memory_budget`` by every async save that does not pass its own (``save.budget``)."""
+        self.host_memory_budget = budget.resolve_budget(host_memory_budget) if host_memory_budget is not None else None
         self._injected_coordinator = coordinator
         self._topology_source = topology
         self._storage_for = storage or storage_for
@@ -302,9 +308,13 @@ class CheckpointManager:
         on_save_error: str = "raise",
         *,
         memory_tier: MemoryTier | None = None,
+        host_memory_budget: int | str | None = None,
     ) -> SaveReport:
         call_start = time.perf_counter()
         tier = self._resolve_tier(memory_tier)
+        # issue 27: the async save's host memory budget (this call's, else the manager's, else the knob)
+        budget_bytes = budget.resolve_budget(host_memory_budget if host_memory_budget is not None else
+                                             self.host_memory_budget)  # fmt: skip
         layout.validate_tag(tag)
         if on_save_error not in SAVE_ERROR_POLICIES:
             raise ValueError(f"on_save_error must be 'raise' or 'warn', got {on_save_error!r}")
@@ -343,7 +353,7 @@ class CheckpointManager:
                 self._save(
                     coord, report, checkpoint_dir, tag, model, optimizer, scheduler, user_content, num_workers,
                     use_xser, num_kept_ckpts, async_save, zero1_optimizer, rank_state, save_rng, rank_state_mode,
-                    timeout_s, on_save_error, tier,
+                    timeout_s, on_save_error, tier, budget_bytes,
                 )  # fmt: skip
         except Exception as e:
             if on_save_error == "raise":
@@ -384,6 +394,7 @@ class CheckpointManager:
         timeout_s: float,
         on_save_error: str,
         tier: MemoryTier | None = None,
+        budget_bytes: int | None = None,
     ) -> None:
         call_start, waited = report._started, report.waited_s
         if waited >= 0.001 and coord.rank == 0:
@@ -434,8 +445,15 @@ class CheckpointManager:
                 raise
             ctx = dataclasses.replace(ctx, tier=runtime.begin_save(tag, ctx.created_at, coord.world_size, ctx.monitor))
         lease: staging.StagedState | None = None
-        fetcher: staging.HostFetcher | None = None
-        if async_save:  # a training-safe copy in reused host buffers, handed back once the files are durable
+        fetcher: staging.HostFetcher | budget.BudgetedStager | None = None
+        stager: budget.BudgetedStager | None = None
+        if async_save and budget_bytes is not None:  # issue 27: staged in pieces by stager.stage() below
+            stager = budget.BudgetedStager(plan.tensors_to_write(writes, coord.rank), budget_bytes, timeout_s)
+            for watched in (ctx.storage, ctx.tier.storage if ctx.tier is not None else None):
+                if watched is not None:
+                    stager.watch(watched)
+            staged, fetcher = list(writes), stager
+        elif async_save:  # a training-safe copy in reused host buffers, handed back once the files are durable
             try:
                 needed = {id(t) for t in plan.tensors_to_write(writes, coord.rank)}
                 lease = self._staging_pool.stage([w.state for w in writes], needed=needed)
@@ -478,6 +496,10 @@ class CheckpointManager:
             writer = self._writer()
             report.blocked_s = time.perf_counter() - call_start  # set first: the job logs it
             report._future = writer.submit(write_and_commit, name=f"save {tag}")
+            if stager is not None:  # issue 27: the training thread copies what fits, waits for the rest
+                stager.stage()
+                report.budget_wait_s = stager.waited_s
+                report.staging_s = time.perf_counter() - stage_start
             self._queue_retention(ctx, report, coord)
             report.blocked_s = time.perf_counter() - call_start
         else:
