@@ -12,8 +12,10 @@ training thread waits for whatever does not fit, no more copies exist than the b
 than the budget is never copied at all), and the rest of the save continues in the background after the call
 returns, from the copies.
 
-Tensors of 1 MiB or less that the writer asks for before they are copied are copied by the writer itself (a
-plain file's small tensors, xser tensors kept inline): they count toward the budget like the others.
+Tensors of 1 MiB or less that the writer asks for before they are copied are copied by the writer itself when
+they fit (a plain file's small tensors, xser tensors kept inline), so that the call need not wait for their files;
+they count toward the budget like the others. Copies fetched outside any file (xser's inline tensors, taken when
+the reference data is built) are freed when the writer ends.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ class BudgetedStager:
                 self.waited_s += time.monotonic() - waited
                 if self._state[key] != _PENDING or n > self.budget:
                     continue  # taken by the writer meanwhile, or never copied (written from the live tensor)
-                self._state[id(t)] = _COPYING
+                self._reserve(key, n)
             copy = _copy(t)
             with self._cond:
                 self._stored(t, copy)
@@ -119,20 +121,24 @@ class BudgetedStager:
                 )
             self._cond.wait(left if left is not None else 1.0)
 
+    def _reserve(self, key: int, n: int) -> None:
+        """(Under the lock.) ``n`` bytes of the budget for a copy about to be made (counted before it exists, so
+        two threads copying at once cannot both fit into the same room)."""
+        self._state[key] = _COPYING
+        self.held_bytes += n
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
     def _stored(self, t: torch.Tensor, copy: torch.Tensor) -> None:
         """(Under the lock.) ``copy`` is ``t``'s staged copy now."""
-        n = _nbytes(t)
         self._copies[id(t)] = copy
         self._state[id(t)] = _STAGED
-        self.held_bytes += n
-        self.staged_bytes += n
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        self.staged_bytes += _nbytes(t)
         self._cond.notify_all()
 
     # ------------------------------------------------------------------ the writer's threads
     def host(self, t: torch.Tensor) -> torch.Tensor:
-        """The tensor the writer reads for ``t``: its staged copy, else (small ones) a copy made now, else the
-        live tensor itself (the save call holds training until the file is written)."""
+        """The tensor the writer reads for ``t``: its staged copy, else (small ones that fit) a copy made now,
+        else the live tensor itself (the save call holds training until the file is written)."""
         key = id(t)
         with self._cond:
             if self._abandoned is not None:
@@ -146,8 +152,8 @@ class BudgetedStager:
             self._fetched().append(t)
             if state == _STAGED:
                 return self._copies[key]
-            if state == _PENDING and _nbytes(t) <= SMALL_BYTES:
-                self._state[key] = _COPYING
+            if state == _PENDING and _nbytes(t) <= SMALL_BYTES and self.held_bytes + _nbytes(t) <= self.budget:
+                self._reserve(key, _nbytes(t))
             elif state == _PENDING:
                 self._state[key] = _BORROWED
                 self.borrowed_bytes += _nbytes(t)
