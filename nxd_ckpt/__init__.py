@@ -36,8 +36,10 @@ _LAZY = {
     "Checkpoint": "inspect",
     "open_checkpoint": "inspect",
     "CheckpointManager": "manager",
-    "SaveReport": "manager",
-    "RestoreReport": "manager",
+    "SaveReport": "save.report",
+    "SaveOptions": "options",
+    "LoadOptions": "options",
+    "RestoreReport": "load.report",
     "MemoryTier": "tier.memory",
     "destroy_model_parallel": "parallel_state",
     "initialize_model_parallel": "parallel_state",
@@ -62,8 +64,11 @@ if TYPE_CHECKING:
     from nxd_ckpt.dist.topology import Topology
     from nxd_ckpt.format.sharding import ShardingRecord, TensorSharding
     from nxd_ckpt.inspect import Checkpoint, open_checkpoint
-    from nxd_ckpt.manager import CheckpointManager, RestoreReport, SaveReport
+    from nxd_ckpt.load.report import RestoreReport
+    from nxd_ckpt.manager import CheckpointManager
+    from nxd_ckpt.options import LoadOptions, SaveOptions
     from nxd_ckpt.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from nxd_ckpt.save.report import SaveReport
     from nxd_ckpt.tier.memory import MemoryTier
     from nxd_ckpt.tools.verification import VerifyReport, verify
 
@@ -97,11 +102,13 @@ __all__ = [
     "IntegrityError",
     "InvalidTagError",
     "LayoutMismatchError",
+    "LoadOptions",
     "MemoryTier",
     "MemoryTierFullError",
     "RemoteRankError",
     "ReshardError",
     "RestoreReport",
+    "SaveOptions",
     "SaveReport",
     "ShardingRecord",
     "StateMismatchError",

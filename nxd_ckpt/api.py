@@ -1,4 +1,5 @@
-"""The public functions, with NeuronX Distributed's signatures, delegating to one process-wide manager."""
+"""The public functions, with NeuronX Distributed's signatures: each call becomes one validated SaveOptions or
+LoadOptions (``options.py``), run by one process-wide manager."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from typing import Any
 import torch
 
 from nxd_ckpt.format import tags
-from nxd_ckpt.log import get_logger
-from nxd_ckpt.manager import CheckpointManager, SaveReport
+from nxd_ckpt.manager import CheckpointManager
+from nxd_ckpt.options import LoadOptions, SaveOptions
+from nxd_ckpt.save.report import SaveReport
 from nxd_ckpt.storage import storage_for
 from nxd_ckpt.tier.memory import MemoryTier
 
@@ -109,8 +111,7 @@ def save_checkpoint(
     Returns:
         A SaveReport (bytes, blocked/staging/write time); for async saves ``wait()`` blocks until durable.
     """
-    _check_nxd_save_options(use_zero1_dcp, avoid_saving_lower_precision_weights)
-    return get_manager().save(
+    options = SaveOptions(
         checkpoint_dir_str,
         tag,
         model=model,
@@ -122,6 +123,8 @@ def save_checkpoint(
         num_kept_ckpts=num_kept_ckpts,
         async_save=async_save,
         zero1_optimizer=zero1_optimizer,
+        use_zero1_dcp=use_zero1_dcp,
+        avoid_saving_lower_precision_weights=avoid_saving_lower_precision_weights,
         rank_state=rank_state,
         save_rng=save_rng,
         rank_state_mode=rank_state_mode,
@@ -130,6 +133,7 @@ def save_checkpoint(
         memory_tier=memory_tier,
         host_memory_budget=host_memory_budget,
     )
+    return get_manager().save(options)
 
 
 def load_checkpoint(
@@ -182,14 +186,15 @@ def load_checkpoint(
     Returns:
         The saved user content, or None if none was saved.
     """
-    return get_manager().load(
+    options = LoadOptions(
         path,
-        tag=tag,
+        tag,
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
         num_workers=num_workers,
         strict=strict,
+        use_zero1_dcp=use_zero1_dcp,
         allow_pickle=allow_pickle,
         rank_state=rank_state,
         skip_rank_state=skip_rank_state,
@@ -200,6 +205,7 @@ def load_checkpoint(
         sharding=sharding,
         memory_tier=memory_tier,
     )
+    return get_manager().load(options)
 
 
 def finalize_checkpoint() -> None:
@@ -211,26 +217,6 @@ def has_checkpoint(checkpoint_dir_str: str | os.PathLike[str]) -> bool:
     """Whether ``checkpoint_dir_str`` holds at least one complete checkpoint."""
     get_manager().wait_retention()  # deletions queued by this process's last save are applied first
     return tags.latest_tag(storage_for(checkpoint_dir_str)) is not None
-
-
-logger = get_logger()
-_warned_dcp = False
-
-
-def _check_nxd_save_options(use_zero1_dcp: bool, avoid_saving_lower_precision_weights: bool) -> None:
-    """NxD's two ZeRO-1 save options: refused together (as NxD does); DCP is not written (one warning)."""
-    global _warned_dcp
-    if use_zero1_dcp and avoid_saving_lower_precision_weights:
-        raise ValueError(
-            "use_zero1_dcp and avoid_saving_lower_precision_weights cannot be combined (NxD refuses it too); "
-            "pass at most one of them"
-        )
-    if use_zero1_dcp and not _warned_dcp:
-        _warned_dcp = True
-        logger.warning(
-            "use_zero1_dcp=True: nxd_ckpt writes ZeRO-1 optimizer state as NxD's per-rank files "
-            "(optim/dp_rank_XX_tp_rank_XX_pp_rank_XX.pt), not torch Distributed Checkpoint files"
-        )
 
 
 def list_checkpoint_tags(checkpoint_dir: str | os.PathLike[str]) -> list[str]:

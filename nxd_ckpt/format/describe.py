@@ -91,20 +91,51 @@ def describe(storage: Storage, tag: str, metadata: TagMetadata | object | None =
     model = [c for n in model_names if (c := layout.parse_state_file_name(n))]
     shards = [c for n in optim_names if (c := layout.parse_state_file_name(n))]
     fulls = [c for n in optim_names if (c := layout.parse_full_optim_file_name(n))]
-
-    if meta is not None and meta.tp is not None and meta.pp is not None:
-        tp, pp = meta.tp, meta.pp
+    tp, pp = _model_parallel_sizes(meta, model + shards, fulls)
+    zero1, zero1_full, zero1_dp_size, dp = _zero1_facts(meta, shards, fulls)
+    if meta is not None and meta.ep is not None:
+        ep = meta.ep
     else:
-        tps = [c[1] for c in model + shards] + [c[0] for c in fulls]
-        pps = [c[2] for c in model + shards] + [c[1] for c in fulls]
-        tp = max(tps) + 1 if tps else None
-        pp = max(pps) + 1 if pps else None
+        eps = [e for n in model_names + optim_names if (e := layout.parse_expert_rank(n)) is not None]
+        ep = max(eps) + 1 if eps else 1
+    suffix = layout.XSER_TENSORS_SUFFIX
+    xser = (meta is not None and meta.xser) or any(n.endswith(suffix) for n in model_names + optim_names)
+    return TagDescription(
+        tag=tag,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        world_size=meta.world_size if meta is not None else None,
+        zero1=zero1,
+        zero1_dp_size=zero1_dp_size,
+        zero1_full=zero1_full,
+        xser=xser,
+        items=meta.items if meta is not None else None,
+        present_items=_present_items(storage, tag, bool(model), bool(shards or fulls)),
+        metadata=meta,
+        ep=ep,
+    )
 
+
+def _model_parallel_sizes(
+    meta: TagMetadata | None, state_files: list[tuple[int, ...]], fulls: list[tuple[int, ...]]
+) -> tuple[int | None, int | None]:
+    """TP and PP sizes: recorded, else one more than the highest ranks in the file names."""
+    if meta is not None and meta.tp is not None and meta.pp is not None:
+        return meta.tp, meta.pp
+    tps = [c[1] for c in state_files] + [c[0] for c in fulls]
+    pps = [c[2] for c in state_files] + [c[1] for c in fulls]
+    return (max(tps) + 1 if tps else None), (max(pps) + 1 if pps else None)
+
+
+def _zero1_facts(
+    meta: TagMetadata | None, shards: list[tuple[int, ...]], fulls: list[tuple[int, ...]]
+) -> tuple[bool, bool, int | None, int | None]:
+    """(zero1, zero1_full, zero1_dp_size, dp): recorded, else read off the optimizer file names."""
     recorded_full = meta.zero1_full if meta is not None else None
     zero1_full = recorded_full if recorded_full is not None else bool(fulls) and not shards
     # without metadata, a single dp_rank_00 shard looks like a replicated optimizer (they are the same file)
     zero1 = zero1_full or (meta.zero1 if meta is not None else any(c[0] > 0 for c in shards))
-
     zero1_dp_size: int | None = None
     if zero1 and not zero1_full:
         if meta is not None and meta.zero1_dp_size is not None:
@@ -117,40 +148,16 @@ def describe(storage: Storage, tag: str, metadata: TagMetadata | object | None =
         dp = zero1_dp_size
     else:
         dp = meta.dp if meta is not None else None
+    return zero1, zero1_full, zero1_dp_size, dp
 
-    if meta is not None and meta.ep is not None:
-        ep = meta.ep
-    else:
-        eps = [e for n in model_names + optim_names if (e := layout.parse_expert_rank(n)) is not None]
-        ep = max(eps) + 1 if eps else 1
 
-    suffix = layout.XSER_TENSORS_SUFFIX
-    xser = (meta is not None and meta.xser) or any(n.endswith(suffix) for n in model_names + optim_names)
-    present = []
-    if model:
-        present.append("model")
-    if shards or fulls:
-        present.append("optimizer")
+def _present_items(storage: Storage, tag: str, has_model: bool, has_optimizer: bool) -> tuple[str, ...]:
+    """The kinds of state whose files the tag holds."""
     top = set(storage.list_dir(layout.validate_tag(tag)))
-    if layout.SCHEDULER_FILE in top:
-        present.append("scheduler")
-    if layout.USER_CONTENT_FILE in top:
-        present.append("user_content")
-    return TagDescription(
-        tag=tag,
-        tp=tp,
-        pp=pp,
-        dp=dp,
-        world_size=meta.world_size if meta is not None else None,
-        zero1=zero1,
-        zero1_dp_size=zero1_dp_size,
-        zero1_full=zero1_full,
-        xser=xser,
-        items=meta.items if meta is not None else None,
-        present_items=tuple(present),
-        metadata=meta,
-        ep=ep,
-    )
+    present = [name for name, here in (("model", has_model), ("optimizer", has_optimizer)) if here]
+    files = (("scheduler", layout.SCHEDULER_FILE), ("user_content", layout.USER_CONTENT_FILE))
+    present += [name for name, file in files if file in top]
+    return tuple(present)
 
 
 def expected_files(desc: TagDescription) -> list[str]:

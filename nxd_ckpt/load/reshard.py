@@ -556,6 +556,56 @@ def load_optimizer(
     return {"state": state, "param_groups": _groups(first_file, target_groups, where)}
 
 
+@dataclass(frozen=True)
+class _Zero1Source:
+    """The ZeRO-1 files of a tag, re-cut for this rank: its DP rows of its TP part of a parameter's state."""
+
+    src: SourceLayout
+    topo: Topology
+    files: SourceFiles
+
+    def paths(self, tp_rank: int, stage: int) -> list[str]:
+        """The files holding TP rank ``tp_rank``'s state of ``stage``, in DP order (one when saved full)."""
+        src = self.src
+        if src.zero1_full:
+            return [layout.full_optim_file(src.tag, tp_rank, stage)]
+        return [layout.optim_file(src.tag, d, tp_rank, stage) for d in range(int(src.zero1_dp or 1))]
+
+    def base_file(self, job: OptimizerJob) -> SourceFile:
+        """The first file this rank's part of ``job`` is read from (its structure describes every slot)."""
+        first = read_plan(job.sharding, self.src.tp, self.topo.tp_size, self.topo.tp_rank)[0]
+        return self.files.get(self.paths(first.src_rank, job.stage)[0])
+
+    def recut(self, job: OptimizerJob, keys: tuple[Any, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The tensor at ``keys`` of ``job``'s parameter, as this rank's padded ZeRO-1 shard."""
+        topo = self.topo
+        src_local = job.sharding.local_shape(self.src.tp)
+        dst_local = job.sharding.local_shape(topo.tp_size)
+        rows = zero1.shard_rows(dst_local[0], topo.zero1_size, topo.zero1_rank)
+        readers: dict[int, Callable[[Box], torch.Tensor]] = {}
+
+        def read(tp_rank: int, box: Box) -> torch.Tensor:
+            if tp_rank not in readers:
+                chunks = [(f, f.lookup(keys)) for f in (self.files.get(p) for p in self.paths(tp_rank, job.stage))]
+                readers[tp_rank] = chunked_reader(src_local[0], chunks)
+            return readers[tp_rank](box)
+
+        out = torch.zeros(zero1.shard_shape(dst_local, topo.zero1_size), dtype=dtype)
+        fill(out.narrow(0, 0, rows[1] - rows[0]), job.sharding, self.src.tp, topo.tp_size, topo.tp_rank, read, rows)
+        return out
+
+    def entry(self, job: OptimizerJob, base: SourceFile) -> dict:
+        """``job``'s base-state entry: sharded slots re-cut, the others (step counts...) as saved."""
+        entry: dict = {}
+        for slot, value in _walk_slots(base.lookup((zero1.BASE_STATE, job.src_index))):
+            keys = (zero1.BASE_STATE, job.src_index, *slot)
+            if base.is_tensor(value) and zero1.is_shard_slot(keys, len(base.meta(value)[1])):
+                _set(entry, slot, self.recut(job, keys, base.meta(value)[0]))
+            else:
+                _set(entry, slot, base.value(value))
+        return entry
+
+
 def load_zero1(
     src: SourceLayout,
     jobs: Sequence[OptimizerJob],
@@ -564,73 +614,34 @@ def load_zero1(
     files: SourceFiles,
 ) -> dict:
     """This rank's ZeRO-1 optimizer state (its DP chunk of every TP-local parameter) at its layout."""
-    where = f"{files.storage.url}/{src.tag}"
-    n_src = 1 if src.zero1_full else int(src.zero1_dp or 1)
-
-    def paths(tp_rank: int, stage: int) -> list[str]:
-        if src.zero1_full:
-            return [layout.full_optim_file(src.tag, tp_rank, stage)]
-        return [layout.optim_file(src.tag, d, tp_rank, stage) for d in range(n_src)]
-
+    source = _Zero1Source(src, topo, files)
     base_state: dict[int, dict] = {}
     shape_info: dict[int, list[int]] = {}
     masters: dict[int, torch.Tensor] = {}
     first_file: SourceFile | None = None
     has_masters = False
-    dst_dp, dst_rank = topo.zero1_size, topo.zero1_rank
     for job in jobs:
-        src_local = job.sharding.local_shape(src.tp)
-        dst_local = job.sharding.local_shape(topo.tp_size)
-        rows = zero1.shard_rows(dst_local[0], dst_dp, dst_rank)
-        base = files.get(paths(read_plan(job.sharding, src.tp, topo.tp_size, topo.tp_rank)[0].src_rank, job.stage)[0])
+        base = source.base_file(job)
         first_file = first_file or base
         saved_shape = tuple(int(d) for d in base.value(base.lookup((zero1.SHAPE_INFO, job.src_index))))
-        if saved_shape != src_local:
+        if saved_shape != job.sharding.local_shape(src.tp):
             raise FormatError(
                 f"{base.what}: shape_info of {job.name!r} is {list(saved_shape)}, but its recorded sharding says "
-                f"{list(src_local)}"
+                f"{list(job.sharding.local_shape(src.tp))}"
             )
-        shape_info[job.index] = list(dst_local)
-
-        def resharded(
-            keys: tuple[Any, ...],
-            dtype: torch.dtype,
-            job: OptimizerJob = job,
-            rows: tuple = rows,
-            src_local: tuple = src_local,
-            dst_local: tuple = dst_local,
-        ) -> torch.Tensor:
-            readers: dict[int, Callable[[Box], torch.Tensor]] = {}
-
-            def read(tp_rank: int, box: Box) -> torch.Tensor:
-                if tp_rank not in readers:
-                    chunks = [(f, f.lookup(keys)) for f in (files.get(p) for p in paths(tp_rank, job.stage))]
-                    readers[tp_rank] = chunked_reader(src_local[0], chunks)
-                return readers[tp_rank](box)
-
-            out = torch.zeros(zero1.shard_shape(dst_local, dst_dp), dtype=dtype)
-            fill(out.narrow(0, 0, rows[1] - rows[0]), job.sharding, src.tp, topo.tp_size, topo.tp_rank, read, rows)
-            return out
-
-        entry: dict = {}
-        for slot, value in _walk_slots(base.lookup((zero1.BASE_STATE, job.src_index))):
-            keys = (zero1.BASE_STATE, job.src_index, *slot)
-            if base.is_tensor(value) and zero1.is_shard_slot(keys, len(base.meta(value)[1])):
-                _set(entry, slot, resharded(keys, base.meta(value)[0]))
-            else:
-                _set(entry, slot, base.value(value))
-        base_state[job.index] = entry
+        shape_info[job.index] = list(job.sharding.local_shape(topo.tp_size))
+        base_state[job.index] = source.entry(job, base)
         if base.has((zero1.MASTER_WEIGHTS, job.src_index)):
             has_masters = True
             keys = (zero1.MASTER_WEIGHTS, job.src_index)
-            masters[job.index] = resharded(keys, base.meta(base.lookup(keys))[0])
+            masters[job.index] = source.recut(job, keys, base.meta(base.lookup(keys))[0])
     if first_file is None:
-        first_file = files.get(paths(0, 0)[0])
+        first_file = files.get(source.paths(0, 0)[0])
     out: dict[str, Any] = {}
     for key, value in first_file.structure.items():
         if key not in (zero1.BASE_STATE, zero1.SHAPE_INFO, zero1.MASTER_WEIGHTS, "param_groups"):
             out[key] = first_file.value(value)
-    out["param_groups"] = _groups(first_file, target_groups, where)
+    out["param_groups"] = _groups(first_file, target_groups, f"{files.storage.url}/{src.tag}")
     out[zero1.BASE_STATE] = base_state
     out[zero1.SHAPE_INFO] = shape_info
     if has_masters:

@@ -60,6 +60,8 @@ class TierRuntime:
             self.address, phase="memory tier: exchanging the file servers' addresses"
         )
         self.client = FileClient(token, self.timeout_s)
+        self.saves = 0
+        """Saves through this run-time so far (identical on every rank)."""
         logger.debug("memory tier of %s: node %d of %d, %s, serving %s", url, self.node, self.nodes.count,
                      self.root, self.address)  # fmt: skip
 
@@ -72,6 +74,12 @@ class TierRuntime:
         times the copies per tag), after eviction."""
         need = rank_bytes * self.nodes.per_node * self.tier.copies_per_tag
         check_budget(self.root, self.tier, tag, need, self.node, self.nodes.ranks_of(self.node))
+
+    def count_save(self) -> bool:
+        """Count one more save through the tier; whether it also goes to the checkpoint directory (every
+        ``durable_every``-th save)."""
+        self.saves += 1
+        return self.saves % self.tier.durable_every == 0
 
     def begin_save(self, tag: str, created_at: float, world_size: int, monitor: StorageMonitor) -> TierSave:
         return TierSave(self, tag, created_at, world_size, monitor)

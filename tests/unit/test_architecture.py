@@ -103,7 +103,7 @@ LAYERS = [
     {"errors", "knobs", "lazy", "tree", "rng"},
     {"storage", "serialization", "dist", "xla"},
     {"format", "log", "watchdog", "parallel_state"},
-    {"save", "load", "statefile", "adapters", "rank_state", "inspect", "tier"},
+    {"save", "load", "statefile", "adapters", "rank_state", "inspect", "tier", "options"},
     {"manager", "tools", "testing"},
     {"api", "cli"},
 ]

@@ -1,0 +1,69 @@
+"""SaveReport: what one save cost and how it ended, filled in by the save pipeline (the write fields of an async
+save when its background write ends)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from nxd_ckpt.dist.coordinator import format_exception
+from nxd_ckpt.log import format_bytes, format_rate
+
+
+@dataclass
+class SaveReport:
+    """What one save cost; for async saves the write fields are filled in when the background write ends."""
+
+    tag: str
+    checkpoint_dir: str
+    async_save: bool
+    bytes_written: int = 0
+    """Tensor bytes this rank wrote."""
+    blocked_s: float = 0.0
+    """Time the caller was blocked in ``save``, including ``waited_s``."""
+    waited_s: float = 0.0
+    """Part of ``blocked_s`` spent waiting for the previous save to finish writing."""
+    staging_s: float = 0.0
+    """Time to plan and copy the state to host memory."""
+    staging_allocated_bytes: int = 0
+    """Host staging memory newly allocated by this save (0 when the previous save's buffers were reused)."""
+    budget_wait_s: float = 0.0
+    """Part of ``blocked_s`` an async save under a host memory budget waited for the writer (to free memory, or to
+    write what did not fit); 0 without a budget."""
+    write_s: float = 0.0
+    """Time to write this rank's files and make them durable."""
+    total_s: float = 0.0
+    """From the call to the commit outcome (``done`` written, or known on other ranks)."""
+    files_written: int = 0
+    completed: bool = False
+    error: str | None = None
+    """Why this save failed, with ``on_save_error="warn"`` (for async saves: once the background write ended)."""
+    earlier_failures: list[str] = field(default_factory=list)
+    """Background saves that failed since the previous save under ``on_save_error="warn"``."""
+    _future: Future | None = field(default=None, repr=False)
+    _started: float = field(default=0.0, repr=False)
+
+    @property
+    def throughput_gbps(self) -> float:
+        return self.bytes_written / self.write_s / 1e9 if self.write_s > 0 else 0.0
+
+    def summary(self) -> str:
+        """One log line: what the save cost."""
+        mode = "async" if self.async_save else "sync"
+        waited = f" (of which {self.waited_s:.2f} s waiting for the previous save)" if self.waited_s >= 0.001 else ""
+        return (
+            f"saved {self.tag} ({mode}): {format_bytes(self.bytes_written)} on this rank, training blocked "
+            f"{self.blocked_s:.3f} s{waited}, staging {self.staging_s:.3f} s, write {self.write_s:.2f} s "
+            f"({format_rate(self.bytes_written, self.write_s)}), durable after {self.total_s:.2f} s"
+        )
+
+    def wait(self) -> SaveReport:
+        """Block until this save is durable on this rank (re-raises its error)."""
+        if self._future is not None:
+            self._future.result()
+        return self
+
+    def record_failure(self, error: BaseException) -> str:
+        """``on_save_error="warn"``: keep the failure here instead of raising it; returns its description."""
+        self.error = format_exception(error)
+        return self.error
