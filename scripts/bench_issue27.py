@@ -343,7 +343,12 @@ def report_lines(data: dict, med: dict[str, tuple[float | None, float | None]]) 
             f"  async save under a budget of 1/4 of the state holds <= budget + 64 MiB: {verdict(budget_ok)}; "
             f"the call waited {waited:.3f} s for what did not fit"
         )
-    tier = extra.get("nxd_tier", [])
+    return lines + _tier_lines(extra.get("nxd_tier", []), verdict)
+
+
+def _tier_lines(tier: list[dict[str, float]], verdict: Callable[[bool], str]) -> list[str]:
+    """The memory-tier targets of ``report_lines``."""
+    lines: list[str] = []
     if tier:
         mem = statistics.median(r["tier_memory_s"] / r["tier_memcpy_s"] for r in tier)
         lines.append(f"  tier restore from node memory: {mem:.2f}x a memcpy of the same bytes (target <= 1.5): "

@@ -79,19 +79,11 @@ def _slowest(coord, seconds: float) -> float:
     return max(coord.all_gather_object(seconds, phase="benchmark"))
 
 
-def rank_main(total_mib: int, repeats: int, ckpt: str, mem: str, out: str) -> None:
-    import torch.distributed as dist
-
+def blocked_saves(coord, ckpt: str, model: dict, optimizer: dict, tier, repeats: int) -> dict[str, list[float]]:
+    """Async saves without and with the tier, alternating which goes first (the newest tag is a tier save):
+    the slowest rank's blocked time of each."""
     import nxd_ckpt as nxd
-    from nxd_ckpt.dist.coordinator import Coordinator
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    coord = Coordinator()
-    os.environ["NXD_CKPT_MEMORY_TIER_HOST"] = "127.0.0.1"  # simulated nodes on one machine meet on loopback
-    tier = nxd.MemoryTier(
-        dir=os.path.join(mem, "node{node}"), replicas=1, durable_every=1, max_copies=4, bind="127.0.0.1"
-    )
-    model, optimizer = _state(total_mib * MIB, rank, world)
     blocked: dict[str, list[float]] = {"plain": [], "tier": []}
     nxd.save_checkpoint(ckpt, "warmup_plain", model=model, optimizer=optimizer, zero1_optimizer=True,
                         async_save=True, num_kept_ckpts=2).wait()  # fmt: skip
@@ -108,6 +100,23 @@ def rank_main(total_mib: int, repeats: int, ckpt: str, mem: str, out: str) -> No
             blocked[mode].append(_slowest(coord, report.blocked_s))
             report.wait()
             nxd.get_manager().wait_pending()  # retention too: the next save must not wait for anything
+    return blocked
+
+
+def rank_main(total_mib: int, repeats: int, ckpt: str, mem: str, out: str) -> None:
+    import torch.distributed as dist
+
+    import nxd_ckpt as nxd
+    from nxd_ckpt.dist.coordinator import Coordinator
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    coord = Coordinator()
+    os.environ["NXD_CKPT_MEMORY_TIER_HOST"] = "127.0.0.1"  # simulated nodes on one machine meet on loopback
+    tier = nxd.MemoryTier(
+        dir=os.path.join(mem, "node{node}"), replicas=1, durable_every=1, max_copies=4, bind="127.0.0.1"
+    )
+    model, optimizer = _state(total_mib * MIB, rank, world)
+    blocked = blocked_saves(coord, ckpt, model, optimizer, tier, repeats)
     nxd.finalize_checkpoint()
     newest = f"tier_{repeats - 1}"
     results: dict[str, object] = {
