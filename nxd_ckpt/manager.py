@@ -157,6 +157,14 @@ class CheckpointManager:
         self.check_for_errors()
         return waited
 
+    def queue_deletion(self, fn: Callable[[], Any], name: str) -> Future:
+        """Run the deletion ``fn`` on the writer thread behind every save submitted so far (so it never touches
+        a tag while it is written), like retention: tag listings wait for it (``wait_retention``). For
+        frameworks that delete tags themselves (Lightning's ``remove_checkpoint``)."""
+        future = self._writer().submit(fn, name=name)
+        self._queued_retention(future)
+        return future
+
     def wait_retention(self) -> None:
         """Wait for queued retention deletions (so tag listings see what retention keeps); errors stay with
         the writer (raised by the next save/load/finalize)."""

@@ -113,6 +113,13 @@ def sync(tensors: Sequence[torch.Tensor]) -> None:
     xla._XLAC._xla_sync_multi(xla_tensors, devices=[], wait=True, sync_xla_data=False)
 
 
+def mark_step() -> None:
+    """Cut and run this process's pending graph (torch_xla's ``mark_step``); nothing without torch_xla loaded."""
+    if loaded() is None:
+        return
+    importlib.import_module("torch_xla.core.xla_model").mark_step()
+
+
 def iter_to_cpu(
     tensors: Sequence[torch.Tensor], batch_bytes: int | None = None, *, synced: bool = False
 ) -> Iterator[tuple[list[int], list[torch.Tensor]]]:

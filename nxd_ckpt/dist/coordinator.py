@@ -70,6 +70,13 @@ def world_size() -> int:
     return int(dist.get_world_size()) if is_distributed() else 1
 
 
+def backend() -> str | None:
+    """The default process group's backend (``"gloo"``, ``"xla"``, ...), None without one."""
+    import torch.distributed as dist
+
+    return str(dist.get_backend()) if is_distributed() else None
+
+
 def world_id() -> int | None:
     """Identifies the current default process group (None without one): changes when it is re-created."""
     import torch.distributed as dist

@@ -174,7 +174,12 @@ def _surely_older(tag: TagInfo, than: TagInfo) -> bool:
 
 
 def delete_tag(storage: Storage, tag: str) -> None:
-    """Delete one tag: ``done`` first (so it stops counting as complete), then everything else."""
+    """Delete one tag: ``done`` first (so it stops counting as complete), then everything else. A tag that is a
+    symbolic link (Lightning's ``ModelCheckpoint(save_last="link")``) is unlinked; the tag it names is untouched."""
+    local = storage.local_path(layout.validate_tag(tag))
+    if local is not None and os.path.islink(local):
+        storage.delete(tag)
+        return
     storage.delete(layout.tag_path(tag, layout.DONE_MARKER))
     storage.sync_dirs([layout.validate_tag(tag)])
     storage.delete_tree(tag)

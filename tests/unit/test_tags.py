@@ -113,3 +113,17 @@ def test_delete_removes_done_first(tmp_path):
         tags.delete_tag(CrashAfterDone(tmp_path), "s1")
     assert tags.list_tags(s) == []  # no longer looks complete
     assert [t.name for t in tags.list_tags(s, include_incomplete=True)] == ["s1"]
+
+
+def test_deleting_a_linked_tag_unlinks_it_only(tmp_path):
+    """Lightning's save_last="link" makes a tag a symbolic link to another: retention or a removal of the link
+    must not delete the linked tag's 'done' (or anything else of it)."""
+    _make_tag(tmp_path, "step_2", created_at=1.0)
+    os.symlink("step_2", tmp_path / "last")
+    s = LocalStorage(tmp_path)
+    tags.delete_tag(s, "last")
+    assert sorted(os.listdir(tmp_path)) == ["step_2"] and (tmp_path / "step_2" / "done").exists()
+    _make_tag(tmp_path, "step_4", created_at=2.0)
+    os.symlink("step_4", tmp_path / "last")  # as old as step_4; the name orders it before: retention deletes it
+    assert sorted(tags.apply_retention(s, 1)) == ["last", "step_2"]
+    assert sorted(os.listdir(tmp_path)) == ["step_4"] and tags.latest_tag(s) == "step_4"
