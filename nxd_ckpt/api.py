@@ -76,6 +76,7 @@ def save_checkpoint(
     timeout: float | None = None,
     on_save_error: str = "raise",
     memory_tier: MemoryTier | None = None,
+    host_memory_budget: int | str | None = None,
 ) -> SaveReport:
     """Save a checkpoint under ``checkpoint_dir_str/tag`` in NxD's layout; every rank must call it.
 
@@ -103,6 +104,9 @@ def save_checkpoint(
     complete checkpoint stays the latest. The default ``"raise"`` raises the failure, on every rank.
     ``memory_tier`` (a ``MemoryTier``) keeps the checkpoint in node memory with copies on peer nodes and writes
     ``checkpoint_dir_str`` only every ``durable_every``-th save (docs/memory-tier.md).
+    ``host_memory_budget`` (bytes, or a size such as ``"512MiB"``; default ``NXD_CKPT_HOST_MEMORY_BUDGET``, else
+    no limit) caps the host memory an async save holds: a larger state is staged and written in pieces while the
+    call waits for what does not fit (the SaveReport's ``budget_wait_s``).
 
     Returns:
         A SaveReport (bytes, blocked/staging/write time); for async saves ``wait()`` blocks until durable.
@@ -127,6 +131,7 @@ def save_checkpoint(
         timeout=timeout,
         on_save_error=on_save_error,
         memory_tier=memory_tier,
+        host_memory_budget=host_memory_budget,
     )
     return get_manager().save(options)
 

@@ -3,7 +3,8 @@
 - booleans: ``1``/``true``/``yes``/``on`` and ``0``/``false``/``no``/``off`` (any case);
 - integers: decimal (``_`` separators allowed), at least the knob's minimum;
 - durations: seconds, optionally with a unit: ``90``, ``90s``, ``5m``, ``1.5h``; more than 0;
-- choices: one of the listed words (any case).
+- choices: one of the listed words (any case);
+- sizes: bytes, optionally with a binary or decimal unit: ``536870912``, ``512MiB``, ``2GiB``, ``1.5GB``, ``64K``.
 
 Unset or empty means the default. Anything else raises ``ValueError`` naming the variable, the value and what
 it accepts, at the call that reads it (knobs are read at each use, so a test or a job can change them).
@@ -20,11 +21,13 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 _DURATION_RE = re.compile(r"^([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(ms|s|m|h)?$")
 _UNITS = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_SIZE_RE = re.compile(r"^([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b?)$")
+_SIZE_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
 
 @dataclass(frozen=True)
 class Knob:
-    """One environment variable: its name, kind (bool, int, duration, choice, str), default and meaning."""
+    """One environment variable: its name, kind (bool, int, duration, size, choice, str), default and meaning."""
 
     name: str
     kind: str
@@ -97,6 +100,14 @@ KNOBS: dict[str, Knob] = {
             "index",
         ),
         Knob(
+            "NXD_CKPT_HOST_MEMORY_BUDGET",
+            "size",
+            None,
+            "most host memory an async save holds above what was in use before it (`512MiB`, `2GiB`); a larger "
+            "state is staged and written in pieces while the save call waits. The `host_memory_budget=` keyword "
+            "overrides it",
+        ),
+        Knob(
             "NXD_CKPT_MEMORY_TIER_HOST",
             "str",
             None,
@@ -153,6 +164,29 @@ def get_duration(name: str) -> float:
     if seconds <= 0:
         raise _bad(name, raw, "use a duration > 0 in seconds, optionally with a unit (90, 90s, 5m, 1.5h)")
     return seconds
+
+
+def parse_size(raw: str) -> int | None:
+    """Bytes of a size such as ``512MiB``, ``2GiB``, ``1.5GB``, ``64k`` or ``4096`` (KiB/MiB/GiB/TiB and K/M/G/T
+    are powers of 1024, kB/MB/GB/TB powers of 1000); None when it is not one or not above 0."""
+    m = _SIZE_RE.match(raw.strip().lower())
+    if not m or (m.group(3) and not m.group(2)):
+        return None
+    prefix, binary, suffix = m.group(2), m.group(3), m.group(4)
+    base = 1000 if prefix and suffix and not binary else 1024
+    value = int(float(m.group(1)) * base ** _SIZE_POWERS[prefix])
+    return value if value > 0 else None
+
+
+def get_size(name: str) -> int | None:
+    """Bytes (``parse_size``), or the default (None: no limit)."""
+    raw = _raw(name)
+    if raw is None:
+        return KNOBS[name].default  # type: ignore[return-value]
+    value = parse_size(raw)
+    if value is None:
+        raise _bad(name, raw, "use a size > 0 in bytes, optionally with a unit (536870912, 512MiB, 2GiB, 1.5GB)")
+    return value
 
 
 def get_choice(name: str) -> str:
@@ -220,3 +254,7 @@ def memory_dir() -> str | None:
 
 def memory_tier_host() -> str | None:
     return get_str("NXD_CKPT_MEMORY_TIER_HOST")
+
+
+def host_memory_budget() -> int | None:
+    return get_size("NXD_CKPT_HOST_MEMORY_BUDGET")

@@ -31,8 +31,8 @@ from nxd_ckpt.load.pipeline import LoadPipeline, LoadServices
 from nxd_ckpt.load.report import RestoreReport
 from nxd_ckpt.options import LoadOptions, SaveOptions, load_options, save_options
 from nxd_ckpt.parallel_state import current_topology
+from nxd_ckpt.save import budget, staging
 from nxd_ckpt.save import pipeline as save_pipeline
-from nxd_ckpt.save import staging
 from nxd_ckpt.save.pipeline import SavePipeline, SaveServices
 from nxd_ckpt.save.report import SaveReport
 from nxd_ckpt.save.writer import AsyncWriter
@@ -63,11 +63,13 @@ class CheckpointManager:
         topology: Topology | Callable[[], Topology] | None = None,
         storage: Callable[[Any], Storage] | None = None,
         memory_tier: MemoryTier | None = None,
+        host_memory_budget: int | str | None = None,
     ) -> None:
         """Defaults: a Coordinator over torch.distributed (re-made when the process group changes), the parallel
         state's topology at each call, and ``storage_for`` of the checkpoint directory. Inject others to run the
         manager's policies without processes (``nxd_ckpt.testing.threadworld``) or on another backend.
-        ``memory_tier`` is used by every save and load that does not pass its own (docs/memory-tier.md)."""
+        ``memory_tier`` is used by every save and load that does not pass its own (docs/memory-tier.md), and
+        ``host_memory_budget`` by every async save that does not pass its own (``save.budget``)."""
         if memory_tier is not None and not isinstance(memory_tier, MemoryTier):
             raise TypeError(f"memory_tier must be a nxd_ckpt.MemoryTier, got {type(memory_tier).__name__}")
         self._injected_coordinator = coordinator
@@ -83,6 +85,8 @@ class CheckpointManager:
         """Background save failures under ``on_save_error="warn"``, reported by the next SaveReport."""
         self._retention_jobs: list[Future] = []
         self.memory_tier = memory_tier
+        self.host_memory_budget = host_memory_budget
+        budget.resolve_budget(host_memory_budget)  # a bad value fails here, not at the first save
         self._tier_runtime: TierRuntime | None = None
         self._tier_key: tuple | None = None
         self.last_restore: RestoreReport | None = None
@@ -190,6 +194,8 @@ class CheckpointManager:
         options = save_options(checkpoint_dir, tag, **keywords)
         if options.memory_tier is None and self.memory_tier is not None:
             options = options.replace(memory_tier=self.memory_tier)
+        if options.host_memory_budget is None and self.host_memory_budget is not None:
+            options = options.replace(host_memory_budget=self.host_memory_budget)
         save_pipeline.refuse_unsavable(options)
         waited = self._settle_background()
         earlier_failures, self._warned = self._warned, []

@@ -37,6 +37,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # spawned ranks import this file by name
 
+from bench_memory import PeakRSS
+
 MIB = 1 << 20
 
 
@@ -77,6 +79,30 @@ def _slowest(coord, seconds: float) -> float:
     return max(coord.all_gather_object(seconds, phase="benchmark"))
 
 
+def blocked_saves(coord, ckpt: str, model: dict, optimizer: dict, tier, repeats: int) -> dict[str, list[float]]:
+    """Async saves without and with the tier, alternating which goes first (the newest tag is a tier save):
+    the slowest rank's blocked time of each."""
+    import nxd_ckpt as nxd
+
+    blocked: dict[str, list[float]] = {"plain": [], "tier": []}
+    nxd.save_checkpoint(ckpt, "warmup_plain", model=model, optimizer=optimizer, zero1_optimizer=True,
+                        async_save=True, num_kept_ckpts=2).wait()  # fmt: skip
+    nxd.save_checkpoint(ckpt, "warmup_tier", model=model, optimizer=optimizer, zero1_optimizer=True,
+                        async_save=True, num_kept_ckpts=2, memory_tier=tier).wait()  # fmt: skip
+    for i in range(repeats):
+        last_pair = (repeats - 1 - i) % 2 == 0  # alternate which goes first; the newest tag is a tier save
+        for mode in ("plain", "tier") if last_pair else ("tier", "plain"):
+            coord.barrier()
+            report = nxd.save_checkpoint(
+                ckpt, f"{mode}_{i}", model=model, optimizer=optimizer, zero1_optimizer=True, async_save=True,
+                num_kept_ckpts=2, memory_tier=tier if mode == "tier" else None,
+            )  # fmt: skip
+            blocked[mode].append(_slowest(coord, report.blocked_s))
+            report.wait()
+            nxd.get_manager().wait_pending()  # retention too: the next save must not wait for anything
+    return blocked
+
+
 def rank_main(total_mib: int, repeats: int, ckpt: str, mem: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -90,21 +116,7 @@ def rank_main(total_mib: int, repeats: int, ckpt: str, mem: str, out: str) -> No
         dir=os.path.join(mem, "node{node}"), replicas=1, durable_every=1, max_copies=4, bind="127.0.0.1"
     )
     model, optimizer = _state(total_mib * MIB, rank, world)
-    blocked: dict[str, list[float]] = {"plain": [], "tier": []}
-    nxd.save_checkpoint(ckpt, "warmup_plain", model=model, optimizer=optimizer, zero1_optimizer=True,
-                        async_save=True, num_kept_ckpts=2).wait()  # fmt: skip
-    nxd.save_checkpoint(ckpt, "warmup_tier", model=model, optimizer=optimizer, zero1_optimizer=True,
-                        async_save=True, num_kept_ckpts=2, memory_tier=tier).wait()  # fmt: skip
-    for i in range(repeats):
-        for mode in ("plain", "tier") if i % 2 == 0 else ("tier", "plain"):  # alternate which goes first
-            coord.barrier()
-            report = nxd.save_checkpoint(
-                ckpt, f"{mode}_{i}", model=model, optimizer=optimizer, zero1_optimizer=True, async_save=True,
-                num_kept_ckpts=2, memory_tier=tier if mode == "tier" else None,
-            )  # fmt: skip
-            blocked[mode].append(_slowest(coord, report.blocked_s))
-            report.wait()
-            nxd.get_manager().wait_pending()  # retention too: the next save must not wait for anything
+    blocked = blocked_saves(coord, ckpt, model, optimizer, tier, repeats)
     nxd.finalize_checkpoint()
     newest = f"tier_{repeats - 1}"
     results: dict[str, object] = {
@@ -115,17 +127,29 @@ def rank_main(total_mib: int, repeats: int, ckpt: str, mem: str, out: str) -> No
         + (sum(t.numel() * t.element_size() for t in model.values()) if rank == 0 else 0),
     }
 
+    # The training state a resume loads into: allocated and touched (a built model, an initialised optimizer).
+    target_model = {k: torch.zeros_like(v) for k, v in model.items()}
+    target_opt = {
+        "state": {i: {k: torch.zeros_like(v) for k, v in s.items()} for i, s in optimizer["state"].items()},
+        "param_groups": [dict(g) for g in optimizer["param_groups"]],
+    }
+    read = [*model.values(), *optimizer_tensors(optimizer)]  # what each rank restores: the model and its shard
+    results["restored_bytes"] = sum(t.numel() * t.element_size() for t in read)
+    baselines: dict[str, list[float]] = {"memcpy": [], "socket": []}
+    profile = os.environ.get("NXD_BENCH_PROFILE")
+
     def timed_load(label: str) -> float:
         manager = nxd.CheckpointManager()
-        target_model = {k: torch.empty_like(v) for k, v in model.items()}
-        target_opt = {
-            "state": {i: {k: torch.empty_like(v) for k, v in s.items()} for i, s in optimizer["state"].items()},
-            "param_groups": [dict(g) for g in optimizer["param_groups"]],
-        }
+        for t in [*target_model.values(), *optimizer_tensors(target_opt)]:
+            t.fill_(-1.0)  # scribbled: the load must bring every byte back
         coord.barrier()
+        peak = PeakRSS()
+        profiler = _profiler(profile, rank, label)
         start = time.perf_counter()
-        manager.load(ckpt, model=target_model, optimizer=target_opt, memory_tier=tier)
+        with peak, profiler:
+            manager.load(ckpt, model=target_model, optimizer=target_opt, memory_tier=tier)
         elapsed = _slowest(coord, time.perf_counter() - start)
+        results.setdefault(f"peak_{label}", []).append(_slowest(coord, peak.extra))  # type: ignore[union-attr]
         restore = manager.last_restore
         assert restore is not None and restore.tag == newest, restore
         assert all(torch.equal(target_model[k], model[k]) for k in model)
@@ -138,7 +162,10 @@ def rank_main(total_mib: int, repeats: int, ckpt: str, mem: str, out: str) -> No
     times: dict[str, list[float]] = {"memory": [], "peer": [], "durable": []}
     node0, node1 = os.path.join(mem, "node0"), os.path.join(mem, "node1")
     timed_load("warmup")  # first load of the processes (imports, allocator): not counted
+    peers = {r: q for r in range(world) for q in range(world) if q == (r + world // 2) % world}
     for _ in range(repeats):
+        baselines["memcpy"].append(_slowest(coord, memcpy_s(read, target_model, target_opt)))
+        baselines["socket"].append(socket_copy_s(coord, read, rank, peers[rank], receiver=rank < world // 2))
         times["memory"].append(timed_load("memory"))
         if rank == 0:
             os.rename(node0, node0 + ".lost")
@@ -154,12 +181,91 @@ def rank_main(total_mib: int, repeats: int, ckpt: str, mem: str, out: str) -> No
                 shutil.rmtree(node_dir, ignore_errors=True)
                 os.rename(node_dir + ".lost", node_dir)
         coord.barrier()
-    for label, values in times.items():
+    for label, values in [*times.items(), *baselines.items()]:
         results[f"recovery_{label}_s"] = statistics.median(values)
         results[f"recovery_{label}_all"] = values
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
+
+
+def memcpy_s(read: list[torch.Tensor], target_model: dict, target_opt: dict) -> float:
+    """This rank's time to copy the bytes it restores into the (touched) tensors a restore fills."""
+    dests = [*target_model.values(), *optimizer_tensors(target_opt)]
+    start = time.perf_counter()
+    with torch.no_grad():
+        for dst, src in zip(dests, read, strict=True):
+            dst.copy_(src)
+    return time.perf_counter() - start
+
+
+def socket_copy_s(coord, read: list[torch.Tensor], rank: int, peer: int, receiver: bool) -> float:
+    """The peer restore's baseline: the ranks of node 0 receive the bytes they restore from their peer on node
+    1 over one loopback TCP connection (sendall of the tensors, recv_into touched buffers), all pairs at once;
+    the slowest receiver's time."""
+    import socket
+
+    nbytes = sum(t.numel() * t.element_size() for t in read)
+    listener = None
+    port = 0
+    if receiver:
+        listener = socket.create_server(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+    ports = coord.all_gather_object(port, phase="benchmark: socket baseline")
+    elapsed = 0.0
+    if receiver:
+        assert listener is not None
+        into = _socket_buffer(nbytes)
+        view = memoryview(into.numpy())
+        coord.barrier()
+        conn, _ = listener.accept()
+        start = time.perf_counter()
+        with conn:
+            done = 0
+            while done < nbytes:
+                n = conn.recv_into(view[done : done + (8 << 20)])
+                if not n:
+                    raise RuntimeError("the sender stopped early")
+                done += n
+        elapsed = time.perf_counter() - start
+        listener.close()
+    else:
+        coord.barrier()
+        with socket.create_connection(("127.0.0.1", ports[peer])) as conn:
+            for t in read:
+                conn.sendall(memoryview(t.numpy()).cast("B"))
+    return max(coord.all_gather_object(elapsed, phase="benchmark: socket baseline"))
+
+
+_SOCKET_BUFFER: list[torch.Tensor] = []
+
+
+def _socket_buffer(nbytes: int) -> torch.Tensor:
+    """A receive buffer allocated and touched once (the restore's targets are touched too)."""
+    if not _SOCKET_BUFFER or _SOCKET_BUFFER[0].numel() != nbytes:
+        _SOCKET_BUFFER[:] = [torch.ones(nbytes, dtype=torch.uint8)]
+    return _SOCKET_BUFFER[0]
+
+
+def _profiler(directory: str | None, rank: int, label: str):
+    """cProfile of rank 0's timed memory and peer restores into ``directory`` (NXD_BENCH_PROFILE), else nothing."""
+    import contextlib
+
+    if not directory or rank != 0 or label not in ("memory", "peer"):
+        return contextlib.nullcontext()
+    import cProfile
+
+    @contextlib.contextmanager
+    def run():
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            yield
+        finally:
+            prof.disable()
+            prof.dump_stats(os.path.join(directory, f"{label}_{time.time_ns()}.prof"))
+
+    return run()
 
 
 def single_process_blocked(total_mib: int, repeats: int, work: str) -> dict[str, list[float]]:
@@ -183,6 +289,28 @@ def single_process_blocked(total_mib: int, repeats: int, work: str) -> dict[str,
             nxd.get_manager().wait_pending()
     nxd.reset_manager()
     return out
+
+
+def print_targets(r: dict, total_mib: int) -> None:
+    """Issue 27's targets, each ratio paired within one repetition (medians of the pairs)."""
+    per_rank = r["restored_bytes"] / MIB
+    memcpy, sock = r["recovery_memcpy_all"], r["recovery_socket_all"]
+    mem_ratio = statistics.median(a / b for a, b in zip(r["recovery_memory_all"], memcpy, strict=True))
+    peer_ratio = statistics.median(a / b for a, b in zip(r["recovery_peer_all"], sock, strict=True))
+    print(f"baselines per rank ({per_rank:.0f} MiB restored by each): memcpy into the touched targets "
+          f"{r['recovery_memcpy_s']:.3f} s (each: {', '.join(f'{v:.3f}' for v in memcpy)}); loopback socket copy "
+          f"{r['recovery_socket_s']:.3f} s (each: {', '.join(f'{v:.3f}' for v in sock)})")  # fmt: skip
+    for label, ratio, bound, base in (
+        ("node memory", mem_ratio, 1.5, "memcpy"),
+        ("the peer", peer_ratio, 2.0, "socket copy"),
+    ):
+        verdict = "MET" if ratio <= bound else "NOT MET"
+        print(f"target: restore from {label} / {base} = {ratio:.2f}x (target <= {bound}): {verdict}")
+    for label in ("memory", "peer", "durable"):
+        peaks = r.get(f"peak_{label}", [])
+        if peaks:
+            print(f"peak extra host memory, restore from {label}: {max(peaks) / r['restored_bytes']:.2f}x the rank's "
+                  f"restored state ({max(peaks) / MIB:.0f} MiB, largest rank, heap in use)")  # fmt: skip
 
 
 def optimizer_tensors(optimizer: dict) -> list[torch.Tensor]:
@@ -227,6 +355,7 @@ def main() -> None:
     print(f"recovery from durable, cold: {durable_s:7.3f} s   (page cache dropped by {r['cold_method']}; "
           f"each: {each('durable')})")  # fmt: skip
     print(f"  durable / memory = {durable_s / mem_s:.2f}x, durable / peer = {durable_s / peer_s:.2f}x")
+    print_targets(r, args.total_mib)
     plain, tiered = r["blocked_plain_s"], r["blocked_tier_s"]
     print(f"save blocked (async, median of {args.repeats}): without tier {plain:.3f} s, with tier {tiered:.3f} s "
           f"(ratio {tiered / plain:.2f})")  # fmt: skip

@@ -192,11 +192,15 @@ class ChecksummingStorage(DelegatingStorage):
         self.inner.write_bytes(path, data)
         self._record(path, FileRecord(*hash_bytes(data), self.rank))
 
-    def write_from_local_file(self, path: str, local_file: str) -> None:
-        with open(local_file, "rb") as f:
-            rec = FileRecord(*hash_stream(f), self.rank)
+    def write_from_local_file(self, path: str, local_file: str, known: FileRecord | None = None) -> None:
+        """Copy a local file; ``known`` is its record when this rank already hashed it while writing it (a memory
+        tier copy going to durable storage): not hashed a second time, and a copy damaged in between fails
+        verification on load instead of being recorded as it is."""
+        if known is None:
+            with open(local_file, "rb") as f:
+                known = FileRecord(*hash_stream(f), self.rank)
         self.inner.write_from_local_file(path, local_file)
-        self._record(path, rec)
+        self._record(path, FileRecord(known.size, known.digest, self.rank))
 
     def _record(self, path: str, rec: FileRecord) -> None:
         if path.startswith(self.tag + "/"):

@@ -37,7 +37,7 @@ from nxd_ckpt.format import integrity, layout, sharding, tags
 from nxd_ckpt.format.metadata import metadata_path, write_metadata
 from nxd_ckpt.format.sharding import ShardingRecord
 from nxd_ckpt.options import SaveOptions
-from nxd_ckpt.save import finish, plan, staging
+from nxd_ckpt.save import budget, finish, plan, staging
 from nxd_ckpt.save.commit import CommitBarrier
 from nxd_ckpt.save.finish import CommitTarget
 from nxd_ckpt.save.report import SaveReport
@@ -120,8 +120,9 @@ class Staged:
     writes: list[plan.StateWrite]
     lease: staging.StagedState | None = None
     """Async saves: the pooled host copy, handed back as soon as the files are written."""
-    fetcher: staging.HostFetcher | None = None
-    """Sync saves of device tensors: host copies arriving ahead of the writers."""
+    fetcher: staging.HostFetcher | budget.BudgetedStager | None = None
+    """Sync saves of device tensors: host copies arriving ahead of the writers; async saves under a host memory
+    budget: the copies the training thread makes in ``run`` while the writer writes."""
 
     def host(self) -> Callable[[Any], Any] | None:
         return self.fetcher.host if self.fetcher is not None else None
@@ -165,6 +166,10 @@ class SavePipeline:
             report.blocked_s = time.perf_counter() - report._started  # set first: the job logs it
             job = self.services.writer().submit(lambda: self.background_job(ctx, staged, report), f"save {ctx.tag}")
             report._future = job
+            if isinstance(staged.fetcher, budget.BudgetedStager):  # copies what fits, waits for the rest
+                staged.fetcher.stage()
+                report.budget_wait_s = staged.fetcher.waited_s
+                report.staging_s = time.perf_counter() - stage_start
         else:
             self.write_and_commit(ctx, staged, report, waves=options.num_workers)
         # Deletions go to the writer thread, after 'done' (the commit): the training thread never waits for them.
@@ -219,6 +224,14 @@ class SavePipeline:
         device tensors are copied to the host by a thread running ahead of the writers (one sync for all)."""
         rank = self.coord.rank
         with ctx.arrive_on_failure():
+            if ctx.options.async_save and ctx.options.budget_bytes is not None:  # staged in pieces by ``run``
+                stager = budget.BudgetedStager(
+                    plan.tensors_to_write(writes, rank), ctx.options.budget_bytes, ctx.options.timeout_s
+                )
+                stager.watch(ctx.storage)  # a written file frees the copies it was written from
+                if ctx.tier is not None:
+                    stager.watch(ctx.tier.storage)
+                return Staged(list(writes), fetcher=stager)
             if ctx.options.async_save:
                 needed = {id(t) for t in plan.tensors_to_write(writes, rank)}
                 lease = self.services.staging_pool.stage([w.state for w in writes], needed=needed)

@@ -27,6 +27,9 @@ class SaveReport:
     """Time to plan and copy the state to host memory."""
     staging_allocated_bytes: int = 0
     """Host staging memory newly allocated by this save (0 when the previous save's buffers were reused)."""
+    budget_wait_s: float = 0.0
+    """Part of ``blocked_s`` an async save under a host memory budget waited for the writer (to free memory, or to
+    write what did not fit); 0 without a budget."""
     write_s: float = 0.0
     """Time to write this rank's files and make them durable."""
     total_s: float = 0.0

@@ -18,7 +18,7 @@ from typing import Any
 
 from nxd_ckpt.dist.coordinator import Coordinator, stall_limit_s
 from nxd_ckpt.format import integrity, layout
-from nxd_ckpt.storage import LocalStorage, Storage
+from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.tier.memory import (
     Marker,
     MemoryChoice,
@@ -159,12 +159,14 @@ class TierSave:
                 with self.monitor.call(f"copying to the memory tier of node {self.rt.nodes.node_of(peer)}", path):
                     self.rt.client.put_file(address, f"{share}/{path}", local)
 
-    def copy_to(self, durable: Storage) -> None:
-        """Write this rank's files to durable storage (``durable`` records their checksums again)."""
+    def copy_to(self, durable: integrity.ChecksummingStorage) -> None:
+        """Write this rank's files to durable storage with the checksums recorded when they were written to node
+        memory (each file is hashed once per save, not again for the durable copy)."""
+        records = self.storage.records
         for path in self._files()[:-1]:
             local = self.share.local_path(path)
             assert local is not None
-            durable.write_from_local_file(path, local)
+            durable.write_from_local_file(path, local, known=records.get(path[len(self.tag) + 1 :]))
 
 
 def close_quietly(runtime: Any) -> None:

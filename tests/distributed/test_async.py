@@ -265,3 +265,31 @@ def test_interpreter_exit_waits_for_the_save_being_written(tmp_path):
     loaded: dict = {}
     assert nxd.load_checkpoint(ckpt, model=loaded) == {"x": 1}
     assert torch.equal(loaded["w"], torch.full((256, 256), 2.0))  # the state at call time, not 3.0
+
+
+@pytest.mark.parametrize("use_xser", [False, True], ids=["plain", "xser"])
+@run_with_ranks(2)
+def test_async_saves_under_a_host_memory_budget_hold_the_values_at_the_call(tmp_path, use_xser):
+    """Issue 27, two ranks: a budget smaller than most tensors (they are written straight from the live tensors
+    while the call waits) and one that holds some of them (staged, written after the call returned); with and
+    without the memory tier. Every tag loads exactly the state as it was at the call."""
+    ckpt = str(tmp_path / "ckpt")
+    tier = nxd.MemoryTier(dir=str(tmp_path / "mem"), replicas=0, max_copies=8)
+    model, opt, sched = make_training(seed=0)
+    expected, reports = {}, {}
+    for step, (budget, memory_tier) in enumerate([("4KiB", None), (64 << 10, None), ("16KiB", tier)], start=1):
+        train_steps(model, opt, sched, 1, seed=step)
+        tag = f"step_{step}"
+        expected[tag] = _snapshot(model, opt)
+        reports[tag] = nxd.save_checkpoint(
+            ckpt, tag, model=model, optimizer=opt, async_save=True, zero1_optimizer=True, use_xser=use_xser,
+            host_memory_budget=budget, memory_tier=memory_tier,
+        )  # fmt: skip
+        _mutate_every_tensor(model, opt)
+    nxd.finalize_checkpoint()
+    for tag, report in reports.items():
+        assert report.completed and 0.0 <= report.budget_wait_s <= report.blocked_s
+        loaded_model, loaded_opt, _ = make_training(seed=42)
+        nxd.load_checkpoint(ckpt, tag, model=loaded_model, optimizer=loaded_opt)
+        assert_state_equal(loaded_model.state_dict(), expected[tag][0])
+        assert_state_equal(loaded_opt.state_dict(), expected[tag][1])

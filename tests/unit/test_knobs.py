@@ -92,3 +92,33 @@ def test_no_other_module_reads_nxd_ckpt_variables():
                 ):
                     offenders.append(os.path.relpath(path, REPO))
     assert not offenders
+
+
+@pytest.mark.parametrize(
+    ("raw", "size"),
+    [
+        ("4096", 4096),
+        ("512MiB", 512 << 20),
+        ("2GiB", 2 << 30),
+        ("2g", 2 << 30),
+        ("64K", 64 << 10),
+        ("1.5GB", 1_500_000_000),
+        ("10 kB", 10_000),
+        (" 1TiB ", 1 << 40),
+    ],
+)
+def test_sizes(monkeypatch, raw, size):
+    monkeypatch.setenv("NXD_CKPT_HOST_MEMORY_BUDGET", raw)
+    assert knobs.host_memory_budget() == size
+
+
+def test_host_memory_budget_unset_means_no_limit(monkeypatch):
+    monkeypatch.delenv("NXD_CKPT_HOST_MEMORY_BUDGET", raising=False)
+    assert knobs.host_memory_budget() is None
+
+
+@pytest.mark.parametrize("raw", ["lots", "0", "0MiB", "-5MiB", "5iB", "5 MiBs"])
+def test_bad_sizes_name_the_variable_and_the_form(monkeypatch, raw):
+    monkeypatch.setenv("NXD_CKPT_HOST_MEMORY_BUDGET", raw)
+    with pytest.raises(ValueError, match=r"NXD_CKPT_HOST_MEMORY_BUDGET=.*size > 0.*512MiB"):
+        knobs.host_memory_budget()

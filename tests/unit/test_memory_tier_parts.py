@@ -197,3 +197,23 @@ def test_transport_streams_a_file_into_the_callers_buffers(tmp_path):
         assert stream.size == len(payload) and bytes(target[:done]) == payload
     finally:
         server.close()
+
+
+def test_the_durable_copy_of_a_tier_save_is_not_hashed_again_and_verifies(tmp_path, monkeypatch):
+    """Issue 27: each file of a save is hashed once, as it is written to node memory; the durable copy records
+    the same checksums (a fresh hash of the copy would bless a copy damaged in between)."""
+    from nxd_ckpt.format import integrity
+
+    def no_second_hash(f):
+        raise AssertionError("a tier save's durable copy hashed its files again")
+
+    monkeypatch.setattr(integrity, "hash_stream", no_second_hash)
+    ckpt = str(tmp_path / "ckpt")
+    manager = CheckpointManager(memory_tier=MemoryTier(dir=str(tmp_path / "mem"), replicas=0, max_copies=2))
+    manager.save(ckpt, "s1", model=_model(1), use_xser=True)
+    manager.save(ckpt, "s2", model=_model(2))
+    manager.finalize()
+    for tag, step in (("s1", 1), ("s2", 2)):
+        target = _model(0)
+        nxd.load_checkpoint(ckpt, tag, model=target)  # durable, verified against the recorded checksums
+        assert_state_equal(target, _model(step))

@@ -64,6 +64,7 @@ def _non_default_save_arguments(tmp_path) -> dict:
         "timeout": 12.5,
         "on_save_error": "warn",
         "memory_tier": nxd.MemoryTier(dir=str(tmp_path / "mem")),
+        "host_memory_budget": "96MiB",
     }
 
 
@@ -102,7 +103,7 @@ def test_every_save_argument_reaches_the_save_pipeline(tmp_path, monkeypatch):
     (options,) = seen
     for name, value in arguments.items():
         assert getattr(options, _RENAMED.get(name, name)) is value, name
-    assert options.timeout_s == 12.5
+    assert options.timeout_s == 12.5 and options.budget_bytes == 96 << 20
 
 
 def test_avoid_saving_lower_precision_weights_reaches_the_save_pipeline(tmp_path, monkeypatch):
@@ -159,6 +160,8 @@ def test_options_are_frozen(tmp_path):
         ({"rank_state_mode": "shared"}, ValueError, "rank_state_mode must be one of 'per_rank', 'gather'"),
         ({"timeout": -1}, ValueError, "timeout must be a positive number"),
         ({"memory_tier": "/dev/shm"}, TypeError, "memory_tier must be a nxd_ckpt.MemoryTier"),
+        ({"host_memory_budget": "lots"}, ValueError, "host_memory_budget='lots' is not a size"),
+        ({"host_memory_budget": 0}, ValueError, "host_memory_budget must be"),
         ({"use_zero1_dcp": True, "avoid_saving_lower_precision_weights": True}, ValueError, "cannot be combined"),
     ],
 )

@@ -1,0 +1,240 @@
+"""Async saves under a host memory budget: the state is staged, and written, in pieces no larger than the budget.
+
+An async save normally copies the whole state into host buffers (``staging.StagingPool``) and returns: host memory
+grows by one full copy of the rank's state. With a budget (``host_memory_budget=`` or
+``NXD_CKPT_HOST_MEMORY_BUDGET``) a ``BudgetedStager`` takes its place. The writer starts at once and the training
+thread, still inside the save call, copies tensors into host memory in the order the writers need them, as long
+as the copies held stay within the budget; each copy is freed as soon as the file holding it is written (the
+stager ``watch``-es the save's storage for closed files). When the writer reaches a tensor nobody has copied yet
+it writes it straight from the live tensor: the training thread is still blocked in the save, so the tensor
+cannot change, and the save returns only once every such file is written (``stage`` waits for them). So the
+training thread waits for whatever does not fit, no more copies exist than the budget allows (a tensor larger
+than the budget is never copied at all), and the rest of the save continues in the background after the call
+returns, from the copies.
+
+Tensors of 1 MiB or less that the writer asks for before they are copied are copied by the writer itself when
+they fit (a plain file's small tensors, xser tensors kept inline), so that the call need not wait for their files;
+they count toward the budget like the others. Copies fetched outside any file (xser's inline tensors, taken when
+the reference data is built) are freed when the writer ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, BinaryIO
+
+import torch
+
+from nxd_ckpt import knobs
+from nxd_ckpt.errors import CheckpointTimeoutError
+from nxd_ckpt.storage import DelegatingStorage, Storage
+
+SMALL_BYTES = 1 << 20
+"""Tensors up to this size that the writer needs before they are staged are copied by the writer itself."""
+
+_PENDING, _COPYING, _STAGED, _BORROWED, _DONE = range(5)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``t`` that owns its memory (dense CPU tensors into a fresh buffer, others cloned)."""
+    if t.device.type != "cpu":
+        return t.detach().to("cpu")
+    if t.layout != torch.strided or t.is_quantized:
+        return t.detach().clone()
+    out = torch.empty_like(t, memory_format=torch.contiguous_format)
+    with torch.no_grad():
+        out.copy_(t.detach())
+    return out
+
+
+class BudgetedStager:
+    """Host copies of an async save's tensors that never hold more than ``budget`` bytes at once.
+
+    Used from three places: ``stage`` on the training thread (inside the save call), ``host`` on the writer's
+    threads (the ``HostCopy`` every state-file writer takes), and the storages given to ``watch`` (a closed file
+    frees the copies its writer thread fetched). ``close`` (the writer's end) frees everything and wakes ``stage``.
+    """
+
+    def __init__(self, order: Sequence[torch.Tensor], budget: int, timeout_s: float | None = None) -> None:
+        if budget < 1:
+            raise ValueError(f"the host memory budget must be a positive number of bytes, got {budget}")
+        self.budget = budget
+        self.timeout_s = timeout_s
+        self._order = list({id(t): t for t in order}.values())
+        self._state: dict[int, int] = {id(t): _PENDING for t in self._order}
+        self._copies: dict[int, torch.Tensor] = {}
+        self._cond = threading.Condition()
+        self._local = threading.local()
+        self._closed = False
+        self._abandoned: str | None = None
+        self.held_bytes = 0
+        """Bytes of copies held right now."""
+        self.peak_bytes = 0
+        """Most bytes of copies held at once during the save."""
+        self.staged_bytes = 0
+        """Bytes copied in all (each byte once)."""
+        self.borrowed_bytes = 0
+        """Bytes written straight from the live tensors while the training thread waited."""
+        self.waited_s = 0.0
+        """Time ``stage`` spent waiting for the writer (memory to be freed, live tensors to be written)."""
+
+    # ------------------------------------------------------------------ the training thread
+    def stage(self) -> None:
+        """Copy every tensor the writer has not taken yet, within the budget; return once no file still needs a
+        live tensor. Raises CheckpointTimeoutError after ``timeout_s`` of waiting (the save then fails)."""
+        start = time.monotonic()
+        for t in self._order:
+            key, n = id(t), _nbytes(t)
+            with self._cond:
+                waited = time.monotonic()
+                self._wait(lambda k=key, n=n: self._state[k] != _PENDING or self.held_bytes + n <= self.budget, start)
+                self.waited_s += time.monotonic() - waited
+                if self._state[key] != _PENDING or n > self.budget:
+                    continue  # taken by the writer meanwhile, or never copied (written from the live tensor)
+                self._reserve(key, n)
+            copy = _copy(t)
+            with self._cond:
+                self._stored(t, copy)
+        with self._cond:
+            waited = time.monotonic()
+            self._wait(lambda: not any(s in (_PENDING, _COPYING, _BORROWED) for s in self._state.values()), start)
+            self.waited_s += time.monotonic() - waited
+
+    def _wait(self, ready: Any, start: float) -> None:
+        """(Under the lock.) Wait until ``ready()``, the writer has ended, or the deadline has passed."""
+        while not ready() and not self._closed:
+            left = None if self.timeout_s is None else self.timeout_s - (time.monotonic() - start)
+            if left is not None and left <= 0:
+                self._abandoned = f"the save call gave up after {self.timeout_s:g} s waiting for the writer"
+                self._cond.notify_all()
+                raise CheckpointTimeoutError(
+                    f"an async save under a host memory budget of {self.budget} bytes waited {self.timeout_s:g} s for "
+                    "its writer to free memory; storage is stuck or far too slow. Raise the budget or the timeout",
+                    phase="staging under the host memory budget",
+                )
+            self._cond.wait(left if left is not None else 1.0)
+
+    def _reserve(self, key: int, n: int) -> None:
+        """(Under the lock.) ``n`` bytes of the budget for a copy about to be made (counted before it exists, so
+        two threads copying at once cannot both fit into the same room)."""
+        self._state[key] = _COPYING
+        self.held_bytes += n
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    def _stored(self, t: torch.Tensor, copy: torch.Tensor) -> None:
+        """(Under the lock.) ``copy`` is ``t``'s staged copy now."""
+        self._copies[id(t)] = copy
+        self._state[id(t)] = _STAGED
+        self.staged_bytes += _nbytes(t)
+        self._cond.notify_all()
+
+    # ------------------------------------------------------------------ the writer's threads
+    def host(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor the writer reads for ``t``: its staged copy, else (small ones that fit) a copy made now,
+        else the live tensor itself (the save call holds training until the file is written)."""
+        key = id(t)
+        with self._cond:
+            if self._abandoned is not None:
+                raise RuntimeError(f"this save was abandoned: {self._abandoned}")
+            state = self._state.get(key)
+            if state is None:  # not planned (should not happen): a private copy, outside the budget
+                return _copy(t)
+            while state == _COPYING:
+                self._cond.wait()
+                state = self._state[key]
+            self._fetched().append(t)
+            if state == _STAGED:
+                return self._copies[key]
+            if state == _PENDING and _nbytes(t) <= SMALL_BYTES and self.held_bytes + _nbytes(t) <= self.budget:
+                self._reserve(key, _nbytes(t))
+            elif state == _PENDING:
+                self._state[key] = _BORROWED
+                self.borrowed_bytes += _nbytes(t)
+                return t.detach()
+            else:  # done: fetched again after its file was written (a tensor shared by two files)
+                return self._copies.get(key, t.detach())
+        copy = _copy(t)
+        with self._cond:
+            self._stored(t, copy)
+        return copy
+
+    def _fetched(self) -> list[torch.Tensor]:
+        fetched = getattr(self._local, "fetched", None)
+        if fetched is None:
+            fetched = self._local.fetched = []
+        return fetched
+
+    def file_written(self) -> None:
+        """The calling writer thread closed a file: free the copies (and live tensors) it fetched for it."""
+        fetched, self._local.fetched = self._fetched(), []
+        with self._cond:
+            for t in fetched:
+                self._release(id(t), t)
+            self._cond.notify_all()
+        if self._abandoned is not None:
+            raise RuntimeError(f"this save was abandoned: {self._abandoned}")
+
+    def _release(self, key: int, t: torch.Tensor) -> None:
+        state = self._state.get(key)
+        if state == _STAGED:
+            self.held_bytes -= _nbytes(t)
+            self._copies.pop(key, None)
+        if state in (_STAGED, _BORROWED):
+            self._state[key] = _DONE
+
+    def watch(self, storage: Storage) -> None:
+        """Free copies as ``storage``'s files are written: wraps the storage below ``storage`` (a checksumming
+        storage, whose records and manifest stay where they are)."""
+        inner = getattr(storage, "inner", None)
+        if not isinstance(inner, Storage):
+            raise TypeError(f"watch needs a wrapping storage (with .inner), got {type(storage).__name__}")
+        storage.inner = _ReleasingStorage(inner, self)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        """The writer is done (or failed): free every copy and let ``stage`` return."""
+        with self._cond:
+            self._closed = True
+            self._copies.clear()
+            self.held_bytes = 0
+            self._cond.notify_all()
+
+
+class _ReleasingStorage(DelegatingStorage):
+    """Tells the stager when a writer thread has closed a file."""
+
+    def __init__(self, inner: Storage, stager: BudgetedStager) -> None:
+        super().__init__(inner)
+        self._stager = stager
+
+    @contextlib.contextmanager
+    def open_write(self, path: str) -> Iterator[BinaryIO]:
+        try:
+            with self.inner.open_write(path) as f:
+                yield f
+        finally:
+            self._stager.file_written()
+
+
+def resolve_budget(value: int | str | None) -> int | None:
+    """The budget of one save in bytes: ``value`` (an integer or a size such as ``"512MiB"``), else
+    ``NXD_CKPT_HOST_MEMORY_BUDGET``, else None (no limit)."""
+    if value is None:
+        return knobs.host_memory_budget()
+    if isinstance(value, str):
+        parsed = knobs.parse_size(value)
+        if parsed is None:
+            raise ValueError(
+                f"host_memory_budget={value!r} is not a size; use bytes (an integer > 0) or a size such as '512MiB', "
+                "'2GiB' or '1.5GB'"
+            )
+        return parsed
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"host_memory_budget must be None, bytes (an integer > 0) or a size string, got {value!r}")
+    return value

@@ -1,0 +1,365 @@
+"""Issue 27's sections of scripts/benchmark.py: host memory per path, the first async save, verified plain loads,
+and memory-tier restores against memcpy and loopback-socket baselines, all in the same run as the other rows.
+
+Sections (registered on benchmark.py's registry by ``register``):
+  nxd_plain_verified  plain save; verified load into fresh dicts (compare: torch_save's torch.load)
+  nxd_plain_live      plain save; verified load into the live module (compare: torch_load_live)
+  nxd_memory          peak extra host memory (C heap in use, largest rank) of a sync save, an async save, an async
+                      save with a budget of a quarter of the rank's state, and a verified load into fresh dicts,
+                      each as a multiple of the rank's state; the first async save of a fresh manager (new
+                      staging buffers, writer thread) against the median of the next two (steady state)
+  nxd_tier            memory-tier restores (each rank its own node: LOCAL_WORLD_SIZE=1 for the section, so 2 ranks
+                      are 2 nodes, replicas=1) into the live targets: from node memory, and from the peer (node 0's
+                      memory directory moved away); a memcpy of the same bytes into the same targets and a loopback
+                      TCP copy of them (rank 1 -> rank 0) measured just before; peak memory of the restore
+``report_lines`` prints the targets and whether each is met.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from bench_memory import PeakRSS
+
+
+def _gather(value: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _rank_bytes(b: Any) -> int:
+    """Bytes of the state this rank loads: the model and its optimizer shard."""
+    from nxd_ckpt.tree import iter_tensors
+
+    return sum(t.numel() * t.element_size() for _, t in iter_tensors([b.model, b.optimizer]))
+
+
+def _multiple(b: Any, peak: PeakRSS, saved: int | None = None) -> float:
+    """Largest rank's peak extra heap as a multiple of its own state: ``saved`` (the bytes it wrote: the save
+    paths) or what it loads."""
+    return max(_gather(peak.extra / (saved or _rank_bytes(b))))
+
+
+def register(section: Callable[..., Callable], timing: type, assert_same: Callable[[Any, Any, str], None]) -> None:
+    """Add issue 27's sections to scripts/benchmark.py's registry (its ``section``, ``Timing``, ``assert_same``)."""
+
+    @section("nxd_plain_verified", "nxd_ckpt plain, verified load into fresh dicts")
+    def _plain_verified(b: Any) -> Any:
+        import nxd_ckpt as nxd
+
+        path = b.path("nxd_plain_v")
+        out: dict = {}
+
+        def save() -> None:
+            nxd.save_checkpoint(path, "step_1", model=b.model, optimizer=b.optimizer, zero1_optimizer=True)
+
+        def load() -> None:
+            out["model"], out["optim"] = {}, {}
+            nxd.load_checkpoint(path, "step_1", model=out["model"], optimizer=out["optim"])
+
+        result = timing(b.timed(save), b.timed_load(load))
+        if b.check:
+            assert_same(b.model, out["model"], "nxd_plain_verified model")
+        out.clear()
+        b.clean("nxd_plain_v")
+        return result
+
+    @section("nxd_plain_live", "nxd_ckpt plain, verified load into the live module (optimizer into {})")
+    def _plain_live(b: Any) -> Any:
+        import benchmark
+
+        import nxd_ckpt as nxd
+
+        path = b.path("nxd_plain_live")
+        module = benchmark._live(b)
+
+        def save() -> None:
+            nxd.save_checkpoint(path, "step_1", model=b.model, optimizer=b.optimizer, zero1_optimizer=True)
+
+        def load() -> None:
+            nxd.load_checkpoint(path, "step_1", model=module, optimizer={})
+
+        result = timing(b.timed(save), b.timed_load(load))
+        benchmark._check_live(b, module, "nxd_plain_live model")
+        b.clean("nxd_plain_live")
+        return result
+
+    @section("nxd_memory", "nxd_ckpt xser: sync save (timed) and verified load; peak host memory of each path")
+    def _memory(b: Any) -> Any:
+        return _memory_section(b, timing)
+
+    @section("nxd_tier", "nxd_ckpt memory tier: save, restore from node memory (load column)")
+    def _tier(b: Any) -> Any:
+        return _tier_section(b, timing)
+
+
+def _memory_section(b: Any, timing: type) -> Any:
+    import nxd_ckpt as nxd
+
+    path = b.path("nxd_memory")
+    kw: dict[str, Any] = dict(model=b.model, optimizer=b.optimizer, use_xser=True, zero1_optimizer=True)
+    extra: dict[str, float] = {}
+    manager = nxd.CheckpointManager()  # fresh: its first async save allocates staging buffers, starts the writer
+    blocked = []
+    peak = PeakRSS()
+    for i in range(3):
+        dist.barrier()
+        with peak if i == 0 else _nothing():
+            report = manager.save(path, f"async_{i}", async_save=True, **kw)
+            report.wait()
+        blocked.append(max(_gather(report.blocked_s)))
+        if i == 0:
+            extra["mem_async"] = _multiple(b, peak, saved=report.bytes_written)
+    manager.finalize()
+    extra["first_async_blocked_s"], extra["steady_async_blocked_s"] = blocked[0], statistics.median(blocked[1:])
+    budget = report.bytes_written // 4  # a quarter of what this rank writes
+    bounded = nxd.CheckpointManager(host_memory_budget=budget)
+    peak = PeakRSS()
+    dist.barrier()
+    with peak:
+        report = bounded.save(path, "async_budget", async_save=True, **kw)
+        report.wait()
+    bounded.finalize()
+    extra["mem_async_budget"] = _multiple(b, peak, saved=report.bytes_written)
+    over = max(_gather(peak.extra - budget))
+    extra["mem_async_budget_over_bytes"] = over  # the largest rank's peak above its budget
+    extra["budget_wait_s"] = max(_gather(report.budget_wait_s))
+    peak = PeakRSS()
+
+    written: list[int] = []
+
+    def save() -> None:
+        with peak:
+            written.append(nxd.save_checkpoint(path, "sync", **kw).bytes_written)
+
+    save_s = b.timed(save)
+    extra["mem_sync"] = _multiple(b, peak, saved=written[0])
+    peak = PeakRSS()
+    out: dict = {}
+
+    def load() -> None:
+        with peak:
+            out["model"], out["optim"] = {}, {}
+            nxd.load_checkpoint(path, "sync", model=out["model"], optimizer=out["optim"])
+
+    load_s = b.timed_load(load)
+    extra["mem_load_fresh"] = _multiple(b, peak)  # the loaded state itself is in it: ~1.0 is no extra copy
+    out.clear()
+    b.clean("nxd_memory")
+    return timing(save_s, load_s, extra)
+
+
+def first_async_save(b: Any) -> dict[str, float]:
+    """The first async save of this process (before any other section: nothing imported by a save yet, no staging
+    buffer, no writer thread) and the median of the next two, blocked time of the slowest rank."""
+    import nxd_ckpt as nxd
+
+    path = b.path("nxd_first_async")
+    save = nxd.save_checkpoint  # imported before timing, as a training script imports it at its start
+    blocked = []
+    for i in range(3):
+        dist.barrier()
+        start = time.perf_counter()
+        report = save(path, f"async_{i}", model=b.model, optimizer=b.optimizer, use_xser=True,
+                                     zero1_optimizer=True, async_save=True)  # fmt: skip
+        blocked.append(max(_gather(time.perf_counter() - start)))
+        report.wait()
+    nxd.finalize_checkpoint()
+    b.clean("nxd_first_async")
+    return {"process_first_async_s": blocked[0], "process_steady_async_s": statistics.median(blocked[1:])}
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+# ----------------------------------------------------------------------------------------------- memory tier
+def _touched_like(tree: Any) -> Any:
+    from nxd_ckpt.tree import map_tensors
+
+    return map_tensors(tree, lambda t: torch.full_like(t, -1.0))
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    from nxd_ckpt.tree import iter_tensors
+
+    return [t for _, t in iter_tensors(tree)]
+
+
+def _memcpy_s(sources: list[torch.Tensor], dests: list[torch.Tensor]) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    with torch.no_grad():
+        for d, s in zip(dests, sources, strict=True):
+            d.copy_(s)
+    return max(_gather(time.perf_counter() - start))
+
+
+def _socket_s(sources: list[torch.Tensor], receive_into: torch.Tensor) -> float:
+    """Rank 1 sends the bytes rank 0 restores over one loopback TCP connection (sendall of each tensor); rank 0
+    receives them into a touched buffer. Rank 0's time."""
+    nbytes = receive_into.numel()
+    listener = socket.create_server(("127.0.0.1", 0)) if dist.get_rank() == 0 else None
+    port = _gather(listener.getsockname()[1] if listener is not None else 0)[0]
+    dist.barrier()
+    elapsed = 0.0
+    if listener is not None:
+        view = memoryview(receive_into.numpy())
+        conn, _ = listener.accept()
+        start = time.perf_counter()
+        with conn:
+            done = 0
+            while done < nbytes:
+                n = conn.recv_into(view[done : done + (8 << 20)])
+                if not n:
+                    raise RuntimeError("the socket baseline's sender stopped early")
+                done += n
+        elapsed = time.perf_counter() - start
+        listener.close()
+    elif dist.get_rank() == 1:
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            for t in sources:
+                conn.sendall(memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()))
+    return _gather(elapsed)[0]
+
+
+def _tier_section(b: Any, timing: type) -> Any:
+    import nxd_ckpt as nxd
+
+    saved_env = {k: os.environ.get(k) for k in ("LOCAL_WORLD_SIZE", "LOCAL_RANK", "NXD_CKPT_MEMORY_TIER_HOST")}
+    os.environ.update(LOCAL_WORLD_SIZE="1", LOCAL_RANK="0", NXD_CKPT_MEMORY_TIER_HOST="127.0.0.1")
+    mem = _gather(tempfile.mkdtemp(prefix="nxd_bench_tier_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))[0]
+    tier = nxd.MemoryTier(dir=os.path.join(mem, "node{node}"), replicas=1 if b.world > 1 else 0, bind="127.0.0.1")
+    path = b.path("nxd_tier")
+    targets = (_touched_like(b.model), _touched_like(b.optimizer))
+    sources, dests = _tensors([b.model, b.optimizer]), _tensors(list(targets))
+    extra: dict[str, float] = {}
+    try:
+        manager = nxd.CheckpointManager(memory_tier=tier)
+        save_s = b.timed(lambda: manager.save(path, "step_1", model=b.model, optimizer=b.optimizer,
+                                              zero1_optimizer=True))  # fmt: skip
+        manager.finalize()
+
+        def restore(label: str) -> float:
+            for t in dests:
+                t.fill_(-1.0)
+            restorer = nxd.CheckpointManager(memory_tier=tier)
+            peak = PeakRSS()
+
+            def load() -> None:
+                with peak:
+                    restorer.load(path, model=targets[0], optimizer=targets[1])
+
+            seconds = b.timed(load)
+            where = restorer.last_restore
+            assert where is not None and where.tier == label, where
+            restorer.finalize()
+            extra[f"mem_tier_{label}"] = _multiple(b, peak)
+            if b.check:
+                assert all(torch.equal(d, s) for d, s in zip(dests, sources, strict=True)), f"tier {label} restore"
+            return seconds
+
+        extra["tier_memcpy_s"] = _memcpy_s(sources, dests)
+        load_s = restore("memory")
+        if b.world > 1:
+            into = torch.ones(sum(t.numel() * t.element_size() for t in sources), dtype=torch.uint8)
+            extra["tier_socket_s"] = _socket_s(sources, into)
+            if b.rank == 0:
+                os.rename(os.path.join(mem, "node0"), os.path.join(mem, "node0.lost"))
+            dist.barrier()
+            extra["tier_peer_s"] = restore("peer")
+        extra["tier_memory_s"] = load_s
+    finally:
+        dist.barrier()
+        if b.rank == 0:
+            shutil.rmtree(mem, ignore_errors=True)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        b.clean("nxd_tier")
+    return timing(save_s, load_s, extra)
+
+
+# ----------------------------------------------------------------------------------------------- report
+def report_lines(data: dict, med: dict[str, tuple[float | None, float | None]]) -> list[str]:
+    """Issue 27's targets from one run, each with MET / NOT MET."""
+    extra = data.get("extra", {})
+    lines = ["", "issue 27 (each ratio taken within this run):"]
+
+    def verdict(ok: bool) -> str:
+        return "MET" if ok else "NOT MET"
+
+    def load_ratio(mine: str, theirs: str, what: str) -> None:
+        if mine in med and theirs in med and med[mine][1] and med[theirs][1]:
+            r = med[theirs][1] / med[mine][1]
+            lines.append(f"  load {what}: {r:.2f}x {theirs} (target >= 1.0): {verdict(r >= 1.0)}")
+
+    load_ratio("nxd_plain_verified", "torch_save", "plain, verified, fresh dicts vs torch.load")
+    load_ratio("nxd_xser", "torch_save", "xser, verified, fresh dicts vs torch.load")
+    load_ratio("nxd_plain_live", "torch_load_live", "plain, verified, live module vs torch.load + load_state_dict")
+    load_ratio("nxd_xser_live", "torch_load_live", "xser, verified, live module vs torch.load + load_state_dict")
+    first = data.get("first_async")
+    if first:
+        ratio = first["process_first_async_s"] / first["process_steady_async_s"]
+        lines.append(
+            f"  first async save of the process blocks {first['process_first_async_s']:.3f} s, the next ones "
+            f"{first['process_steady_async_s']:.3f} s: {ratio:.2f}x (target <= 1.5): {verdict(ratio <= 1.5)}"
+        )
+    runs = extra.get("nxd_memory", [])
+    if runs:
+        first = statistics.median(r["first_async_blocked_s"] for r in runs)
+        steady = statistics.median(r["steady_async_blocked_s"] for r in runs)
+        ratio = statistics.median(r["first_async_blocked_s"] / r["steady_async_blocked_s"] for r in runs)
+        lines.append(f"  first async save of a fresh manager blocks {first:.3f} s, steady {steady:.3f} s: {ratio:.2f}x "
+                     f"(target <= 1.5): {verdict(ratio <= 1.5)}")  # fmt: skip
+        for key, what in (
+            ("mem_sync", "sync save"),
+            ("mem_async", "async save"),
+            ("mem_async_budget", "async save, budget = 1/4 of the state"),
+            ("mem_load_fresh", "verified load into fresh dicts (holds the loaded state: 1.0 = no extra)"),
+        ):
+            values = [r[key] for r in runs]
+            lines.append(f"  peak extra host memory, {what}: {statistics.median(values):.2f}x the rank's state "
+                         f"[{', '.join(f'{v:.2f}' for v in values)}]")  # fmt: skip
+        budget_ok = all(r["mem_async_budget_over_bytes"] <= 64 << 20 for r in runs)
+        waited = statistics.median(r["budget_wait_s"] for r in runs)
+        lines.append(
+            f"  async save under a budget of 1/4 of the state holds <= budget + 64 MiB: {verdict(budget_ok)}; "
+            f"the call waited {waited:.3f} s for what did not fit"
+        )
+    return lines + _tier_lines(extra.get("nxd_tier", []), verdict)
+
+
+def _tier_lines(tier: list[dict[str, float]], verdict: Callable[[bool], str]) -> list[str]:
+    """The memory-tier targets of ``report_lines``."""
+    lines: list[str] = []
+    if tier:
+        mem = statistics.median(r["tier_memory_s"] / r["tier_memcpy_s"] for r in tier)
+        lines.append(f"  tier restore from node memory: {mem:.2f}x a memcpy of the same bytes (target <= 1.5): "
+                     f"{verdict(mem <= 1.5)}")  # fmt: skip
+        if "tier_peer_s" in tier[0]:
+            peer = statistics.median(r["tier_peer_s"] / r["tier_socket_s"] for r in tier)
+            lines.append(f"  tier restore from the peer: {peer:.2f}x a loopback socket copy of the same bytes "
+                         f"(target <= 2.0): {verdict(peer <= 2.0)}")  # fmt: skip
+        for label in ("memory", "peer"):
+            values = [r[f"mem_tier_{label}"] for r in tier if f"mem_tier_{label}" in r]
+            if values:
+                lines.append(f"  peak extra host memory, tier restore from {label}: {statistics.median(values):.2f}x "
+                             "the rank's state")  # fmt: skip
+    return lines

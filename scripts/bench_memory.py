@@ -1,0 +1,68 @@
+"""Peak extra host memory of a block of code in this process, for the benchmarks (issue 27's memory figures)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
+    ] + [("keepcost", ctypes.c_size_t)]
+
+
+def _malloc_in_use() -> int | None:
+    """Bytes the C heap has handed out (glibc ``mallinfo2``: every arena, mmapped blocks included)."""
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    info = fn()
+    return info.uordblks + info.hblkhd
+
+
+class PeakRSS:
+    """Peak extra host memory of this process during a block, two ways: the C heap's bytes in use (sampled
+    every 2 ms: counts every allocation, including memory the allocator reuses without new pages) and resident
+    memory (VmHWM after resetting it: new pages only)."""
+
+    def __init__(self) -> None:
+        self.extra = 0
+        self.extra_rss = 0
+
+    def __enter__(self) -> PeakRSS:
+        import gc
+
+        gc.collect()
+        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self._base = _rss("VmRSS:")
+        self._heap_base = _malloc_in_use()
+        self._heap_peak = self._heap_base or 0
+        self._stop = threading.Event()
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self._heap_peak = max(self._heap_peak, _malloc_in_use() or 0)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._sampler.join()
+        self._heap_peak = max(self._heap_peak, _malloc_in_use() or 0)
+        self.extra_rss = max(0, _rss("VmHWM:") - self._base)
+        self.extra = max(0, self._heap_peak - self._heap_base) if self._heap_base is not None else self.extra_rss
