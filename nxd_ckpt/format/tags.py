@@ -126,13 +126,28 @@ def resolve_tag(storage: Storage, tag: str | None) -> str:
 
 def _holds_state(storage: Storage, tag: str) -> bool:
     """Whether a tag directory holds any state file NxD's load_checkpoint reads."""
+    return _holds_state_at(storage, layout.validate_tag(tag) + "/")
+
+
+def _holds_state_at(storage: Storage, prefix: str) -> bool:
+    """Whether ``prefix`` ("" or "tag/") holds model/optim state files, a scheduler or user content."""
     for sub in (layout.MODEL_DIR, layout.OPTIM_DIR):
         if any(
             layout.parse_state_file_name(n) or layout.parse_full_optim_file_name(n)
-            for n in storage.list_dir(layout.tag_path(tag, sub))
+            for n in storage.list_dir(prefix + sub)
         ):
             return True
-    return any(storage.exists(layout.tag_path(tag, f)) for f in (layout.SCHEDULER_FILE, layout.USER_CONTENT_FILE))
+    return any(storage.exists(prefix + f) for f in (layout.SCHEDULER_FILE, layout.USER_CONTENT_FILE))
+
+
+def is_tag_folder(storage: Storage) -> bool:
+    """Whether the storage's root is one tag folder rather than the directory holding tags: it carries a
+    ``done``/``checkpoint`` marker, or holds state files itself without markers, as NxD's offline tools write
+    them (``convert_zero_checkpoints.py`` writes only ``<output_dir>/optim/...``, ``checkpoint_converter.py``
+    only ``model/...``)."""
+    if storage.exists(layout.DONE_MARKER) or storage.exists(layout.CHECKPOINT_MARKER):
+        return True
+    return _holds_state_at(storage, "")
 
 
 def _why_empty(storage: Storage) -> str:
