@@ -508,6 +508,35 @@ class CheckpointManager:
                 future.result()
         self._retention_jobs = []
 
+    # ----------------------------------------------------------------- deletions by name (nxd_ckpt.compat)
+    def remove_tags(
+        self, checkpoint_dir: Any, names: list[str] | None, num_kept: int | None = None, *, wait: bool = False
+    ) -> Future | None:
+        """Rank 0: delete the tags ``names`` (``done`` first), or, without names, what keeping the newest
+        ``num_kept`` complete tags selects (``tags.remove_selection``), as a writer job behind every save
+        already queued, so no save in flight loses a file; ``wait`` blocks until done and raises its error.
+        Other ranks do nothing (NxD's ``g_iostate.submit_remove``, which NxDT and optimum-neuron call)."""
+        for name in names or ():
+            layout.validate_tag(name)
+        if self.coordinator().rank != 0:
+            return None
+        storage = self._storage_for(checkpoint_dir)
+
+        def job() -> list[str]:
+            doomed = names if names is not None else tags.remove_selection(storage, num_kept)
+            for name in doomed:
+                if storage.exists(name):
+                    tags.delete_tag(storage, name)
+            if doomed:
+                logger.info("removed checkpoint(s) %s from %s", ", ".join(doomed), storage.url)
+            return doomed
+
+        future = self._writer().submit(job, name=f"remove {', '.join(names) if names else 'by retention'}")
+        if wait:
+            self.wait_pending()
+            self.check_for_errors()
+        return future
+
     def _begin(
         self,
         coord: Coordinator,

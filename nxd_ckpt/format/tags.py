@@ -207,6 +207,15 @@ def apply_retention(storage: Storage, keep: int, protect: set[str] = frozenset()
     return deleted
 
 
+def remove_selection(storage: Storage, keep: int | None, protect: set[str] = frozenset()) -> list[str]:
+    """What NxD's ``g_iostate.submit_remove(num_kept, ...)`` without tags deletes: the retention policy for
+    ``keep`` complete tags, or, for None/-1 (keep all), only interrupted leftovers older than every complete tag."""
+    infos = list_tags(storage, include_incomplete=True)
+    if keep is None or keep == -1:
+        keep = max(1, sum(1 for t in infos if t.complete))
+    return tags_to_delete(infos, keep, protect)
+
+
 # --------------------------------------------------------------------------------------------- re-saving a tag
 # Saving to a tag that already holds a complete checkpoint writes the new one beside it, in the hidden directory
 # layout.resave_dir(tag), through ResaveStorage (so every writer still names files by the tag). Rank 0 commits

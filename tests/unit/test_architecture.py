@@ -105,7 +105,7 @@ LAYERS = [
     {"format", "log", "watchdog", "parallel_state"},
     {"save", "load", "statefile", "adapters", "rank_state", "inspect", "tier"},
     {"manager", "tools", "testing"},
-    {"api", "cli"},
+    {"api", "cli", "compat"},
 ]
 """Dependencies point down: a module imports only from its own layer or lower ones (the folders' order)."""
 
