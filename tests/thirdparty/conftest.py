@@ -35,3 +35,31 @@ def nxd_real(tmp_path):
         atexit.unregister(checkpoint.CheckpointIOState.finalize_shutdown)
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def nxd_compat(nxd_real):
+    """NxD's real checkpoint module with ``nxd_ckpt.compat.install()`` in force (undone afterwards)."""
+    from nxd_ckpt import compat
+
+    compat.install()
+    try:
+        yield nxd_real
+    finally:
+        compat.uninstall()
+        compat.g_iostate.checkpoint_dir = None
+
+
+@pytest.fixture
+def nlp_checkpoint_io(nxd_compat):
+    """NxDT 2.26's real ``NLPCheckpointIO`` class (stubs: NeMo, NxDT's utils package helpers; see
+    nxd_ckpt.testing.thirdparty)."""
+    reason = thirdparty.missing(thirdparty.NXDT)
+    if reason:
+        pytest.skip(reason)
+    pytest.importorskip("lightning", reason="NxDT's nlp_overrides imports the lightning package (test extra)")
+    pytest.importorskip("omegaconf", reason="NxDT's nlp_overrides imports omegaconf (test extra)")
+    thirdparty.install_nemo_stubs()
+    from neuronx_distributed_training.lightning_modules.nlp_overrides import NLPCheckpointIO
+
+    return NLPCheckpointIO
