@@ -560,12 +560,13 @@ class CheckpointManager:
             if not durable:
                 return time.time(), False
             tags.recover_resaves(storage)  # a re-save a crash interrupted is finished or dropped first
-            if storage.exists(layout.tag_path(tag, layout.DONE_MARKER)):
+            if tags.holds_complete_checkpoint(storage, tag):
                 # The tag holds a complete checkpoint: write the new one beside it and swap it in once it is
                 # complete (tags.swap_in_resave), so the old one stays loadable until then.
                 tags.begin_resave(storage, tag)
                 return time.time(), True
-            # A new tag, or the leftovers of an interrupted save of it: rewritten in place.
+            # A new tag, the leftovers of an interrupted save of it, or a bare 'done': rewritten in place.
+            storage.delete(layout.tag_path(tag, layout.DONE_MARKER))
             storage.delete(metadata_path(tag))
             integrity.remove_manifests(storage, tag)  # stale ones (e.g. another world size) would fail verify
             storage.write_bytes(layout.tag_path(tag, layout.CHECKPOINT_MARKER), b"1")

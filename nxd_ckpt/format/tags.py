@@ -129,6 +129,12 @@ def _holds_state(storage: Storage, tag: str) -> bool:
     return _holds_state_at(storage, layout.validate_tag(tag) + "/")
 
 
+def holds_complete_checkpoint(storage: Storage, tag: str) -> bool:
+    """Whether ``tag`` has ``done`` and state files: a bare ``done`` (optimum-neuron touches ``shards/done`` before
+    it saves into a new directory) is no checkpoint to keep beside a re-save."""
+    return storage.exists(layout.tag_path(tag, layout.DONE_MARKER)) and _holds_state(storage, tag)
+
+
 def _holds_state_at(storage: Storage, prefix: str) -> bool:
     """Whether ``prefix`` ("" or "tag/") holds model/optim state files, a scheduler or user content."""
     for sub in (layout.MODEL_DIR, layout.OPTIM_DIR):

@@ -18,6 +18,8 @@ None of them takes part in checkpointing: every checkpoint call the tests make r
 
 from __future__ import annotations
 
+import importlib
+import importlib.machinery
 import logging
 import os
 import sys
@@ -61,6 +63,7 @@ def _module(name: str, package: bool = False, **attrs: Any) -> types.ModuleType:
     module = sys.modules.get(name)
     if module is None:
         module = types.ModuleType(name, "stand-in from nxd_ckpt.testing.thirdparty")
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=package)
         if package:
             module.__path__ = []
         sys.modules[name] = module
@@ -117,8 +120,6 @@ def import_nxd() -> types.ModuleType:
     install_neuron_stubs()
     shim_torch_xla_for_nxd()
     add_to_path(NXD)
-    import importlib
-
     module = importlib.import_module("neuronx_distributed.trainer.checkpoint")
     if not module.__file__.startswith(path(NXD)):
         raise RuntimeError(f"neuronx_distributed came from {module.__file__}, not from the pinned {path(NXD)}")

@@ -63,3 +63,43 @@ def nlp_checkpoint_io(nxd_compat):
     from neuronx_distributed_training.lightning_modules.nlp_overrides import NLPCheckpointIO
 
     return NLPCheckpointIO
+
+
+@pytest.fixture
+def optimum_real(nxd_compat):
+    """optimum-neuron's pinned ``modeling_utils`` (``save_pretrained``), ``checkpointing`` (consolidation) and
+    ``peft_model``, loaded from ../shared/thirdparty over the installed optimum-neuron package, which provides the
+    modules that are not pinned (its model classes, ``TrainingNeuronConfig``, the transformation specs). Stubs: the
+    Neuron SDK and NKI kernels only (nxd_ckpt.testing.thirdparty)."""
+    import importlib
+    import importlib.util
+    import os
+    import sys
+
+    reason = thirdparty.missing(thirdparty.OPTIMUM)
+    if reason:
+        pytest.skip(reason)
+    thirdparty.install_nki_kernel_stub()
+    pytest.importorskip(
+        "optimum.neuron.models.training",
+        reason="needs optimum-neuron's unpinned modules: pip install --no-deps optimum-neuron==0.4.2 with "
+        "transformers~=4.57.1 optimum~=2.0.0 accelerate==1.8.1 peft==0.17.0 (pyproject extra 'frameworks')",
+    )
+    importlib.import_module("optimum.neuron.peft")  # the package first: its modules import each other
+    saved = {}
+    loaded = {}
+    for rel in ("models/training/modeling_utils.py", "models/training/checkpointing.py", "peft/peft_model.py"):
+        name = "optimum.neuron." + rel[:-3].replace("/", ".")
+        file = os.path.join(thirdparty.path(thirdparty.OPTIMUM), "optimum", "neuron", rel)
+        spec = importlib.util.spec_from_file_location(name, file)
+        module = importlib.util.module_from_spec(spec)
+        saved[name] = sys.modules.get(name)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        loaded[rel.rsplit("/", 1)[1][:-3]] = module
+    try:
+        yield loaded
+    finally:
+        for name, module in saved.items():
+            if module is not None:
+                sys.modules[name] = module
