@@ -71,7 +71,8 @@ def test_save_pretrained_round_trips_and_resumes(optimum_real, nxd_compat, tmp_p
         shards = sorted(os.listdir(os.path.join(d, "shards")))
         assert {"done", "model", "optim", "mp_metadata_pp_rank_0.json"} <= set(shards)
         assert nxd.list_checkpoint_tags(d) == ["shards"] and nxd.verify(d, "shards").ok
-    assert json.load(open(os.path.join(out, "trn_config.json")))["async_save"] is async_save
+    with open(os.path.join(out, "trn_config.json")) as f:
+        assert json.load(f)["async_save"] is async_save
 
     # The recipe (docs/optimum-neuron.md): resume model, optimizer and scheduler from the output directory.
     model2, opt2, sched2 = _tiny_llama(5)
