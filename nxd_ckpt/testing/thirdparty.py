@@ -24,9 +24,13 @@ import logging
 import os
 import sys
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 THIRDPARTY_ENV = "NXD_CKPT_THIRDPARTY"
+_PREFIXES = ("torch_neuronx", "neuronxcc", "neuronx_distributed", "nemo", "optimum")
+"""Top-level packages these helpers import or stub: dropped again by ``isolated()``."""
 NXD = "neuronx-distributed-2.29"
 NXDT = "neuronx-distributed-training-2.26"
 OPTIMUM = "optimum-neuron"
@@ -171,3 +175,19 @@ def install_nemo_stubs() -> None:
         get_lnc_size=lambda lnc=None: 1 if lnc is None else int(lnc),
         get_attribute_from_cfg=lambda cfg, attr, default=None: getattr(cfg, attr, default),
     ).__path__ = [os.path.join(source_root(NXDT), "neuronx_distributed_training", "utils")]
+
+
+@contextmanager
+def isolated() -> Iterator[None]:
+    """Undo on exit what the helpers above did to the process: the modules of ``_PREFIXES`` imported or stubbed
+    inside leave ``sys.modules`` and ``sys.path`` is restored, so later tests see no NxD and no Neuron SDK
+    (a stubbed ``torch_neuronx`` would make nxd_ckpt build trn1's groups)."""
+    path_before = list(sys.path)
+    modules_before = set(sys.modules)
+    try:
+        yield
+    finally:
+        sys.path[:] = path_before
+        for name in [n for n in sys.modules if n not in modules_before]:
+            if name.split(".", 1)[0] in _PREFIXES:
+                del sys.modules[name]

@@ -11,6 +11,13 @@ import nxd_ckpt as nxd
 from nxd_ckpt.testing import thirdparty
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_third_party_modules_afterwards():
+    """Each test module's imports and stubs of third-party code are gone before the next module runs."""
+    with thirdparty.isolated():
+        yield
+
+
 @pytest.fixture
 def nxd_real(tmp_path):
     """NxD 2.29's real ``trainer.checkpoint`` module in a one-process gloo world with its ``parallel_state``

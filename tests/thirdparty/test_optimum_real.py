@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
+from nxd_ckpt import cli
 from nxd_ckpt.testing.fakes import assert_state_equal
 
 pytestmark = pytest.mark.xla
@@ -109,3 +110,13 @@ def test_consolidation_reads_nxd_ckpt_tags(optimum_real, nxd_compat, tmp_path, m
     assert sorted(consolidated) == sorted(expected)
     for name, tensor in expected.items():
         assert torch.equal(consolidated[name], tensor.detach().cpu()), name
+
+    # nxd-ckpt export of the same output directory writes the same tensors under the same names.
+    assert cli.main(["export", out, "--out", f"{out}/exported", "--no-progress"]) == 0
+    exported = {}
+    for name in os.listdir(f"{out}/exported"):
+        if name.endswith(".safetensors"):
+            exported.update(load_file(f"{out}/exported/{name}"))
+    assert sorted(exported) == sorted(consolidated)
+    for name, tensor in consolidated.items():
+        assert tensor.dtype == exported[name].dtype and torch.equal(tensor, exported[name]), name
