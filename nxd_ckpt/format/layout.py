@@ -25,6 +25,9 @@ DCP_METADATA_FILE = ".metadata"
 XSER_TENSORS_SUFFIX = ".tensors"
 XSER_INFO_SUFFIX = ".info.pt"
 
+TAG_TOP_LEVEL_FILES = (CHECKPOINT_MARKER, DONE_MARKER, METADATA_FILE, SCHEDULER_FILE, USER_CONTENT_FILE)
+"""The files NxD and nxd_ckpt write directly in a tag folder (any other file there belongs to someone else)."""
+
 # optimum-neuron's output directories (docs/optimum-neuron.md): its NxD save goes to these tags, with its
 # consolidation metadata beside the state files, and its configuration and scheduler one level up.
 OPTIMUM_SHARDS_TAG = "shards"

@@ -313,6 +313,7 @@ def swap_in_resave(storage: Storage, tag: str) -> None:
     staging, old = layout.resave_dir(tag), layout.replaced_dir(tag)
     if not storage.exists(f"{staging}/{layout.DONE_MARKER}"):
         raise CheckpointError(f"{storage.url}/{staging} is not complete; refusing to swap it in as {tag!r}")
+    _carry_foreign_files(storage, tag, staging)
     if storage.renames_dirs and storage.list_dir(tag) and storage.exchange_dirs(staging, tag):
         # One atomic step: the tag now holds the new checkpoint and the hidden directory the old one (older
         # by its creation time, which is how recovery tells the two apart if a crash comes before the deletion).
@@ -337,6 +338,18 @@ def swap_in_resave(storage: Storage, tag: str) -> None:
     storage.write_bytes(layout.tag_path(tag, layout.DONE_MARKER), b"1")
     storage.sync_dirs([tag])
     _delete_copy(storage, staging)
+
+
+def _carry_foreign_files(storage: Storage, tag: str, staging: str) -> None:
+    """Files others keep in the tag folder itself (optimum-neuron's ``mp_metadata_pp_rank_*.json``, which its
+    PEFT save writes before saving and its async save right after) go with the re-saved copy unless it has its own."""
+    owned = set(layout.TAG_TOP_LEVEL_FILES)
+    for path in storage.walk_files(tag):
+        name = path[len(tag) + 1 :]
+        if "/" in name or name in owned or storage.exists(f"{staging}/{name}"):
+            continue
+        storage.write_bytes(f"{staging}/{name}", storage.read_bytes(path))
+        storage.sync_dirs([staging])
 
 
 def _is_older_copy(storage: Storage, directory: str, tag: str) -> bool:

@@ -14,6 +14,7 @@ import torch
 
 import nxd_ckpt as nxd
 from nxd_ckpt import cli
+from nxd_ckpt.format import layout
 from nxd_ckpt.testing.fakes import assert_state_equal
 
 pytestmark = pytest.mark.xla
@@ -120,3 +121,41 @@ def test_consolidation_reads_nxd_ckpt_tags(optimum_real, nxd_compat, tmp_path, m
     assert sorted(exported) == sorted(consolidated)
     for name, tensor in consolidated.items():
         assert tensor.dtype == exported[name].dtype and torch.equal(tensor, exported[name]), name
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_peft_adapter_shards_round_trip(optimum_real, nxd_compat, tmp_path, async_save):
+    """optimum-neuron's PEFT save (``NeuronPeftModel.save_pretrained``: metadata first, then ``tag="adapter_shards"``)
+    twice into the same directory (the second a re-save of a complete tag); the adapter loads back and
+    optimum-neuron's consolidation reads it."""
+    from optimum.neuron.peft import get_peft_model
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    model, _, _ = _tiny_llama(0, async_save=async_save)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM"))
+    out = str(tmp_path / "adapter_out")
+    for bump in (0.5, 0.25):
+        with torch.no_grad():
+            for p in peft_model.parameters():
+                if p.requires_grad:
+                    p.add_(bump)
+        optimum_real["peft_model"].NeuronPeftModel.save_pretrained(peft_model, out)
+    nxd.finalize_checkpoint()
+    adapter_dir = os.path.join(out, "adapter_default")
+    shards = sorted(os.listdir(os.path.join(adapter_dir, layout.OPTIMUM_ADAPTER_SHARDS_TAG)))
+    assert {"done", "model", "mp_metadata_pp_rank_0.json"} <= set(shards)
+    assert nxd.verify(adapter_dir, layout.OPTIMUM_ADAPTER_SHARDS_TAG).ok
+
+    loaded: dict = {}
+    nxd.load_checkpoint(adapter_dir, tag=layout.OPTIMUM_ADAPTER_SHARDS_TAG, model=loaded)
+    saved = {k: v.detach().cpu() for k, v in get_peft_model_state_dict(peft_model).items()}  # what it saves
+    assert sorted(loaded) == sorted(saved) and saved
+    assert_state_equal({k: loaded[k] for k in sorted(loaded)}, {k: saved[k] for k in sorted(saved)})
+
+    optimum_real["checkpointing"].consolidate_model_parallel_checkpoints_to_unified_checkpoint(out, f"{out}/hf")
+    consolidated = load_file(f"{out}/hf/adapter_model.safetensors")
+    q_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert torch.equal(consolidated[q_a], saved[q_a])
