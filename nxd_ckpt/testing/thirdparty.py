@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from typing import Any
 
 THIRDPARTY_ENV = "NXD_CKPT_THIRDPARTY"
-_PREFIXES = ("torch_neuronx", "neuronxcc", "neuronx_distributed", "nemo", "optimum")
+_PREFIXES = ("torch_neuronx", "neuronxcc", "neuronx_distributed", "neuronx_distributed_training", "nemo", "optimum")
 """Top-level packages these helpers import or stub: dropped again by ``isolated()``."""
 NXD = "neuronx-distributed-2.29"
 NXDT = "neuronx-distributed-training-2.26"

@@ -61,7 +61,8 @@ def test_install_provides_nxd_names_and_uninstall_removes_them(installed, tmp_pa
     assert nxd.verify(str(tmp_path), "step_1").ok
     nxd_pkg.finalize_checkpoint()
     compat.uninstall()
-    assert not any(name.startswith("neuronx_distributed") for name in sys.modules)
+    provided = ("neuronx_distributed", "neuronx_distributed.trainer", compat.CHECKPOINT_MODULE)
+    assert not any(name in sys.modules for name in provided)
     with pytest.raises(ImportError):
         importlib.import_module(compat.CHECKPOINT_MODULE)
 
