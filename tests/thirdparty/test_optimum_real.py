@@ -159,3 +159,36 @@ def test_peft_adapter_shards_round_trip(optimum_real, nxd_compat, tmp_path, asyn
     consolidated = load_file(f"{out}/hf/adapter_model.safetensors")
     q_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     assert torch.equal(consolidated[q_a], saved[q_a])
+
+
+def test_zero1_resume_from_an_output_directory(optimum_real, nxd_compat, tmp_path):
+    """The resume optimum-neuron's users ask for (its issues #694, #273): ZeRO-1 optimizer state saved by
+    ``save_pretrained`` loads back with ``load_checkpoint`` and training continues identically (DP=1 here; other
+    DP sizes re-shard on load, tests/distributed/test_zero1_reshard.py)."""
+    import torch_xla
+    from torch_xla.distributed.zero_redundancy_optimizer import ZeroRedundancyOptimizer
+
+    def make(seed: int):
+        model, _, _ = _tiny_llama(seed)
+        model = model.to(torch_xla.device())
+        return model, ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+
+    def step(model, opt, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        opt.zero_grad()
+        loss = sum((p * torch.randn(p.shape, generator=g).to(p.device)).sum() for p in model.parameters())
+        loss.backward()
+        opt.step()
+        torch_xla.sync()
+
+    model, opt = make(0)
+    step(model, opt, 1)
+    out = str(tmp_path / "checkpoint-1")
+    optimum_real["modeling_utils"].NeuronModelMixin.save_pretrained(model, out, optimizer=opt)
+    meta = json.loads((tmp_path / "checkpoint-1" / "shards" / layout.METADATA_FILE).read_text())
+    assert meta["zero1"] is True
+    model2, opt2 = make(5)
+    nxd.load_checkpoint(out, tag=layout.OPTIMUM_SHARDS_TAG, model=model2, optimizer=opt2)
+    step(model, opt, 2)
+    step(model2, opt2, 2)
+    assert_state_equal(model2.state_dict(), model.state_dict())
