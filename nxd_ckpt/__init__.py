@@ -26,6 +26,7 @@ from nxd_ckpt.log import enable_logging
 # without importing torch; ``import nxd_ckpt`` followed by any of these names behaves as an eager import.
 _LAZY = {
     "finalize_checkpoint": "api",
+    "g_iostate": "compat",
     "get_manager": "api",
     "has_checkpoint": "api",
     "latest_checkpoint_tag": "api",
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
         reset_manager,
         save_checkpoint,
     )
+    from nxd_ckpt.compat import g_iostate
     from nxd_ckpt.dist.topology import Topology
     from nxd_ckpt.format.sharding import ShardingRecord, TensorSharding
     from nxd_ckpt.inspect import Checkpoint, open_checkpoint
@@ -121,6 +123,7 @@ __all__ = [
     "destroy_model_parallel",
     "enable_logging",
     "finalize_checkpoint",
+    "g_iostate",
     "get_manager",
     "has_checkpoint",
     "initialize_model_parallel",

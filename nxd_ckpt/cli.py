@@ -478,7 +478,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         bar.close()
     if report.skipped:
         _err(
-            f"skipped {len(report.skipped)} non-tensor values ({report.format} export holds tensors only): "
+            f"skipped {len(report.skipped)} values ({report.format} export holds tensors only; an optimum-neuron "
+            "tag's consolidation keeps its parameters only): "
             + ", ".join(report.skipped[:5])
             + (" ..." if len(report.skipped) > 5 else "")
         )

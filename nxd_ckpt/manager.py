@@ -25,6 +25,7 @@ from typing import Any
 
 from nxd_ckpt.dist.coordinator import Coordinator, group_identity
 from nxd_ckpt.dist.topology import Topology
+from nxd_ckpt.format import layout, tags
 from nxd_ckpt.format.describe import TagDescription, describe
 from nxd_ckpt.format.metadata import FORMAT_VERSION
 from nxd_ckpt.load.pipeline import LoadPipeline, LoadServices
@@ -163,6 +164,34 @@ class CheckpointManager:
         frameworks that delete tags themselves (Lightning's ``remove_checkpoint``)."""
         future = self._writer().submit(fn, name=name)
         self._queued_retention(future)
+        return future
+
+    def remove_tags(
+        self, checkpoint_dir: Any, names: list[str] | None, num_kept: int | None = None, *, wait: bool = False
+    ) -> Future | None:
+        """Rank 0: delete the tags ``names`` (``done`` first), or, without names, what keeping the newest
+        ``num_kept`` complete tags selects (``tags.remove_selection``), behind every save already queued
+        (``queue_deletion``); ``wait`` blocks until done and raises its error. Other ranks do nothing (NxD's
+        ``g_iostate.submit_remove``, which NxDT and optimum-neuron call, through ``nxd_ckpt.compat``)."""
+        for name in names or ():
+            layout.validate_tag(name)
+        if self.coordinator().rank != 0:
+            return None
+        storage = self._storage_for(checkpoint_dir)
+
+        def job() -> list[str]:
+            doomed = names if names is not None else tags.remove_selection(storage, num_kept)
+            for name in doomed:
+                if storage.exists(name):
+                    tags.delete_tag(storage, name)
+            if doomed:
+                logger.info("removed checkpoint(s) %s from %s", ", ".join(doomed), storage.url)
+            return doomed
+
+        future = self.queue_deletion(job, name=f"remove {', '.join(names) if names else 'by retention'}")
+        if wait:
+            self.wait_pending()
+            self.check_for_errors()
         return future
 
     def wait_retention(self) -> None:

@@ -233,6 +233,10 @@ def write_state_file(
     jobs: list[tuple[str, Callable[[], None]]] = []
     if index == 0:
         jobs.append((path, lambda: _write(storage, path, lambda f: xser.save_ref(ref_data, f))))
+    if index == 0 and tensors:
+        # Without tensor files (every tensor inline) there is no ``.tensors`` folder, so NxD and optimum-neuron
+        # read the reference file as a plain one; an info file beside it would be taken for one more state file
+        # (optimum-neuron's consolidation globs ``model/dp_rank_*.pt``).
         info = xser.make_info(tensors)
         info_path = layout.xser_info_file(path)
         jobs.append((info_path, lambda: _write(storage, info_path, lambda f: xser.save_info(info, f))))

@@ -25,6 +25,16 @@ DCP_METADATA_FILE = ".metadata"
 XSER_TENSORS_SUFFIX = ".tensors"
 XSER_INFO_SUFFIX = ".info.pt"
 
+TAG_TOP_LEVEL_FILES = (CHECKPOINT_MARKER, DONE_MARKER, METADATA_FILE, SCHEDULER_FILE, USER_CONTENT_FILE)
+"""The files NxD and nxd_ckpt write directly in a tag folder (any other file there belongs to someone else)."""
+
+# optimum-neuron's output directories (docs/optimum-neuron.md): its NxD save goes to these tags, with its
+# consolidation metadata beside the state files, and its configuration and scheduler one level up.
+OPTIMUM_SHARDS_TAG = "shards"
+OPTIMUM_ADAPTER_SHARDS_TAG = "adapter_shards"
+OPTIMUM_TRN_CONFIG_FILE = "trn_config.json"
+_OPTIMUM_METADATA_RE = re.compile(r"^mp_metadata_pp_rank_(\d+)\.json$")
+
 _TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+=@-]{0,199}$")
 _STATE_FILE_RE = re.compile(r"^dp_rank_(\d+)(?:_ep_rank_(\d+))?_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
 _FULL_OPTIM_RE = re.compile(r"^full_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
@@ -171,4 +181,15 @@ def tier_marker_file(tag: str, rank: int) -> str:
 
 def parse_tier_marker_name(name: str) -> int | None:
     m = _TIER_MARKER_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def optimum_metadata_file(tag: str, pp: int) -> str:
+    """optimum-neuron's consolidation metadata of PP stage ``pp`` (``save_pretrained`` writes it into the tag)."""
+    return tag_path(tag, f"mp_metadata_pp_rank_{pp}.json")
+
+
+def parse_optimum_metadata_name(name: str) -> int | None:
+    """The PP stage of an optimum-neuron metadata file name, else None."""
+    m = _OPTIMUM_METADATA_RE.match(name)
     return int(m.group(1)) if m else None

@@ -126,13 +126,34 @@ def resolve_tag(storage: Storage, tag: str | None) -> str:
 
 def _holds_state(storage: Storage, tag: str) -> bool:
     """Whether a tag directory holds any state file NxD's load_checkpoint reads."""
+    return _holds_state_at(storage, layout.validate_tag(tag) + "/")
+
+
+def holds_complete_checkpoint(storage: Storage, tag: str) -> bool:
+    """Whether ``tag`` has ``done`` and state files: a bare ``done`` (optimum-neuron touches ``shards/done`` before
+    it saves into a new directory) is no checkpoint to keep beside a re-save."""
+    return storage.exists(layout.tag_path(tag, layout.DONE_MARKER)) and _holds_state(storage, tag)
+
+
+def _holds_state_at(storage: Storage, prefix: str) -> bool:
+    """Whether ``prefix`` ("" or "tag/") holds model/optim state files, a scheduler or user content."""
     for sub in (layout.MODEL_DIR, layout.OPTIM_DIR):
         if any(
             layout.parse_state_file_name(n) or layout.parse_full_optim_file_name(n)
-            for n in storage.list_dir(layout.tag_path(tag, sub))
+            for n in storage.list_dir(prefix + sub)
         ):
             return True
-    return any(storage.exists(layout.tag_path(tag, f)) for f in (layout.SCHEDULER_FILE, layout.USER_CONTENT_FILE))
+    return any(storage.exists(prefix + f) for f in (layout.SCHEDULER_FILE, layout.USER_CONTENT_FILE))
+
+
+def is_tag_folder(storage: Storage) -> bool:
+    """Whether the storage's root is one tag folder rather than the directory holding tags: it carries a
+    ``done``/``checkpoint`` marker, or holds state files itself without markers, as NxD's offline tools write
+    them (``convert_zero_checkpoints.py`` writes only ``<output_dir>/optim/...``, ``checkpoint_converter.py``
+    only ``model/...``)."""
+    if storage.exists(layout.DONE_MARKER) or storage.exists(layout.CHECKPOINT_MARKER):
+        return True
+    return _holds_state_at(storage, "")
 
 
 def _why_empty(storage: Storage) -> str:
@@ -195,6 +216,15 @@ def apply_retention(storage: Storage, keep: int, protect: set[str] = frozenset()
         except Exception as e:
             logger.warning("retention could not delete checkpoint %s in %s: %s", name, storage.url, e)
     return deleted
+
+
+def remove_selection(storage: Storage, keep: int | None, protect: set[str] = frozenset()) -> list[str]:
+    """What NxD's ``g_iostate.submit_remove(num_kept, ...)`` without tags deletes: the retention policy for
+    ``keep`` complete tags, or, for None/-1 (keep all), only interrupted leftovers older than every complete tag."""
+    infos = list_tags(storage, include_incomplete=True)
+    if keep is None or keep == -1:
+        keep = max(1, sum(1 for t in infos if t.complete))
+    return tags_to_delete(infos, keep, protect)
 
 
 # --------------------------------------------------------------------------------------------- re-saving a tag
@@ -288,6 +318,7 @@ def swap_in_resave(storage: Storage, tag: str) -> None:
     staging, old = layout.resave_dir(tag), layout.replaced_dir(tag)
     if not storage.exists(f"{staging}/{layout.DONE_MARKER}"):
         raise CheckpointError(f"{storage.url}/{staging} is not complete; refusing to swap it in as {tag!r}")
+    _carry_foreign_files(storage, tag, staging)
     if storage.renames_dirs and storage.list_dir(tag) and storage.exchange_dirs(staging, tag):
         # One atomic step: the tag now holds the new checkpoint and the hidden directory the old one (older
         # by its creation time, which is how recovery tells the two apart if a crash comes before the deletion).
@@ -312,6 +343,18 @@ def swap_in_resave(storage: Storage, tag: str) -> None:
     storage.write_bytes(layout.tag_path(tag, layout.DONE_MARKER), b"1")
     storage.sync_dirs([tag])
     _delete_copy(storage, staging)
+
+
+def _carry_foreign_files(storage: Storage, tag: str, staging: str) -> None:
+    """Files others keep in the tag folder itself (optimum-neuron's ``mp_metadata_pp_rank_*.json``, which its
+    PEFT save writes before saving and its async save right after) go with the re-saved copy unless it has its own."""
+    owned = set(layout.TAG_TOP_LEVEL_FILES)
+    for path in storage.walk_files(tag):
+        name = path[len(tag) + 1 :]
+        if "/" in name or name in owned or storage.exists(f"{staging}/{name}"):
+            continue
+        storage.write_bytes(f"{staging}/{name}", storage.read_bytes(path))
+        storage.sync_dirs([staging])
 
 
 def _is_older_copy(storage: Storage, directory: str, tag: str) -> bool:

@@ -24,13 +24,11 @@ from nxd_ckpt.errors import CheckpointError, FormatError
 from nxd_ckpt.inspect import Checkpoint
 from nxd_ckpt.tools import dcp_io, safetensors_io
 from nxd_ckpt.tools.model_source import CheckpointModel, ShardingSource
+from nxd_ckpt.tools.optimum_layout import ExportNotSupportedError as ExportNotSupportedError  # its public name
+from nxd_ckpt.tools.optimum_layout import OptimumModel, read_metadata
 from nxd_ckpt.tools.safetensors_io import TensorEntry
 
 FORMATS = ("safetensors", "dcp")
-
-
-class ExportNotSupportedError(CheckpointError):
-    """The checkpoint's model state cannot be written in the requested form."""
 
 
 @dataclass
@@ -159,7 +157,11 @@ def export(
         raise ValueError(f"{out}: a .safetensors file name needs format='safetensors'; DCP writes a directory")
     if os.path.lexists(out) and not overwrite:
         raise CheckpointError(f"{out} already exists; pass --force (overwrite=True) to replace it")
-    model = CheckpointModel(ckpt, sharding, verify=verify)
+    optimum = read_metadata(ckpt)  # an optimum-neuron tag: the tensors its consolidation writes
+    if optimum is not None:
+        model: CheckpointModel | OptimumModel = OptimumModel(ckpt, optimum, sharding, verify=verify)
+    else:
+        model = CheckpointModel(ckpt, sharding, verify=verify)
     entries = model.entries()
     names = (rename or RenameMap()).apply([e.name for e in entries])
     renamed = [TensorEntry(names[e.name], e.dtype, e.shape) for e in entries]

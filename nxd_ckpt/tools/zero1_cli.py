@@ -7,8 +7,10 @@ Two ways to name the input, both accepted by ``nxd-ckpt convert-zero1`` and ``sc
 * like NxD's converter: the tag folder itself (``--input_dir ckpts/step_1200 --output_dir new/step_1200``).
 
 A checkpoint directory passed where a tag folder is expected (or the other way round) is recognised by its
-``done``/``checkpoint`` markers, so both spellings resolve to the same tag folders. Flags use hyphens; NxD's
-underscore spellings (``--input_dir``, ``--dp_size``, ``--convert_to_full``, ...) are kept as aliases.
+``done``/``checkpoint`` markers, or, for the markerless folders NxD's own converter writes (only ``optim/...``),
+by the state files it holds (``format.tags.is_tag_folder``), so both spellings resolve to the same tag folders.
+Flags use hyphens; NxD's underscore spellings (``--input_dir``, ``--dp_size``, ``--convert_to_full``, ...) are kept
+as aliases.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import sys
 from collections.abc import Sequence
 
 from nxd_ckpt.errors import CheckpointError
-from nxd_ckpt.format import layout, tags
+from nxd_ckpt.format import tags
 from nxd_ckpt.storage import storage_for
 
 SCRIPT_PROG = "convert_zero1_checkpoint.py"
@@ -108,8 +110,7 @@ def _join(directory: str, name: str) -> str:
 
 
 def _is_tag_folder(path: str) -> bool:
-    storage = storage_for(path)
-    return storage.exists(layout.DONE_MARKER) or storage.exists(layout.CHECKPOINT_MARKER)
+    return tags.is_tag_folder(storage_for(path))
 
 
 def resolve_paths(args: argparse.Namespace) -> tuple[str, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -200,6 +201,25 @@ def test_sharded_to_full_to_sharded(tmp_path, use_xser):
             assert_state_equal(read_optim(back, layout.state_file_name(d, t, p)), shard_of(fulls[(t, p)], 3, d))
     with pytest.raises(FormatError, match="already holds full"):
         convert_zero1(f"{full_dir}/{TAG}", f"{tmp_path}/again/{TAG}", convert_to_full=True)
+
+
+@pytest.mark.parametrize("use_xser", [False, True], ids=["plain", "xser"])
+def test_markerless_optim_folder_as_nxd_converter_writes_it(tmp_path, use_xser, capsys):
+    """NxD's converter writes only ``<output_dir>/optim/...`` (no markers, no model): given with NxD's flags,
+    that folder is the tag folder to convert, as NxD's converter accepts it (issue 25's regression; the real
+    converter's output is checked in tests/thirdparty)."""
+    src = str(tmp_path / "in")
+    fulls = write_checkpoint(src, 2, tp=2, use_xser=use_xser)
+    convert_zero1(f"{src}/{TAG}", f"{tmp_path}/full/{TAG}", convert_to_full=True, progress=False)
+    bare = tmp_path / "bare" / TAG
+    shutil.copytree(tmp_path / "full" / TAG / layout.OPTIM_DIR, bare / layout.OPTIM_DIR)
+    out = f"{tmp_path}/sh/{TAG}"
+    args = ["--input_dir", str(bare), "--output_dir", out, "--convert_to_sharded", "--dp_size", "3", "--quiet"]
+    assert main(args) == 0, capsys.readouterr().err
+    for t in range(2):
+        for d in range(3):
+            assert_state_equal(read_optim(f"{tmp_path}/sh", layout.state_file_name(d, t, 0)), shard_of(fulls[t], 3, d))
+    assert nxd.verify(f"{tmp_path}/sh", TAG).ok
 
 
 @pytest.mark.parametrize("use_xser", [False, True], ids=["plain", "xser"])

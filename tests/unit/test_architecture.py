@@ -105,7 +105,7 @@ LAYERS = [
     {"format", "log", "watchdog", "parallel_state"},
     {"save", "load", "statefile", "adapters", "rank_state", "inspect", "tier", "options"},
     {"manager", "tools", "testing"},
-    {"api", "cli", "lightning"},
+    {"api", "cli", "lightning", "compat"},
 ]
 """Dependencies point down: a module imports only from its own layer or lower ones (the folders' order)."""
 

@@ -37,10 +37,19 @@ def test_prepare_tag_marks_a_new_tag_and_clears_leftovers(tmp_path):
 def test_prepare_tag_resaves_a_complete_tag_beside_it(tmp_path):
     storage = LocalStorage(str(tmp_path))
     storage.write_bytes(layout.tag_path("t", layout.CHECKPOINT_MARKER), b"1")
+    storage.write_bytes(layout.model_file("t", 0, 0), b"state")
     storage.write_bytes(layout.tag_path("t", layout.DONE_MARKER), b"1")
     _, resave = prepare_tag(storage, "t", durable=True)
     assert resave
     assert storage.exists(layout.tag_path("t", layout.DONE_MARKER))  # the old one stays loadable until the swap
+
+
+def test_prepare_tag_writes_in_place_over_a_bare_done(tmp_path):
+    """optimum-neuron touches ``shards/done`` before its async save into a new directory: no checkpoint to keep."""
+    storage = LocalStorage(str(tmp_path))
+    storage.write_bytes(layout.tag_path("t", layout.DONE_MARKER), b"")
+    _, resave = prepare_tag(storage, "t", durable=True)
+    assert not resave and not storage.exists(layout.tag_path("t", layout.DONE_MARKER))
 
 
 def test_prepare_tag_leaves_the_directory_alone_for_a_memory_only_save(tmp_path):
