@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create (or reuse) a virtual environment for one test lane and print its python path on the last line.
-#   cpu: torch 2.13.0 (CPU build) + nxd_ckpt[test,s3]      xla: torch 2.9.0 + torch-xla 2.9.0 + nxd_ckpt[test,s3]
+#   cpu: torch 2.13.0 (CPU build) + nxd_ckpt[test,s3]
+#   xla: torch 2.9.0 + torch-xla 2.9.0 + nxd_ckpt[test,s3,frameworks] + optimum-neuron 0.4.2 (--no-deps: its own
+#        requirements pin numpy<=1.26.4; tests/thirdparty runs its pinned sources over the package's other modules)
 # Environments live outside the clone (NXD_CKPT_ENV_DIR, default ~/.cache/nxd-ckpt/envs) and are rebuilt only
 # when pyproject.toml or this script changes, so repeated CI runs on one machine skip the set-up.
 #
@@ -20,8 +22,9 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 env_dir="${NXD_CKPT_ENV_DIR:-$HOME/.cache/nxd-ckpt/envs}/$lane"
 cpu_index="https://download.pytorch.org/whl/cpu"
 case "$lane" in
-  cpu) torch_version=2.13.0; extra_pins=(); default_index="$cpu_index"; installed_size="~1.3 GB" ;;
-  xla) torch_version=2.9.0; extra_pins=(torch-xla==2.9.0); default_index=pypi; installed_size="~7.3 GB" ;;
+  cpu) torch_version=2.13.0; extra_pins=(); extras="test,s3"; no_deps=(); default_index="$cpu_index"; installed_size="~1.4 GB" ;;
+  xla) torch_version=2.9.0; extra_pins=(torch-xla==2.9.0); extras="test,s3,frameworks"; no_deps=(optimum-neuron==0.4.2)
+       default_index=pypi; installed_size="~7.6 GB" ;;
   *) echo "setup_env.sh: unknown lane '$lane' (expected cpu or xla)" >&2; exit 2 ;;
 esac
 torch_index="${NXD_CKPT_TORCH_INDEX:-$default_index}"
@@ -91,7 +94,7 @@ if [ -x "$env_dir/bin/python" ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file
   say "$lane environment up to date: $env_dir"
 else
   if [ -x "$env_dir/bin/python" ]; then why="pyproject.toml or setup_env.sh changed since it was built"; else why="first run"; fi
-  say "building the $lane environment in $env_dir ($why): torch==$torch_version ${extra_pins[*]:+${extra_pins[*]} }+ nxd_ckpt[test,s3];"
+  say "building the $lane environment in $env_dir ($why): torch==$torch_version ${extra_pins[*]:+${extra_pins[*]} }+ nxd_ckpt[$extras];"
   say "  $installed_size on disk with torch from $( [ "$torch_index" = pypi ] && echo "PyPI (CUDA build)" || echo "the CPU build" ), a few minutes"
   start=$(date +%s)
   venv_opts=()
@@ -103,7 +106,8 @@ else
   "$env_dir/bin/python" -m pip install -q --upgrade pip >&2
   # torch first and pinned, so nothing later can pull another (CUDA) build through a version range.
   install_torch
-  "$env_dir/bin/python" -m pip install -q "torch==$torch_version" "${extra_pins[@]}" -e "$root[test,s3]" >&2
+  "$env_dir/bin/python" -m pip install -q "torch==$torch_version" "${extra_pins[@]}" -e "$root[$extras]" >&2
+  if [ ${#no_deps[@]} -gt 0 ]; then "$env_dir/bin/python" -m pip install -q --no-deps "${no_deps[@]}" >&2; fi
   echo "$stamp_src" > "$stamp_file"
   say "$lane environment ready in $(( $(date +%s) - start )) s, $(du -sh "$env_dir" 2>/dev/null | cut -f1) on disk"
 fi
