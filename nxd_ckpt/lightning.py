@@ -22,6 +22,7 @@ Lightning is imported on first use of the classes, from whichever of ``pytorch_l
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -35,6 +36,7 @@ from nxd_ckpt import api, xla
 from nxd_ckpt.dist import coordinator
 from nxd_ckpt.format import layout, tags
 from nxd_ckpt.format.describe import describe
+from nxd_ckpt.options import LoadOptions, SaveOptions
 from nxd_ckpt.storage import Storage, storage_for
 
 logger = logging.getLogger("nxd_ckpt")
@@ -208,8 +210,8 @@ class NxdCheckpointIOBase:
         self.strip_version_suffix = strip_version_suffix
         self.allow_pickle = allow_pickle
         self.num_workers = num_workers
-        self.save_options = dict(save_options or {})
-        self.load_options = dict(load_options or {})
+        self.save_options = _checked_keywords(SaveOptions, save_options, _SAVE_KEYWORDS_SET_HERE, "save_options")
+        self.load_options = _checked_keywords(LoadOptions, load_options, _LOAD_KEYWORDS_SET_HERE, "load_options")
         self._every_rank = False
         self._holder: dict[tuple[str, str], str] = {}
         """(directory, tag) -> the Lightning path whose checkpoint the tag holds now (see ``remove_checkpoint``)."""
@@ -236,7 +238,7 @@ class NxdCheckpointIOBase:
         directory, tag = self.location(path)
         model, optimizer, content = split_checkpoint(checkpoint)
         zero1 = self.zero1 if self.zero1 is not None else zero1_from_config(content)
-        api.save_checkpoint(
+        options = SaveOptions(
             directory,
             tag,
             model=model,
@@ -248,6 +250,7 @@ class NxdCheckpointIOBase:
             zero1_optimizer=zero1,
             **self.save_options,
         )
+        api.get_manager().save(options)
         self._holder[(directory, tag)] = os.fspath(path)
 
     def save_on_every_rank(
@@ -275,9 +278,10 @@ class NxdCheckpointIOBase:
         optimizer: dict[str, Any] | None = None
         if not self.weight_init_only and "optimizer" in describe(storage_for(directory), tag).saved_items:
             optimizer = {}
-        content = api.load_checkpoint(
+        options = LoadOptions(
             directory, tag, model=model, optimizer=optimizer, allow_pickle=self.allow_pickle, **self.load_options
         )
+        content = api.get_manager().load(options)
         checkpoint = dict(content) if isinstance(content, Mapping) else {}
         checkpoint["state_dict"] = model
         checkpoint.setdefault("pytorch-lightning_version", str(lightning_package().__version__))
@@ -505,3 +509,28 @@ def _host_reduce(strategy: Any, output: Any, reduce_op: Any) -> Any:
     if op in ("mean", "avg"):
         total = total / len(values)
     return total.to(strategy.root_device)
+
+
+_SAVE_KEYWORDS_SET_HERE = frozenset(
+    {"checkpoint_dir", "tag", "model", "optimizer", "user_content", "num_workers", "use_xser", "async_save",
+     "zero1_optimizer"}
+)  # fmt: skip
+_LOAD_KEYWORDS_SET_HERE = frozenset({"checkpoint_dir", "tag", "model", "optimizer", "allow_pickle"})
+
+
+def _checked_keywords(
+    cls: type[SaveOptions] | type[LoadOptions], given: Mapping[str, Any] | None, set_here: frozenset[str], what: str
+) -> dict[str, Any]:
+    """``given`` as keywords of ``cls``, checked when the CheckpointIO is built (not at the first save): names
+    ``cls`` knows, not set by the CheckpointIO itself, with values ``cls`` accepts."""
+    keywords = dict(given or {})
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown, taken = sorted(set(keywords) - fields), sorted(set(keywords) & set_here)
+    if unknown or taken:
+        problem = f"unknown option(s) {unknown}" if unknown else f"option(s) {taken} set by NxdCheckpointIO itself"
+        raise TypeError(
+            f"NxdCheckpointIO({what}=...): {problem}; it takes the keywords of nxd_ckpt.{cls.__name__} except "
+            f"{sorted(set_here)} (use the constructor's own arguments for those)"
+        )
+    cls(".", "validating", **keywords)  # raises for a bad value
+    return keywords

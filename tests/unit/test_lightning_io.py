@@ -165,6 +165,20 @@ def test_storage_options_are_refused_with_the_alternative(tmp_path):
         _io().save_checkpoint({"state_dict": {}}, str(tmp_path / "x.ckpt"), storage_options={"a": 1})
 
 
+def test_bad_nxd_options_fail_when_the_checkpoint_io_is_built():
+    """Not at the first save, minutes into training: unknown names, names the CheckpointIO sets, bad values."""
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['timout'\]"):
+        _io(save_options={"timout": 5})
+    with pytest.raises(TypeError, match=r"\['use_xser'\] set by NxdCheckpointIO itself"):
+        _io(save_options={"use_xser": False})
+    with pytest.raises(ValueError, match="on_save_error must be 'raise' or 'warn'"):
+        _io(save_options={"on_save_error": "ignore"})
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['verfiy'\]"):
+        _io(load_options={"verfiy": False})
+    io = _io(save_options={"timeout": 60.0}, load_options={"verify": False})
+    assert io.save_options == {"timeout": 60.0} and io.load_options == {"verify": False}
+
+
 def test_a_removal_waits_for_the_async_save_of_its_tag(tmp_path):
     """remove_checkpoint right after an async save: the save commits first, then the tag goes (never half of it)."""
     io = _io(async_save=True)
