@@ -12,7 +12,7 @@ import pytest
 from nxd_ckpt.errors import StorageError
 from nxd_ckpt.storage import storage_for
 from nxd_ckpt.storage.s3 import ENDPOINT_ENV, MIB, S3Storage, parse_s3_url
-from nxd_ckpt.testing.s3server import ThrottlingProxy, free_port
+from nxd_ckpt.testing.s3server import ThrottlingProxy, refusing_port
 
 pytestmark = [pytest.mark.s3, pytest.mark.device_independent]
 
@@ -136,11 +136,12 @@ def test_endpoint_precedence(s3_server, monkeypatch):
 
 
 def test_refused_endpoint_fails_promptly_with_the_cause(s3_server):
-    s = S3Storage("s3://bkt/run", endpoint_url=f"http://127.0.0.1:{free_port()}", max_attempts=2)
-    with pytest.raises(
-        StorageError, match=r"cannot connect to S3 endpoint http://127\.0\.0\.1:\d+ for upload s3://bkt/"
-    ):
-        s.write_bytes("step_1/checkpoint", b"1")
+    with refusing_port() as port:
+        s = S3Storage("s3://bkt/run", endpoint_url=f"http://127.0.0.1:{port}", max_attempts=2)
+        with pytest.raises(
+            StorageError, match=r"cannot connect to S3 endpoint http://127\.0\.0\.1:\d+ for upload s3://bkt/"
+        ):
+            s.write_bytes("step_1/checkpoint", b"1")
 
 
 def test_silent_endpoint_times_out_with_the_cause(s3_server):
@@ -220,3 +221,23 @@ def test_connection_cut_mid_body_is_retried(s3_url, s3_server, caplog):
             assert f.read() == data
         assert proxy.cut == 2
     assert sum("ResponseStreamingError" in r.getMessage() for r in caplog.records) == 2
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """Socket inodes listening on 127.0.0.1:``port`` (from /proc/net/tcp)."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return {r[9] for r in rows if r[1] == f"0100007F:{port:04X}" and r[3] == "0A"}
+
+
+def test_the_server_process_binds_its_own_port_and_reports_it(s3_server):
+    """MotoServer's port is one its own process bound (port 0) and listens on, not one chosen by the parent."""
+    from nxd_ckpt.testing.s3server import MotoServer
+
+    with MotoServer() as other:
+        assert other.port not in (0, s3_server.port)
+        for server in (s3_server, other):
+            fds = os.listdir(f"/proc/{server.proc.pid}/fd")
+            owned = {os.readlink(f"/proc/{server.proc.pid}/fd/{fd}") for fd in fds}
+            assert {f"socket:[{inode}]" for inode in _listening_inodes(server.port)} <= owned
+            assert _listening_inodes(server.port)
