@@ -5,8 +5,9 @@ rank is raised on every rank, as the same exception type, carrying the rank it c
 "Rank 0 computes, every rank receives" is ``Coordinator.master_computes``; "every rank does its part, all
 learn whether anyone failed" is ``Coordinator.run_all``. Without a process group every step just runs locally.
 
-Deadlines: before a step's collective, every rank checks in on the c10d store and waits there, polling, for
-the others. That wait has a deadline (``NXD_CKPT_TIMEOUT_S`` or the ``timeout=`` of the call): while it runs
+Deadlines: before a step's collective, every rank checks in on the c10d store and waits there for the others,
+in a blocking ``wait`` on a connection of its own (``wait_for_key``), so its store operations per step are a
+handful however long it waits. That wait has a deadline (``NXD_CKPT_TIMEOUT_S`` or the ``timeout=`` of the call): while it runs
 the master logs which ranks have not arrived and in which phase, and past it every waiting rank raises
 ``CheckpointTimeoutError`` naming the phase and the missing ranks, instead of sitting in a collective until
 the process group's own timeout (30 minutes by default) with nothing logged. The collective itself only starts
@@ -25,6 +26,7 @@ import datetime
 import importlib
 import logging
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -44,8 +46,8 @@ LEGACY_TIMEOUT_ENV = "NXD_CKPT_COMMIT_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 1800.0
 MAX_STALL_S = 300.0
 """A storage call with no progress for min(deadline / 2, this) is a stall (see ``watchdog.py``)."""
-_MAX_POLL_S = 0.01
-"""Longest pause between two polls of the store: a waiting rank learns of the last arrival within 10 ms."""
+_FIRST_POLL_S = 0.001
+"""First pause of a store that must be polled (no ``clone``); it doubles up to the log interval."""
 _PREFIX = "nxd_ckpt/step"
 
 
@@ -123,19 +125,80 @@ def _ranks_text(ranks: list[int] | tuple[int, ...]) -> str:
 
 
 def missing_ranks(store: Any, prefix: str, world: int) -> list[int]:
-    """Ranks without an arrival key under ``prefix`` (see ``arrive``)."""
-    return [r for r in range(world) if not store.check([f"{prefix}/r/{r}"])]
+    """Ranks without an arrival key under ``prefix`` (see ``arrive``), found by bisection: ``check`` of many keys
+    answers whether all exist, so k missing ranks of N cost about 2k·log2(N/k) store operations, not N."""
+
+    def absent(lo: int, hi: int) -> list[int]:
+        if store.check([f"{prefix}/r/{r}" for r in range(lo, hi)]):
+            return []
+        if hi - lo == 1:
+            return [lo]
+        mid = (lo + hi) // 2
+        return absent(lo, mid) + absent(mid, hi)
+
+    return absent(0, world) if world > 0 else []
 
 
-def arrive(store: Any, prefix: str, rank: int) -> int:
-    """Check in at ``prefix`` on the store; returns how many ranks have arrived, this one included."""
+def arrive(store: Any, prefix: str, rank: int, world: int) -> int:
+    """Check in at ``prefix`` on the store; returns how many ranks have arrived, this one included. The last
+    rank to arrive sets ``all_arrived_key(prefix)``, which the others wait for."""
     store.set(f"{prefix}/r/{rank}", b"1")
-    return int(store.add(f"{prefix}/n", 1))
+    arrived = int(store.add(f"{prefix}/n", 1))
+    if arrived >= world:
+        store.set(all_arrived_key(prefix), b"1")
+    return arrived
 
 
-def wait_for(
+def all_arrived_key(prefix: str) -> str:
+    """Set once every rank has arrived at ``prefix``."""
+    return f"{prefix}/all"
+
+
+class _Waiters(threading.local):
+    """Per thread: a second connection to each store, for blocking waits (a wait holds its client's lock, so on
+    the shared client it would stall the other thread, training or writer, that uses the store meanwhile)."""
+
+    def __init__(self) -> None:
+        self.clients: dict[int, tuple[Any, Any]] = {}
+
+
+_waiters = _Waiters()
+
+
+def waiting_client(store: Any) -> Any | None:
+    """This thread's own connection to ``store`` for blocking waits (made once); None if the store cannot be
+    cloned (then waits poll with back-off)."""
+    entry = _waiters.clients.get(id(store))
+    if entry is None or entry[0] is not store:
+        try:
+            clone = store.clone()
+        except Exception:  # a store type without clone(): poll
+            clone = None
+        entry = (store, clone)
+        _waiters.clients[id(store)] = entry
+    return entry[1]
+
+
+def _wait_once(store: Any, waiter: Any | None, key: str, seconds: float) -> bool:
+    """Wait up to ``seconds`` for ``key``: one blocking ``wait`` on this thread's own connection (one store
+    operation however long it lasts), or without one a single ``check`` after sleeping; True once it is set."""
+    if waiter is None:
+        time.sleep(seconds)
+        return bool(store.check([key]))
+    import torch.distributed as dist
+
+    try:
+        waiter.wait([key], datetime.timedelta(seconds=max(seconds, 0.001)))
+        return True
+    except dist.DistStoreError as e:
+        if "timeout" not in str(e).lower():
+            raise
+        return False
+
+
+def wait_for_key(
     store: Any,
-    ready: Callable[[], bool],
+    key: str,
     missing: Callable[[], list[int]],
     phase: str,
     timeout_s: float,
@@ -143,19 +206,24 @@ def wait_for(
     log: bool,
     since: float | None = None,
 ) -> None:
-    """Poll ``ready()`` until it holds; log who is ``missing()`` every few seconds (if ``log``); past
+    """Block until ``key`` is set on ``store``; log who is ``missing()`` every few seconds (if ``log``); past
     ``timeout_s`` (counted from ``since``, default now) raise CheckpointTimeoutError naming them.
 
-    Polling with ``check``/``add`` rather than ``store.wait``: a blocking wait holds the store client's lock,
-    which would stall the other thread (training or writer) that uses the same store meanwhile.
+    The number of store operations does not grow with the wait: a rank that does not log makes one blocking
+    ``wait`` per deadline; one that logs wakes up once per log line (``log_interval_s``: at most about
+    max(4, deadline / 30 s) times); a store without ``clone`` is polled with doubling pauses up to that interval.
     """
     start = time.monotonic() if since is None else since
     interval = log_interval_s(timeout_s)
     next_log = start + interval
-    delay = 0.0005
-    while not ready():
+    waiter = waiting_client(store)
+    pause = _FIRST_POLL_S
+    while True:
         now = time.monotonic()
-        if now - start > timeout_s:
+        remaining = timeout_s - (now - start)
+        if remaining <= 0:
+            if store.check([key]):
+                return
             late = missing()
             raise CheckpointTimeoutError(
                 f"timed out after {timeout_s:g} s in phase '{phase}' waiting for rank(s) {_ranks_text(late)}; "
@@ -170,11 +238,14 @@ def wait_for(
                 _ranks_text(missing()),
                 phase,
                 now - start,
-                timeout_s - (now - start),
+                remaining,
             )
             next_log = now + interval
-        time.sleep(delay)
-        delay = min(delay * 2, _MAX_POLL_S)
+        step = min(remaining, next_log - now) if log else remaining
+        if waiter is None:
+            step, pause = min(step, pause), min(pause * 2, interval)
+        if _wait_once(store, waiter, key, step):
+            return
 
 
 # ----------------------------------------------------------------------------------------------- failures
@@ -346,11 +417,11 @@ class Coordinator:
             return
         self._step += 1
         prefix = f"{_PREFIX}/{self.session}/{self._step}"
-        arrive(store, prefix, self.rank)
+        arrive(store, prefix, self.rank, self.world_size)
         try:
-            wait_for(
+            wait_for_key(
                 store,
-                lambda: int(store.add(f"{prefix}/n", 0)) >= self.world_size,
+                all_arrived_key(prefix),
                 lambda: missing_ranks(store, prefix, self.world_size),
                 phase,
                 self.timeout_s,
@@ -378,8 +449,8 @@ class Coordinator:
         with contextlib.suppress(Exception):
             self.store.delete_key(f"{prefix}/r/{self.rank}")
             if self.rank == 0:
-                self.store.delete_key(f"{prefix}/n")
-                self.store.delete_key(f"{prefix}/gave_up")
+                for key in (f"{prefix}/n", all_arrived_key(prefix), f"{prefix}/gave_up"):
+                    self.store.delete_key(key)
 
     # ------------------------------------------------------------------ steps that carry errors
     def master_computes(self, fn: Callable[[], T], phase: str) -> T:
@@ -406,7 +477,8 @@ class Coordinator:
 
     def run_all(self, fn: Callable[[], T], phase: str) -> T:
         """Every rank runs ``fn``; if it fails anywhere, every rank raises the (lowest) failing rank's exception
-        as its own type. One all-gather carries the failures."""
+        as its own type. A one-number all-reduce says whether any rank failed (O(N) bytes in all); only then an
+        all-gather carries the failures."""
         result: Any = None
         local: BaseException | None = None
         try:
@@ -418,8 +490,9 @@ class Coordinator:
                 raise local
             return result  # type: ignore[no-any-return]
         self._arrive_and_wait(phase)
-        failures = self._all_gather(None if local is None else RankFailure.of(local, self.rank, phase), None)
-        raise_failures(failures, local, self.rank)
+        if self._any_failed(local is not None):  # the objects travel only when something failed
+            failures = self._all_gather(None if local is None else RankFailure.of(local, self.rank, phase), None)
+            raise_failures(failures, local, self.rank)
         return result  # type: ignore[no-any-return]
 
     def in_waves(self, limit: int, local_rank: int, local_world_size: int, fn: Callable[[], T], what: str) -> T:
@@ -523,6 +596,14 @@ class Coordinator:
         box = [obj if self.rank == src else None]
         dist.broadcast_object_list(box, src=src, group=group if group is not None else self.group)
         return box[0]
+
+    def _any_failed(self, failed: bool) -> bool:
+        """Whether ``failed`` holds on any rank of the world: a MAX all-reduce of one integer."""
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
 
     def _all_gather(self, obj: Any, group: Any | None) -> list[Any]:
         import torch.distributed as dist

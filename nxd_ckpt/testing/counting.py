@@ -1,4 +1,5 @@
-"""Instrumented local storage for tests that prove how much of a checkpoint a load really reads."""
+"""Instrumentation for tests and the scale benchmark: local storage counting the bytes a load really reads, and a
+c10d store client counting the operations a rank makes."""
 
 from __future__ import annotations
 
@@ -71,3 +72,53 @@ class ReadCountingStorage(LocalStorage):
         data = super().read_bytes(path, offset, length)
         self._count(path, len(data))
         return data
+
+
+class StoreTally:
+    """Store operations counted by ``CountingStore`` clients (thread-safe): ``ops[(client, op)]``, where client is
+    "main" for the client itself and "waiting" for the connections it cloned (the blocking waits)."""
+
+    def __init__(self) -> None:
+        self.ops: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, client: str, op: str) -> None:
+        with self._lock:
+            self.ops[(client, op)] = self.ops.get((client, op), 0) + 1
+
+    def total(self, client: str | None = None) -> int:
+        with self._lock:
+            return sum(n for (c, _), n in self.ops.items() if client is None or c == client)
+
+    def snapshot(self) -> dict[tuple[str, str], int]:
+        with self._lock:
+            return dict(self.ops)
+
+
+class CountingStore:
+    """A c10d store client that counts every operation made through it into ``tally`` and forwards it to the
+    real store (instrumentation, not a fake: the operations reach the real server). ``clone()`` opens a real
+    second connection whose operations count as "waiting"."""
+
+    OPS = frozenset(
+        ("set", "get", "add", "check", "wait", "delete_key", "compare_set", "multi_get", "multi_set", "append")
+    )
+
+    def __init__(self, store: Any, tally: StoreTally | None = None, client: str = "main") -> None:
+        self._store = store
+        self.tally = tally if tally is not None else StoreTally()
+        self._client = client
+
+    def clone(self) -> CountingStore:
+        return CountingStore(self._store.clone(), self.tally, "waiting")
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._store, name)
+        if name not in self.OPS:
+            return real
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.tally.add(self._client, name)
+            return real(*args, **kwargs)
+
+        return counted
