@@ -15,7 +15,9 @@ every object to the largest, as ``all_gather_object`` does).
 from __future__ import annotations
 
 import pickle
+import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -37,6 +39,7 @@ class ThreadWorld:
         self._slots: dict[int, dict[int, Any]] = {}
         self._calls = [0] * size
         self._exited: set[int] = set()
+        self._workers: list[_RankThread] = []
         self.store = nxd_dist.local_store(timeout_s)
         self.tallies = [StoreTally() for _ in range(size)] if count else []
         self._rank_stores = [CountingStore(self.store, t) for t in self.tallies]
@@ -65,9 +68,13 @@ class ThreadWorld:
 
     def run(self, fn: Callable[[int], T]) -> list[T]:
         """``fn(rank)`` on one thread per rank; returns the results in rank order, or raises the error of the
-        lowest rank that failed (a rank left waiting for a failed one raises too, instead of hanging)."""
+        lowest rank that failed (a rank left waiting for a failed one raises too, instead of hanging).
+
+        Each rank keeps its thread from one ``run`` to the next, as a process keeps its training thread (so
+        per-thread state, such as a rank's own store connection for waits, is made once, not per call)."""
         results: list[Any] = [None] * self.size
         errors: list[BaseException | None] = [None] * self.size
+        done = threading.Semaphore(0)
         with self._cond:
             self._exited.clear()
 
@@ -80,18 +87,27 @@ class ThreadWorld:
                 with self._cond:
                     self._exited.add(rank)
                     self._cond.notify_all()
+                done.release()
 
-        threads = [threading.Thread(target=main, args=(r,), name=f"rank{r}") for r in range(self.size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(self.timeout_s)
-            if t.is_alive():
-                raise TimeoutError(f"{t.name} did not finish within {self.timeout_s} s")
+        if not self._workers:
+            self._workers = [_RankThread(r) for r in range(self.size)]
+        for worker in self._workers:
+            worker.jobs.put(main)
+        deadline = time.monotonic() + self.timeout_s
+        for _ in range(self.size):
+            if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                stuck = sorted(set(range(self.size)) - self._exited)
+                raise TimeoutError(f"rank(s) {stuck} did not finish within {self.timeout_s} s")
         primary = [e for e in errors if e is not None and not isinstance(e, _PeerExited)]
         if primary or any(errors):
             raise (primary or [e for e in errors if e is not None])[0]
         return results
+
+    def close(self) -> None:
+        """End the rank threads (they end by themselves with the process too: daemons)."""
+        for worker in self._workers:
+            worker.jobs.put(None)
+        self._workers = []
 
     def exchange(self, rank: int, obj: Any, kind: str = "all_gather", src: int = 0) -> list[Any]:
         """Every rank's ``obj`` in rank order (the one primitive every collective here is built on): the n-th
@@ -117,6 +133,20 @@ class ThreadWorld:
         if self.count:
             self._account(rank, kind, src, [n for _, n in entries])
         return [o for o, _ in entries]
+
+
+class _RankThread(threading.Thread):
+    """The thread of one rank: runs the jobs ``ThreadWorld.run`` gives it, one after another."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(name=f"rank{rank}", daemon=True)
+        self.rank = rank
+        self.jobs: queue.SimpleQueue[Callable[[int], None] | None] = queue.SimpleQueue()
+        self.start()
+
+    def run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            job(self.rank)
 
 
 class _PeerExited(RuntimeError):
