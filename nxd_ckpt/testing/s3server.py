@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -168,22 +169,33 @@ _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connectio
 
 class ThrottlingProxy:
     """HTTP proxy on 127.0.0.1 in front of ``upstream``: the first ``throttle_first`` requests get
-    ``503 SlowDown`` (as S3 answers when a prefix is hot); the rest are forwarded, except that the bodies of
+    ``503 SlowDown`` (as S3 answers when a prefix is hot), and after them each request does with probability
+    ``slowdown_rate`` (a storm; ``seed`` makes it repeatable); the rest are forwarded, except that the bodies of
     the first ``cut_first_gets`` GET responses are cut in half by closing the connection (a reset mid-stream),
     and uploads (PUT/POST) to keys containing ``deny_writes_to`` get ``403 AccessDenied`` (a bucket policy or
-    a lost permission that fails one part of a save)."""
+    a lost permission that fails one part of a save). ``by_method`` counts the requests forwarded, by HTTP
+    method (GET with ``?list-type`` counts as LIST)."""
 
     def __init__(
-        self, upstream_port: int, throttle_first: int, cut_first_gets: int = 0, deny_writes_to: str = ""
+        self,
+        upstream_port: int,
+        throttle_first: int,
+        cut_first_gets: int = 0,
+        deny_writes_to: str = "",
+        slowdown_rate: float = 0.0,
+        seed: int = 0,
     ) -> None:
         self.upstream_port = upstream_port
         self.throttle_first = throttle_first
         self.cut_first_gets = cut_first_gets
         self.deny_writes_to = deny_writes_to
+        self.slowdown_rate = slowdown_rate
+        self._random = random.Random(seed)
         self.denied = 0
         self.requests = 0
         self.throttled = 0
         self.cut = 0
+        self.by_method: dict[str, int] = {}
         self._lock = threading.Lock()
         proxy = self
 
@@ -221,8 +233,12 @@ class ThrottlingProxy:
                 with proxy._lock:
                     proxy.requests += 1
                     proxy.denied += deny
-                    throttle = not deny and proxy.throttled < proxy.throttle_first
+                    storm = proxy.slowdown_rate > 0 and proxy._random.random() < proxy.slowdown_rate
+                    throttle = not deny and (proxy.throttled < proxy.throttle_first or storm)
                     proxy.throttled += throttle
+                    if not (deny or throttle):
+                        kind = "LIST" if self.command == "GET" and "list-type=" in self.path else self.command
+                        proxy.by_method[kind] = proxy.by_method.get(kind, 0) + 1
                 if deny:
                     self._error(403, "Forbidden", _DENIED_BODY)
                     return
