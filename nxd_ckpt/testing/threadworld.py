@@ -7,7 +7,7 @@ per thread into ``CheckpointManager(coordinator=..., topology=...)`` and call ``
 DP replica subgroups are not modelled: use layouts without DP replicas for loads (save paths need none).
 
 ``count=True`` instruments the world for the scale benchmark and the store-operation tests: each rank's store
-is a ``testing.counting.CountingStore`` over the shared one (``tallies[rank]``), and ``collectives[rank]`` counts
+is a ``testing.counting.CountingStore`` over a connection of its own (``tallies[rank]``), and ``collectives[rank]`` counts
 that rank's collectives by kind with the bytes gloo would make it receive (objects pickled; an all-gather pads
 every object to the largest, as ``all_gather_object`` does).
 """
@@ -42,7 +42,8 @@ class ThreadWorld:
         self._workers: list[_RankThread] = []
         self.store = nxd_dist.local_store(timeout_s)
         self.tallies = [StoreTally() for _ in range(size)] if count else []
-        self._rank_stores = [CountingStore(self.store, t) for t in self.tallies]
+        # with count=True every rank has its own connection, as a process has (not one client's lock for all)
+        self._rank_stores = [CountingStore(self.store.clone(), t) for t in self.tallies]
         self.collectives: list[dict[str, list[int]]] = [{} for _ in range(size)] if count else []
 
     def rank_store(self, rank: int) -> Any:
@@ -119,7 +120,8 @@ class ThreadWorld:
             self._calls[rank] += 1
             slot = self._slots.setdefault(call, {})
             slot[rank] = (obj, size)
-            self._cond.notify_all()
+            if len(slot) == self.size:  # only the last arrival wakes the others (not N wake-ups per arrival)
+                self._cond.notify_all()
 
             def settled() -> bool:
                 return len(slot) == self.size or any(self._calls[r] <= call for r in self._exited)
