@@ -7,9 +7,9 @@ per thread into ``CheckpointManager(coordinator=..., topology=...)`` and call ``
 DP replica subgroups are not modelled: use layouts without DP replicas for loads (save paths need none).
 
 ``count=True`` instruments the world for the scale benchmark and the store-operation tests: each rank's store
-is a ``testing.counting.CountingStore`` over a connection of its own (``tallies[rank]``), and ``collectives[rank]`` counts
-that rank's collectives by kind with the bytes gloo would make it receive (objects pickled; an all-gather pads
-every object to the largest, as ``all_gather_object`` does).
+is a ``testing.counting.CountingStore`` over a connection of its own (``tallies[rank]``), and
+``collectives[rank]`` counts that rank's collectives by kind with the bytes gloo would make it receive (objects
+pickled; an all-gather pads every object to the largest, as ``all_gather_object`` does).
 """
 
 from __future__ import annotations
