@@ -241,3 +241,36 @@ def test_the_server_process_binds_its_own_port_and_reports_it(s3_server):
             owned = {os.readlink(f"/proc/{server.proc.pid}/fd/{fd}") for fd in fds}
             assert {f"socket:[{inode}]" for inode in _listening_inodes(server.port)} <= owned
             assert _listening_inodes(server.port)
+
+
+def test_writes_upload_from_memory_part_by_part_without_temporary_files(s3_url, s3_server, monkeypatch):
+    import tempfile
+
+    def no_temporary_file(*args, **kwargs):
+        raise AssertionError("open_write made a temporary file")
+
+    monkeypatch.setattr(tempfile, "SpooledTemporaryFile", no_temporary_file)
+    monkeypatch.setattr(tempfile, "TemporaryFile", no_temporary_file)
+    monkeypatch.setenv("NXD_CKPT_S3_PART_SIZE", str(5 * MIB))
+    monkeypatch.setenv("NXD_CKPT_S3_MAX_CONCURRENCY", "2")
+    data = os.urandom(16 * MIB + 7)
+    with ThrottlingProxy(s3_server.port, throttle_first=0) as proxy:
+        s = S3Storage(s3_url, endpoint_url=proxy.endpoint_url)
+        assert (s.part_size, s.max_concurrency) == (5 * MIB, 2)  # the knobs
+        with s.open_write("big.bin") as f:
+            for start in range(0, len(data), MIB):
+                f.write(data[start : start + MIB])
+            assert proxy.by_method.get("PUT", 0) >= 1  # parts went out while the file was still being written
+        assert proxy.by_method == {"POST": 2, "PUT": 4}  # create, 4 parts (5+5+5+1 MiB), complete
+    assert s.read_bytes("big.bin") == data
+
+
+def test_the_crt_transfer_manager_only_where_it_can_be_used(s3_url, monkeypatch):
+    s = S3Storage(s3_url)
+    assert s.transfer_client() == "classic"  # auto: a loopback endpoint is not AWS's, whatever is installed
+    monkeypatch.setenv("NXD_CKPT_S3_TRANSFER_CLIENT", "crt")
+    with pytest.raises(StorageError, match="awscrt|custom endpoint"):
+        s.transfer_client()
+    monkeypatch.setenv("NXD_CKPT_S3_TRANSFER_CLIENT", "fast")
+    with pytest.raises(ValueError, match="NXD_CKPT_S3_TRANSFER_CLIENT='fast'.*auto, crt, classic"):
+        s.transfer_client()
