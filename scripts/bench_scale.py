@@ -2,11 +2,13 @@
 """Scale benchmark: what one save, async save, load and ``latest`` cost per rank at 16 to 4,096 ranks.
 
 Ranks run as threads of this process (``testing.threadworld.ThreadWorld``: collectives at a condition variable,
-the c10d store a real TCPStore on 127.0.0.1 shared by all of them), each with its own ``CheckpointManager``, a
+the c10d store a real TCPStore on 127.0.0.1, one connection per rank), each with its own ``CheckpointManager``, a
 Llama-70B-like layout (TP=32, PP=8, DP=N/256 at N >= 256; smaller worlds shrink PP, then TP) and a state of tiny
 tensors with the names and count of a 70B stage (``--layers`` transformer layers split over PP; ZeRO-1 optimizer
-shards on every rank). Storage is a directory on tmpfs seen through ``testing.counting.RequestCountingStorage``,
-which counts the S3 requests each call would make, by kind and by key prefix.
+shards on every rank), sized so that, as at 70B, norm weights stay inside the xser reference files and every
+matrix gets a file of its own (one object per tensor: NxD's layout). Storage is a directory on tmpfs seen through
+``testing.counting.RequestCountingStorage``, which counts the S3 requests each call would make, by kind and by
+key prefix.
 
 Reported per operation and world size (a row each):
 - store operations per rank (mean and max; "wait" = blocking waits on the rank's own connection);
@@ -86,10 +88,17 @@ def stage_state(topo: Topology, layers: int, elems: int) -> tuple[dict[str, torc
         ]
     if pp_rank == topo.pp_size - 1:
         names += ["model.norm.weight", "lm_head.weight"]
-    model = {name: torch.zeros(elems) for name in names}
-    base = {i: {"exp_avg": torch.zeros(elems), "exp_avg_sq": torch.zeros(elems)} for i in range(len(names))}
-    optimizer = {"base_state": base, "shape_info": {i: torch.Size([elems * topo.dp_size]) for i in range(len(names))}}
+    sizes = [elems // 2 if name.endswith("norm.weight") else elems * 2 for name in names]
+    model = {name: torch.zeros(n) for name, n in zip(names, sizes, strict=True)}
+    base = {i: {"exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n)} for i, n in enumerate(sizes)}
+    optimizer = {"base_state": base, "shape_info": {i: torch.Size([n * topo.dp_size]) for i, n in enumerate(sizes)}}
     return model, optimizer
+
+
+def inline_bytes(elems: int) -> int:
+    """The xser inline threshold that keeps the (tiny) norm weights inside the reference files and gives every
+    matrix a file of its own, as the real sizes do at 70B (norms 16 KiB, matrix shards MiBs; threshold 64 KiB)."""
+    return elems * 4
 
 
 # --------------------------------------------------------------------------------------------- instrumentation
@@ -369,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # a waiting connection per rank thread
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     os.environ.setdefault("NXD_CKPT_LOG_LEVEL", "WARNING")
+    os.environ["NXD_CKPT_XSER_INLINE_BYTES"] = str(inline_bytes(args.elems))
     root = tempfile.mkdtemp(prefix="nxd_bench_scale_", dir=args.dir)
     rows: list[dict[str, Any]] = []
     load1, load5, _ = os.getloadavg()
