@@ -363,6 +363,7 @@ class Coordinator:
         self._session: str | None = None
         self._step = 0
         self._hosts: list[str] | None = None
+        self._node_steps = 0
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -496,7 +497,10 @@ class Coordinator:
         return result  # type: ignore[no-any-return]
 
     def in_waves(self, limit: int, local_rank: int, local_world_size: int, fn: Callable[[], T], what: str) -> T:
-        """Run ``fn`` with at most ``limit`` ranks of one host at a time (bounds host memory), then check errors."""
+        """Run ``fn`` with at most ``limit`` ranks of one host at a time (bounds host memory), then check errors.
+
+        The waves are a concern of each host, so between waves only the ranks of one host wait for each other
+        (``_node_barrier``); one world-wide step at the end carries the failures."""
         limit = max(1, int(limit))
         waves = -(-local_world_size // limit)
         my_wave = local_rank // limit
@@ -509,7 +513,7 @@ class Coordinator:
                 except BaseException as e:
                     error = e
             if self.distributed and waves > 1:
-                self.barrier(f"{what} (wave {wave + 1} of {waves})")
+                self._node_barrier(local_rank, local_world_size, f"{what} (wave {wave + 1} of {waves})")
 
         def _report() -> Any:
             if error is not None:
@@ -517,6 +521,37 @@ class Coordinator:
             return result
 
         return self.run_all(_report, what)
+
+    def _node_barrier(self, local_rank: int, local_world_size: int, phase: str) -> None:
+        """Wait (deadline, logs on the host's first rank) until every rank of this host reached this point. Hosts
+        are ``rank // local_world_size`` (torchrun's numbering); their ranks name themselves by global rank."""
+        store = self.store
+        if store is None:
+            return
+        node = self.rank // local_world_size
+        self._node_steps += 1
+        prefix = f"{_PREFIX}/{self.session}/node{node}/{self._node_steps}"
+        arrive(store, prefix, local_rank, local_world_size)
+        first = node * local_world_size
+        try:
+            wait_for_key(
+                store,
+                all_arrived_key(prefix),
+                lambda: [first + r for r in missing_ranks(store, prefix, local_world_size)],
+                phase,
+                self.timeout_s,
+                log=local_rank == 0,
+            )
+        except CheckpointTimeoutError as e:
+            e.origin_rank = self.rank
+            raise
+        old = f"{_PREFIX}/{self.session}/node{node}/{self._node_steps - 2}"
+        if self._node_steps > 2:
+            with contextlib.suppress(Exception):
+                store.delete_key(f"{old}/r/{local_rank}")
+                if local_rank == 0:
+                    store.delete_key(f"{old}/n")
+                    store.delete_key(all_arrived_key(old))
 
     # ------------------------------------------------------------------ plain exchanges (deadline-guarded)
     def barrier(self, phase: str = "barrier") -> None:

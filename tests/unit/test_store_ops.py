@@ -58,3 +58,24 @@ def test_store_ops_per_rank_do_not_grow_with_the_ranks(tmp_path):
 
     small, large = per_rank(2), per_rank(16)
     assert max(large) <= max(small) + 2, (small, large)
+
+
+def test_write_waves_wait_only_for_the_ranks_of_their_node():
+    """num_workers bounds the writers of each node: between waves a node waits for its own ranks, not for the
+    slowest rank of the job (4 ranks, 2 per node, one writer per node at a time; rank 0 is slow)."""
+    world = ThreadWorld(4)
+    started: dict[int, float] = {}
+
+    def rank_main(rank: int) -> None:
+        coord = world.coordinator(rank)
+
+        def work() -> None:
+            started[rank] = time.monotonic()
+            if rank == 0:
+                time.sleep(1.5)
+
+        coord.in_waves(1, local_rank=rank % 2, local_world_size=2, fn=work, what="writing")
+
+    world.run(rank_main)
+    assert started[3] - started[2] < 1.0  # node 1's second wave did not wait for rank 0 (node 0)
+    assert started[1] - started[0] >= 1.5  # node 0's second wave waited for its first
