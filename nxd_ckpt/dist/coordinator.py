@@ -144,9 +144,14 @@ def arrive(store: Any, prefix: str, rank: int, world: int) -> int:
     rank to arrive sets ``all_arrived_key(prefix)``, which the others wait for."""
     store.set(f"{prefix}/r/{rank}", b"1")
     arrived = int(store.add(f"{prefix}/n", 1))
-    if arrived >= world:
+    if world <= arrived < GAVE_UP:
         store.set(all_arrived_key(prefix), b"1")
     return arrived
+
+
+GAVE_UP = 1 << 40
+"""Added to a step's arrival count by a rank that gave up waiting: a late rank's own ``add`` then tells it so,
+with no extra store operation on the way of the ranks that are on time."""
 
 
 def all_arrived_key(prefix: str) -> str:
@@ -418,7 +423,14 @@ class Coordinator:
             return
         self._step += 1
         prefix = f"{_PREFIX}/{self.session}/{self._step}"
-        arrive(store, prefix, self.rank, self.world_size)
+        if arrive(store, prefix, self.rank, self.world_size) > GAVE_UP:
+            gave_up = int(store.get(f"{prefix}/gave_up"))
+            raise CheckpointTimeoutError(
+                f"rank {self.rank} reached phase '{phase}' after rank {gave_up} had given up waiting for it "
+                f"(deadline {self.timeout_s:g} s): this rank was too late; see the error on the other ranks",
+                phase=phase,
+                missing_ranks=[self.rank],
+            )
         try:
             wait_for_key(
                 store,
@@ -429,17 +441,11 @@ class Coordinator:
                 log=self.rank == 0,
             )
         except CheckpointTimeoutError as e:
-            store.set(f"{prefix}/gave_up", str(self.rank).encode())  # for the late ranks: nobody will be there
+            if store.add(f"{prefix}/gave_up_by", 1) == 1:  # the first to give up tells the late ranks
+                store.set(f"{prefix}/gave_up", str(self.rank).encode())
+                store.add(f"{prefix}/n", GAVE_UP)
             e.origin_rank = self.rank
             raise
-        if store.check([f"{prefix}/gave_up"]):
-            gave_up = int(store.get(f"{prefix}/gave_up"))
-            raise CheckpointTimeoutError(
-                f"rank {self.rank} reached phase '{phase}' after rank {gave_up} had given up waiting for it "
-                f"(deadline {self.timeout_s:g} s): this rank was too late; see the error on the other ranks",
-                phase=phase,
-                missing_ranks=[self.rank],
-            )
         self._forget(self._step - 2)
 
     def _forget(self, step: int) -> None:
@@ -450,7 +456,7 @@ class Coordinator:
         with contextlib.suppress(Exception):
             self.store.delete_key(f"{prefix}/r/{self.rank}")
             if self.rank == 0:
-                for key in (f"{prefix}/n", all_arrived_key(prefix), f"{prefix}/gave_up"):
+                for key in (f"{prefix}/n", all_arrived_key(prefix), f"{prefix}/gave_up", f"{prefix}/gave_up_by"):
                     self.store.delete_key(key)
 
     # ------------------------------------------------------------------ steps that carry errors
