@@ -319,6 +319,62 @@ def run_world(n: int, layers: int, elems: int, ops: list[str], root: str, num_wo
     return rows
 
 
+# --------------------------------------------------------------------------------------------- processes
+def process_rank(layers: int, elems: int, directory: str, out_dir: str) -> None:
+    """One rank of ``--processes``: a real gloo rank (``testing.multiprocess``) saving twice; its store operations
+    of the second save (counted by wrapping the store the coordinator uses) go to ``out_dir/<rank>.json``."""
+    import torch.distributed as dist
+
+    from nxd_ckpt.dist import coordinator
+    from nxd_ckpt.testing.counting import CountingStore, StoreTally
+
+    tally, wrapped = StoreTally(), {}
+    real_store = coordinator.Coordinator.store.fget
+
+    def counted_store(self: coordinator.Coordinator) -> Any:
+        store = real_store(self)
+        if store is not None and id(store) not in wrapped:
+            wrapped[id(store)] = CountingStore(store, tally)
+        return None if store is None else wrapped[id(store)]
+
+    coordinator.Coordinator.store = property(counted_store)  # instrumentation of this benchmark process only
+    rank, n = dist.get_rank(), dist.get_world_size()
+    tp, pp, dp = layout_for(n)
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    topo = Topology(tp, pp, dp, rank=rank, local_rank=rank % per_node, local_world_size=per_node)
+    model, optimizer = stage_state(topo, layers, elems)
+    manager = CheckpointManager(topology=topo)
+    manager.save(directory, "p0", model=model, optimizer=optimizer, zero1_optimizer=True, use_xser=True)
+    before, waits, start = tally.total(), tally.total("waiting"), time.perf_counter()
+    manager.save(directory, "p1", model=model, optimizer=optimizer, zero1_optimizer=True, use_xser=True)
+    figures = {"ops": tally.total() - before, "waits": tally.total("waiting") - waits}
+    figures["save_s"] = time.perf_counter() - start
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump(figures, f)
+
+
+def run_processes(n: int, layers: int, elems: int, root: str) -> dict[str, Any]:
+    """The save on ``n`` spawned gloo ranks (32 per simulated node): store operations per rank, save time."""
+    from nxd_ckpt.testing.multiprocess import run_on_ranks
+
+    out_dir = tempfile.mkdtemp(dir=root)
+    kwargs = {"layers": layers, "elems": elems, "directory": os.path.join(root, f"p{n}"), "out_dir": out_dir}
+    env = {"NXD_CKPT_XSER_INLINE_BYTES": str(inline_bytes(elems)), "OMP_NUM_THREADS": "1"}
+    run_on_ranks(process_rank, n, kwargs, timeout=1800, env=env, ranks_per_node=min(n, RANKS_PER_NODE))
+    rows = []
+    for name in os.listdir(out_dir):
+        with open(os.path.join(out_dir, name)) as f:
+            rows.append(json.load(f))
+    ops = [r["ops"] for r in rows]
+    return {
+        "ranks": n,
+        "store_ops_mean": statistics.fmean(ops),
+        "store_ops_max": max(ops),
+        "store_wait_ops_max": max(r["waits"] for r in rows),
+        "save_s_max": max(r["save_s"] for r in rows),
+    }
+
+
 # --------------------------------------------------------------------------------------------- output
 COLUMNS = [
     ("op", "{:<10}"),
@@ -371,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="16..256 ranks, 8 layers: a smoke run")
     parser.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--processes", type=int, nargs="*", default=[], help="also save on this many gloo ranks")
     args = parser.parse_args(argv)
     if args.quick:
         args.ranks = [n for n in args.ranks if n <= 256] or [16, 64]
@@ -388,15 +445,23 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             rows += run_world(n, args.layers, args.elems, args.ops, root, args.num_workers)
             print(f"  {n} ranks done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+        processes = [run_processes(n, args.layers, args.elems, root) for n in args.processes]
     finally:
         shutil.rmtree(root, ignore_errors=True)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     load1, load5, _ = os.getloadavg()
     print_table(rows)
+    for p in processes:
+        print(
+            f"\n{p['ranks']} gloo processes: store operations per rank {p['store_ops_mean']:.1f} mean, "
+            f"{p['store_ops_max']} max ({p['store_wait_ops_max']} waits), save {p['save_s_max']:.2f} s"
+        )
     print(f"\nload average after: {load1:.2f} {load5:.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "layers": args.layers, "loadavg": os.getloadavg()}, f, indent=1)
+            json.dump(
+                {"rows": rows, "processes": processes, "layers": args.layers, "loadavg": os.getloadavg()}, f, indent=1
+            )
     return 0
 
 
