@@ -149,6 +149,12 @@ class TimedCoordinator(ThreadCoordinator):
         self.clock.arrive[self.rank].append(time.perf_counter())
         super()._arrive_and_wait(phase)
 
+    def _node_barrier(self, local_rank: int, local_world_size: int, phase: str) -> None:
+        """A node's wave barrier counts as a step too (timed from the last arrival anywhere: conservative)."""
+        self.clock.arrive[self.rank].append(time.perf_counter())
+        super()._node_barrier(local_rank, local_world_size, phase)
+        self.clock.leave[self.rank].append(time.perf_counter())
+
 
 def _timed_leave(name: str) -> Callable[..., Any]:
     real = getattr(ThreadCoordinator, name)
