@@ -181,7 +181,13 @@ def waiting_client(store: Any) -> Any | None:
             clone = None
         entry = (store, clone)
         _waiters.clients[id(store)] = entry
+        while len(_waiters.clients) > _MAX_WAITERS:  # stores of process groups long destroyed: let them go
+            del _waiters.clients[next(iter(_waiters.clients))]
     return entry[1]
+
+
+_MAX_WAITERS = 8
+"""Waiting connections kept per thread (one per store it waited on; a job has one store)."""
 
 
 def _wait_once(store: Any, waiter: Any | None, key: str, seconds: float) -> bool:
