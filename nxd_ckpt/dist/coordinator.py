@@ -46,6 +46,8 @@ LEGACY_TIMEOUT_ENV = "NXD_CKPT_COMMIT_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 1800.0
 MAX_STALL_S = 300.0
 """A storage call with no progress for min(deadline / 2, this) is a stall (see ``watchdog.py``)."""
+_LOG_NAMES = 16
+"""Missing ranks named in one "waiting for" log line (the error at the deadline names them all)."""
 _FIRST_POLL_S = 0.001
 """First pause of a store that must be polled (no ``clone``); it doubles up to the log interval."""
 _PREFIX = "nxd_ckpt/step"
@@ -124,19 +126,25 @@ def _ranks_text(ranks: list[int] | tuple[int, ...]) -> str:
     return "[" + ", ".join(map(str, ranks)) + "]"
 
 
-def missing_ranks(store: Any, prefix: str, world: int) -> list[int]:
-    """Ranks without an arrival key under ``prefix`` (see ``arrive``), found by bisection: ``check`` of many keys
-    answers whether all exist, so k missing ranks of N cost about 2k·log2(N/k) store operations, not N."""
+def missing_ranks(store: Any, prefix: str, world: int, limit: int | None = None) -> list[int]:
+    """Ranks without an arrival key under ``prefix`` (see ``arrive``), lowest first, at most ``limit`` of them,
+    found by bisection: ``check`` of many keys answers whether all exist, so k missing ranks of N cost about
+    2k·log2(N/k) store operations, not N."""
+    found: list[int] = []
 
-    def absent(lo: int, hi: int) -> list[int]:
-        if store.check([f"{prefix}/r/{r}" for r in range(lo, hi)]):
-            return []
+    def absent(lo: int, hi: int) -> None:
+        if (limit is not None and len(found) >= limit) or store.check([f"{prefix}/r/{r}" for r in range(lo, hi)]):
+            return
         if hi - lo == 1:
-            return [lo]
+            found.append(lo)
+            return
         mid = (lo + hi) // 2
-        return absent(lo, mid) + absent(mid, hi)
+        absent(lo, mid)
+        absent(mid, hi)
 
-    return absent(0, world) if world > 0 else []
+    if world > 0:
+        absent(0, world)
+    return found
 
 
 def arrive(store: Any, prefix: str, rank: int, world: int) -> int:
@@ -210,15 +218,16 @@ def _wait_once(store: Any, waiter: Any | None, key: str, seconds: float) -> bool
 def wait_for_key(
     store: Any,
     key: str,
-    missing: Callable[[], list[int]],
+    missing: Callable[[int | None], list[int]],
     phase: str,
     timeout_s: float,
     *,
     log: bool,
     since: float | None = None,
 ) -> None:
-    """Block until ``key`` is set on ``store``; log who is ``missing()`` every few seconds (if ``log``); past
-    ``timeout_s`` (counted from ``since``, default now) raise CheckpointTimeoutError naming them.
+    """Block until ``key`` is set on ``store``; log who is ``missing(limit)`` every few seconds (if ``log``; the
+    first few only, so a log line costs a bounded number of store operations); past ``timeout_s`` (counted from
+    ``since``, default now) raise CheckpointTimeoutError naming them all.
 
     The number of store operations does not grow with the wait: a rank that does not log makes one blocking
     ``wait`` per deadline; one that logs wakes up once per log line (``log_interval_s``: at most about
@@ -235,7 +244,7 @@ def wait_for_key(
         if remaining <= 0:
             if store.check([key]):
                 return
-            late = missing()
+            late = missing(None)
             raise CheckpointTimeoutError(
                 f"timed out after {timeout_s:g} s in phase '{phase}' waiting for rank(s) {_ranks_text(late)}; "
                 f"those ranks are stuck or far behind (their own logs or errors say where). Raise {TIMEOUT_ENV} "
@@ -244,9 +253,12 @@ def wait_for_key(
                 missing_ranks=late,
             )
         if log and now >= next_log:
+            names = missing(_LOG_NAMES + 1)
+            more = " and more" if len(names) > _LOG_NAMES else ""
             logger.warning(
-                "waiting for rank(s) %s in phase '%s' (%.1f s so far, deadline in %.1f s)",
-                _ranks_text(missing()),
+                "waiting for rank(s) %s%s in phase '%s' (%.1f s so far, deadline in %.1f s)",
+                _ranks_text(names[:_LOG_NAMES]),
+                more,
                 phase,
                 now - start,
                 remaining,
@@ -441,7 +453,7 @@ class Coordinator:
             wait_for_key(
                 store,
                 all_arrived_key(prefix),
-                lambda: missing_ranks(store, prefix, self.world_size),
+                lambda limit: missing_ranks(store, prefix, self.world_size, limit),
                 phase,
                 self.timeout_s,
                 log=self.rank == 0,
@@ -549,7 +561,7 @@ class Coordinator:
             wait_for_key(
                 store,
                 all_arrived_key(prefix),
-                lambda: [first + r for r in missing_ranks(store, prefix, local_world_size)],
+                lambda limit: [first + r for r in missing_ranks(store, prefix, local_world_size, limit)],
                 phase,
                 self.timeout_s,
                 log=local_rank == 0,

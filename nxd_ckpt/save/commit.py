@@ -78,7 +78,7 @@ class CommitBarrier:
         wait_for_key(
             store,
             all_arrived_key(self.prefix),
-            lambda: missing_ranks(store, self.prefix, self.world_size),
+            lambda limit: missing_ranks(store, self.prefix, self.world_size, limit),
             f"{self.phase}: waiting for every rank's files",
             self.timeout_s,
             log=True,
@@ -107,8 +107,8 @@ class CommitBarrier:
         store = self.store
         key = f"{self.prefix}/outcome"
 
-        def late() -> list[int]:  # every rank arrived: rank 0 is the one stuck (writing 'done')
-            return missing_ranks(store, self.prefix, self.world_size) or [0]
+        def late(limit: int | None) -> list[int]:  # every rank arrived: rank 0 is the one stuck (writing 'done')
+            return missing_ranks(store, self.prefix, self.world_size, limit) or [0]
 
         try:
             wait_for_key(

@@ -79,3 +79,21 @@ def test_write_waves_wait_only_for_the_ranks_of_their_node():
     world.run(rank_main)
     assert started[3] - started[2] < 1.0  # node 1's second wave did not wait for rank 0 (node 0)
     assert started[1] - started[0] >= 1.5  # node 0's second wave waited for its first
+
+
+def test_missing_ranks_are_found_by_bisection_in_few_operations():
+    from nxd_ckpt.dist.coordinator import local_store, missing_ranks
+    from nxd_ckpt.testing.counting import CountingStore
+
+    store = CountingStore(local_store(10.0))
+    missing = {3, 1000, *range(3000, 3100)}
+    for r in range(4096):
+        if r not in missing:
+            store._store.set(f"p/r/{r}", b"1")  # the arrivals themselves are not what is counted
+    assert missing_ranks(store, "p", 4096) == sorted(missing)
+    before = store.tally.total()
+    assert missing_ranks(store, "p", 4096, limit=16) == sorted(missing)[:16]
+    assert store.tally.total() - before <= 16 * 2 * 12  # a log line: bounded, not 4,096 checks
+    before = store.tally.total()
+    assert missing_ranks(store, "p", 1000) == [3]
+    assert store.tally.total() - before <= 2 * 10 + 1  # one missing rank of 1,000: about 2·log2(N)
