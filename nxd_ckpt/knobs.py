@@ -93,6 +93,29 @@ KNOBS: dict[str, Knob] = {
         ),
         Knob("NXD_CKPT_S3_ENDPOINT_URL", "str", None, "S3 endpoint (MinIO, a proxy); else the AWS default chain"),
         Knob(
+            "NXD_CKPT_S3_PART_SIZE",
+            "int",
+            16 << 20,
+            "bytes per S3 multipart part, and the size from which a file is uploaded in parts (at least 5 MiB)",
+            minimum=5 << 20,
+        ),
+        Knob(
+            "NXD_CKPT_S3_MAX_CONCURRENCY",
+            "int",
+            10,
+            "parts of one file uploaded or downloaded at once (memory per file written: this + 1 parts)",
+            minimum=1,
+        ),
+        Knob(
+            "NXD_CKPT_S3_TRANSFER_CLIENT",
+            "choice",
+            "auto",
+            "transfer manager of large downloads and uploads of whole files: `crt` (AWS Common Runtime, the "
+            "`s3-crt` extra), `classic` (boto3's threads); `auto`: crt when `awscrt` is installed and the endpoint "
+            "is AWS's own",
+            choices=("auto", "crt", "classic"),
+        ),
+        Knob(
             "NXD_CKPT_MEMORY_DIR",
             "str",
             None,
@@ -246,6 +269,18 @@ def platform() -> str | None:
 
 def s3_endpoint_url() -> str | None:
     return get_str("NXD_CKPT_S3_ENDPOINT_URL")
+
+
+def s3_part_size() -> int:
+    return get_int("NXD_CKPT_S3_PART_SIZE")
+
+
+def s3_max_concurrency() -> int:
+    return get_int("NXD_CKPT_S3_MAX_CONCURRENCY")
+
+
+def s3_transfer_client() -> str:
+    return get_choice("NXD_CKPT_S3_TRANSFER_CLIENT")
 
 
 def memory_dir() -> str | None:

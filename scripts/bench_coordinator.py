@@ -14,22 +14,16 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import socket
 import time
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(rank: int, world: int, port: int, steps: int, out: mp.Queue) -> None:
     import torch.distributed as tdist
 
     from nxd_ckpt.dist.coordinator import Coordinator
+    from nxd_ckpt.testing import rendezvous
 
-    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    rendezvous.init_process_group(port, rank, world)
     coord = Coordinator()
     payload = {"tag": "step_1000", "created_at": time.time(), "files": [f"f{i}" for i in range(32)]}
 
@@ -69,7 +63,10 @@ def main() -> None:
     os.environ.setdefault("NXD_CKPT_TIMEOUT_S", "120")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    from nxd_ckpt.testing import rendezvous
+
+    store = rendezvous.serve_store()  # the ranks meet here (port 0 bound by this process, handed to them)
+    port = int(store.port)
     procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, args.steps, out)) for r in range(args.ranks)]
     for p in procs:
         p.start()

@@ -712,7 +712,9 @@ bench_issue27.register(section, Timing, assert_same)
 def _worker(rank: int, args: argparse.Namespace, port: int, root: str, out_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.ranks))
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(args.ranks))
-    dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
+    from nxd_ckpt.testing import rendezvous
+
+    rendezvous.init_process_group(port, rank, args.ranks)
     total = int(args.size_gb * GIB)
     model, optimizer = build_state(total, rank, args.ranks, args.hidden)
     saved = nbytes_of(model) + sum(o for o in dist_all_gather(nbytes_of(optimizer)))
@@ -886,11 +888,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
     root = tempfile.mkdtemp(prefix="nxd_bench_", dir=args.dir)
     out_path = os.path.join(root, "results.json")
-    import socket
+    from nxd_ckpt.testing import rendezvous
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = rendezvous.serve_store()  # the ranks meet here: port 0 bound by this process, handed to them
+    port = int(store.port)
     try:
         mp.spawn(_worker, args=(args, port, root, out_path), nprocs=args.ranks, join=True)
         with open(out_path) as f:

@@ -238,7 +238,9 @@ def bench_async_section(root: str, total_bytes: int, repeats: int) -> dict:
 
 def _rank_main(rank: int, world: int, port: int, root: str, total_bytes: int, repeats: int, out: str) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from nxd_ckpt.testing import rendezvous
+
+    rendezvous.init_process_group(port, rank, world)
     try:
         result = bench_async_section(root, total_bytes, repeats)
         if rank == 0:
@@ -261,11 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     root = tempfile.mkdtemp(prefix="nxd_bench_async_", dir=args.dir)
     out = os.path.join(root, "result.json")
-    import socket
+    from nxd_ckpt.testing import rendezvous
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = rendezvous.serve_store()  # the ranks meet here: port 0 bound by this process, handed to them
+    port = int(store.port)
     try:
         mp.spawn(
             _rank_main,

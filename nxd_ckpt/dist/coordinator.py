@@ -5,8 +5,9 @@ rank is raised on every rank, as the same exception type, carrying the rank it c
 "Rank 0 computes, every rank receives" is ``Coordinator.master_computes``; "every rank does its part, all
 learn whether anyone failed" is ``Coordinator.run_all``. Without a process group every step just runs locally.
 
-Deadlines: before a step's collective, every rank checks in on the c10d store and waits there, polling, for
-the others. That wait has a deadline (``NXD_CKPT_TIMEOUT_S`` or the ``timeout=`` of the call): while it runs
+Deadlines: before a step's collective, every rank checks in on the c10d store and waits there for the others,
+in a blocking ``wait`` on a connection of its own (``wait_for_key``), so its store operations per step are a
+handful however long it waits. That wait has a deadline (``NXD_CKPT_TIMEOUT_S`` or the ``timeout=`` of the call): while it runs
 the master logs which ranks have not arrived and in which phase, and past it every waiting rank raises
 ``CheckpointTimeoutError`` naming the phase and the missing ranks, instead of sitting in a collective until
 the process group's own timeout (30 minutes by default) with nothing logged. The collective itself only starts
@@ -25,6 +26,7 @@ import datetime
 import importlib
 import logging
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -44,8 +46,10 @@ LEGACY_TIMEOUT_ENV = "NXD_CKPT_COMMIT_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 1800.0
 MAX_STALL_S = 300.0
 """A storage call with no progress for min(deadline / 2, this) is a stall (see ``watchdog.py``)."""
-_MAX_POLL_S = 0.01
-"""Longest pause between two polls of the store: a waiting rank learns of the last arrival within 10 ms."""
+_LOG_NAMES = 16
+"""Missing ranks named in one "waiting for" log line (the error at the deadline names them all)."""
+_FIRST_POLL_S = 0.001
+"""First pause of a store that must be polled (no ``clone``); it doubles up to the log interval."""
 _PREFIX = "nxd_ckpt/step"
 
 
@@ -129,41 +133,125 @@ def _ranks_text(ranks: list[int] | tuple[int, ...]) -> str:
     return "[" + ", ".join(map(str, ranks)) + "]"
 
 
-def missing_ranks(store: Any, prefix: str, world: int) -> list[int]:
-    """Ranks without an arrival key under ``prefix`` (see ``arrive``)."""
-    return [r for r in range(world) if not store.check([f"{prefix}/r/{r}"])]
+def missing_ranks(store: Any, prefix: str, world: int, limit: int | None = None) -> list[int]:
+    """Ranks without an arrival key under ``prefix`` (see ``arrive``), lowest first, at most ``limit`` of them,
+    found by bisection: ``check`` of many keys answers whether all exist, so k missing ranks of N cost about
+    2k·log2(N/k) store operations, not N."""
+    found: list[int] = []
+
+    def absent(lo: int, hi: int) -> None:
+        if (limit is not None and len(found) >= limit) or store.check([f"{prefix}/r/{r}" for r in range(lo, hi)]):
+            return
+        if hi - lo == 1:
+            found.append(lo)
+            return
+        mid = (lo + hi) // 2
+        absent(lo, mid)
+        absent(mid, hi)
+
+    if world > 0:
+        absent(0, world)
+    return found
 
 
-def arrive(store: Any, prefix: str, rank: int) -> int:
-    """Check in at ``prefix`` on the store; returns how many ranks have arrived, this one included."""
+def arrive(store: Any, prefix: str, rank: int, world: int) -> int:
+    """Check in at ``prefix`` on the store; returns how many ranks have arrived, this one included. The last
+    rank to arrive sets ``all_arrived_key(prefix)``, which the others wait for."""
     store.set(f"{prefix}/r/{rank}", b"1")
-    return int(store.add(f"{prefix}/n", 1))
+    arrived = int(store.add(f"{prefix}/n", 1))
+    if world <= arrived < GAVE_UP:
+        store.set(all_arrived_key(prefix), b"1")
+    return arrived
 
 
-def wait_for(
+GAVE_UP = 1 << 40
+"""Added to a step's arrival count by a rank that gave up waiting: a late rank's own ``add`` then tells it so,
+with no extra store operation on the way of the ranks that are on time."""
+
+
+def all_arrived_key(prefix: str) -> str:
+    """Set once every rank has arrived at ``prefix``."""
+    return f"{prefix}/all"
+
+
+class _Waiters(threading.local):
+    """Per thread: a second connection to each store, for blocking waits (a wait holds its client's lock, so on
+    the shared client it would stall the other thread, training or writer, that uses the store meanwhile)."""
+
+    def __init__(self) -> None:
+        self.clients: dict[int, tuple[Any, Any]] = {}
+
+
+_waiters = _Waiters()
+
+
+def waiting_client(store: Any) -> Any | None:
+    """This thread's own connection to ``store`` for blocking waits (made once); None if the store cannot be
+    cloned (then waits poll with back-off)."""
+    entry = _waiters.clients.get(id(store))
+    if entry is None or entry[0] is not store:
+        try:
+            clone = store.clone()
+        except Exception:  # a store type without clone(): poll
+            clone = None
+        entry = (store, clone)
+        _waiters.clients[id(store)] = entry
+        while len(_waiters.clients) > _MAX_WAITERS:  # stores of process groups long destroyed: let them go
+            del _waiters.clients[next(iter(_waiters.clients))]
+    return entry[1]
+
+
+_MAX_WAITERS = 8
+"""Waiting connections kept per thread (one per store it waited on; a job has one store)."""
+
+
+def _wait_once(store: Any, waiter: Any | None, key: str, seconds: float) -> bool:
+    """Wait up to ``seconds`` for ``key``: one blocking ``wait`` on this thread's own connection (one store
+    operation however long it lasts), or without one a single ``check`` after sleeping; True once it is set."""
+    if waiter is None:
+        time.sleep(seconds)
+        return bool(store.check([key]))
+    import torch.distributed as dist
+
+    try:
+        waiter.wait([key], datetime.timedelta(seconds=max(seconds, 0.001)))
+        return True
+    except dist.DistStoreError as e:
+        if "timeout" not in str(e).lower():
+            raise
+        return False
+
+
+def wait_for_key(
     store: Any,
-    ready: Callable[[], bool],
-    missing: Callable[[], list[int]],
+    key: str,
+    missing: Callable[[int | None], list[int]],
     phase: str,
     timeout_s: float,
     *,
     log: bool,
     since: float | None = None,
 ) -> None:
-    """Poll ``ready()`` until it holds; log who is ``missing()`` every few seconds (if ``log``); past
-    ``timeout_s`` (counted from ``since``, default now) raise CheckpointTimeoutError naming them.
+    """Block until ``key`` is set on ``store``; log who is ``missing(limit)`` every few seconds (if ``log``; the
+    first few only, so a log line costs a bounded number of store operations); past ``timeout_s`` (counted from
+    ``since``, default now) raise CheckpointTimeoutError naming them all.
 
-    Polling with ``check``/``add`` rather than ``store.wait``: a blocking wait holds the store client's lock,
-    which would stall the other thread (training or writer) that uses the same store meanwhile.
+    The number of store operations does not grow with the wait: a rank that does not log makes one blocking
+    ``wait`` per deadline; one that logs wakes up once per log line (``log_interval_s``: at most about
+    max(4, deadline / 30 s) times); a store without ``clone`` is polled with doubling pauses up to that interval.
     """
     start = time.monotonic() if since is None else since
     interval = log_interval_s(timeout_s)
     next_log = start + interval
-    delay = 0.0005
-    while not ready():
+    waiter = waiting_client(store)
+    pause = _FIRST_POLL_S
+    while True:
         now = time.monotonic()
-        if now - start > timeout_s:
-            late = missing()
+        remaining = timeout_s - (now - start)
+        if remaining <= 0:
+            if store.check([key]):
+                return
+            late = missing(None)
             raise CheckpointTimeoutError(
                 f"timed out after {timeout_s:g} s in phase '{phase}' waiting for rank(s) {_ranks_text(late)}; "
                 f"those ranks are stuck or far behind (their own logs or errors say where). Raise {TIMEOUT_ENV} "
@@ -172,16 +260,22 @@ def wait_for(
                 missing_ranks=late,
             )
         if log and now >= next_log:
+            names = missing(_LOG_NAMES + 1)
+            more = " and more" if len(names) > _LOG_NAMES else ""
             logger.warning(
-                "waiting for rank(s) %s in phase '%s' (%.1f s so far, deadline in %.1f s)",
-                _ranks_text(missing()),
+                "waiting for rank(s) %s%s in phase '%s' (%.1f s so far, deadline in %.1f s)",
+                _ranks_text(names[:_LOG_NAMES]),
+                more,
                 phase,
                 now - start,
-                timeout_s - (now - start),
+                remaining,
             )
             next_log = now + interval
-        time.sleep(delay)
-        delay = min(delay * 2, _MAX_POLL_S)
+        step = min(remaining, next_log - now) if log else remaining
+        if waiter is None:
+            step, pause = min(step, pause), min(pause * 2, interval)
+        if _wait_once(store, waiter, key, step):
+            return
 
 
 # ----------------------------------------------------------------------------------------------- failures
@@ -299,6 +393,7 @@ class Coordinator:
         self._session: str | None = None
         self._step = 0
         self._hosts: list[str] | None = None
+        self._node_steps = 0
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -353,21 +448,7 @@ class Coordinator:
             return
         self._step += 1
         prefix = f"{_PREFIX}/{self.session}/{self._step}"
-        arrive(store, prefix, self.rank)
-        try:
-            wait_for(
-                store,
-                lambda: int(store.add(f"{prefix}/n", 0)) >= self.world_size,
-                lambda: missing_ranks(store, prefix, self.world_size),
-                phase,
-                self.timeout_s,
-                log=self.rank == 0,
-            )
-        except CheckpointTimeoutError as e:
-            store.set(f"{prefix}/gave_up", str(self.rank).encode())  # for the late ranks: nobody will be there
-            e.origin_rank = self.rank
-            raise
-        if store.check([f"{prefix}/gave_up"]):
+        if arrive(store, prefix, self.rank, self.world_size) > GAVE_UP:
             gave_up = int(store.get(f"{prefix}/gave_up"))
             raise CheckpointTimeoutError(
                 f"rank {self.rank} reached phase '{phase}' after rank {gave_up} had given up waiting for it "
@@ -375,6 +456,21 @@ class Coordinator:
                 phase=phase,
                 missing_ranks=[self.rank],
             )
+        try:
+            wait_for_key(
+                store,
+                all_arrived_key(prefix),
+                lambda limit: missing_ranks(store, prefix, self.world_size, limit),
+                phase,
+                self.timeout_s,
+                log=self.rank == 0,
+            )
+        except CheckpointTimeoutError as e:
+            if store.add(f"{prefix}/gave_up_by", 1) == 1:  # the first to give up tells the late ranks
+                store.set(f"{prefix}/gave_up", str(self.rank).encode())
+                store.add(f"{prefix}/n", GAVE_UP)
+            e.origin_rank = self.rank
+            raise
         self._forget(self._step - 2)
 
     def _forget(self, step: int) -> None:
@@ -385,8 +481,8 @@ class Coordinator:
         with contextlib.suppress(Exception):
             self.store.delete_key(f"{prefix}/r/{self.rank}")
             if self.rank == 0:
-                self.store.delete_key(f"{prefix}/n")
-                self.store.delete_key(f"{prefix}/gave_up")
+                for key in (f"{prefix}/n", all_arrived_key(prefix), f"{prefix}/gave_up", f"{prefix}/gave_up_by"):
+                    self.store.delete_key(key)
 
     # ------------------------------------------------------------------ steps that carry errors
     def master_computes(self, fn: Callable[[], T], phase: str) -> T:
@@ -413,7 +509,8 @@ class Coordinator:
 
     def run_all(self, fn: Callable[[], T], phase: str) -> T:
         """Every rank runs ``fn``; if it fails anywhere, every rank raises the (lowest) failing rank's exception
-        as its own type. One all-gather carries the failures."""
+        as its own type. A one-number all-reduce says whether any rank failed (O(N) bytes in all); only then an
+        all-gather carries the failures."""
         result: Any = None
         local: BaseException | None = None
         try:
@@ -425,12 +522,16 @@ class Coordinator:
                 raise local
             return result  # type: ignore[no-any-return]
         self._arrive_and_wait(phase)
-        failures = self._all_gather(None if local is None else RankFailure.of(local, self.rank, phase), None)
-        raise_failures(failures, local, self.rank)
+        if self._any_failed(local is not None):  # the objects travel only when something failed
+            failures = self._all_gather(None if local is None else RankFailure.of(local, self.rank, phase), None)
+            raise_failures(failures, local, self.rank)
         return result  # type: ignore[no-any-return]
 
     def in_waves(self, limit: int, local_rank: int, local_world_size: int, fn: Callable[[], T], what: str) -> T:
-        """Run ``fn`` with at most ``limit`` ranks of one host at a time (bounds host memory), then check errors."""
+        """Run ``fn`` with at most ``limit`` ranks of one host at a time (bounds host memory), then check errors.
+
+        The waves are a concern of each host, so between waves only the ranks of one host wait for each other
+        (``_node_barrier``); one world-wide step at the end carries the failures."""
         limit = max(1, int(limit))
         waves = -(-local_world_size // limit)
         my_wave = local_rank // limit
@@ -443,7 +544,7 @@ class Coordinator:
                 except BaseException as e:
                     error = e
             if self.distributed and waves > 1:
-                self.barrier(f"{what} (wave {wave + 1} of {waves})")
+                self._node_barrier(local_rank, local_world_size, f"{what} (wave {wave + 1} of {waves})")
 
         def _report() -> Any:
             if error is not None:
@@ -451,6 +552,37 @@ class Coordinator:
             return result
 
         return self.run_all(_report, what)
+
+    def _node_barrier(self, local_rank: int, local_world_size: int, phase: str) -> None:
+        """Wait (deadline, logs on the host's first rank) until every rank of this host reached this point. Hosts
+        are ``rank // local_world_size`` (torchrun's numbering); their ranks name themselves by global rank."""
+        store = self.store
+        if store is None:
+            return
+        node = self.rank // local_world_size
+        self._node_steps += 1
+        prefix = f"{_PREFIX}/{self.session}/node{node}/{self._node_steps}"
+        arrive(store, prefix, local_rank, local_world_size)
+        first = node * local_world_size
+        try:
+            wait_for_key(
+                store,
+                all_arrived_key(prefix),
+                lambda limit: [first + r for r in missing_ranks(store, prefix, local_world_size, limit)],
+                phase,
+                self.timeout_s,
+                log=local_rank == 0,
+            )
+        except CheckpointTimeoutError as e:
+            e.origin_rank = self.rank
+            raise
+        old = f"{_PREFIX}/{self.session}/node{node}/{self._node_steps - 2}"
+        if self._node_steps > 2:
+            with contextlib.suppress(Exception):
+                store.delete_key(f"{old}/r/{local_rank}")
+                if local_rank == 0:
+                    store.delete_key(f"{old}/n")
+                    store.delete_key(all_arrived_key(old))
 
     # ------------------------------------------------------------------ plain exchanges (deadline-guarded)
     def barrier(self, phase: str = "barrier") -> None:
@@ -530,6 +662,14 @@ class Coordinator:
         box = [obj if self.rank == src else None]
         dist.broadcast_object_list(box, src=src, group=group if group is not None else self.group)
         return box[0]
+
+    def _any_failed(self, failed: bool) -> bool:
+        """Whether ``failed`` holds on any rank of the world: a MAX all-reduce of one integer."""
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
 
     def _all_gather(self, obj: Any, group: Any | None) -> list[Any]:
         import torch.distributed as dist

@@ -5,7 +5,9 @@ until all ranks arrived, writes ``done`` only if none failed, and publishes the 
 it (a synchronous save) wait for that outcome. Both waits have the save's deadline (``NXD_CKPT_TIMEOUT_S`` or
 ``timeout=``, counted from this rank's arrival): while waiting, rank 0 logs which ranks have not arrived, and
 past it the waiting rank raises CheckpointTimeoutError naming them. A failure travels as a ``RankFailure``, so
-every rank raises the same exception type. Keys are namespaced per save and removed two saves later.
+every rank raises the same exception type. Keys are namespaced per save and removed two saves later, each
+rank its own (so no rank's store operations per save grow with the number of ranks, or with the wait: the
+waits are blocking ``wait_for_key`` calls).
 """
 
 from __future__ import annotations
@@ -14,7 +16,14 @@ import pickle
 import time
 from typing import Any
 
-from nxd_ckpt.dist.coordinator import RankFailure, arrive, missing_ranks, resolve_timeout, wait_for
+from nxd_ckpt.dist.coordinator import (
+    RankFailure,
+    all_arrived_key,
+    arrive,
+    missing_ranks,
+    resolve_timeout,
+    wait_for_key,
+)
 from nxd_ckpt.errors import CheckpointTimeoutError
 
 _PREFIX = "nxd_ckpt/commit"
@@ -58,23 +67,24 @@ class CommitBarrier:
         if failure is not None:
             self.store.set(f"{self.prefix}/error/{self.rank}", pickle.dumps(failure))
             self.store.add(f"{self.prefix}/errors", 1)
-        arrive(self.store, self.prefix, self.rank)
+        arrive(self.store, self.prefix, self.rank, self.world_size)
+        self._forget_own(self.seq - 2)
 
     def wait_all_arrived(self) -> dict[int, RankFailure]:
         """Rank 0: wait for every rank (deadline, logs who is missing); return the failures reported, by rank."""
         if self.store is None:
             return {} if self._local_failure is None else {0: self._local_failure}
         store = self.store
-        wait_for(
+        wait_for_key(
             store,
-            lambda: int(store.add(f"{self.prefix}/n", 0)) >= self.world_size,
-            lambda: missing_ranks(store, self.prefix, self.world_size),
+            all_arrived_key(self.prefix),
+            lambda limit: missing_ranks(store, self.prefix, self.world_size, limit),
             f"{self.phase}: waiting for every rank's files",
             self.timeout_s,
             log=True,
             since=self._arrived_at,
         )
-        if int(store.add(f"{self.prefix}/errors", 0)) == 0:
+        if not store.check([f"{self.prefix}/errors"]):  # set by the first rank that reports a failure
             return {}
         failures = {}
         for r in range(self.world_size):
@@ -90,20 +100,20 @@ class CommitBarrier:
             self._cleanup(self.seq - 2)
 
     def wait_outcome(self) -> None:
-        """Ranks other than 0: wait for the outcome (polling, so it is safe on a writer thread); raise the
-        failure (as its original type) if the save failed."""
+        """Ranks other than 0: wait for the outcome (a blocking wait on this thread's own store connection, so it
+        is safe on a writer thread); raise the failure (as its original type) if the save failed."""
         if self.store is None:
             return
         store = self.store
         key = f"{self.prefix}/outcome"
 
-        def late() -> list[int]:  # every rank arrived: rank 0 is the one stuck (writing 'done')
-            return missing_ranks(store, self.prefix, self.world_size) or [0]
+        def late(limit: int | None) -> list[int]:  # every rank arrived: rank 0 is the one stuck (writing 'done')
+            return missing_ranks(store, self.prefix, self.world_size, limit) or [0]
 
         try:
-            wait_for(
+            wait_for_key(
                 store,
-                lambda: bool(store.check([key])),
+                key,
                 late,
                 f"{self.phase}: waiting for rank 0's outcome",
                 self.timeout_s,
@@ -118,13 +128,22 @@ class CommitBarrier:
             raise _load_failure(value, 0, self.phase).to_exception()
 
     def _cleanup(self, seq: int) -> None:
+        """Rank 0: delete the shared keys of save ``seq`` (each rank deletes its own, see ``_forget_own``)."""
         if seq < 0 or self.store is None:
             return
         prefix = f"{_PREFIX}/{self.session}/{seq}"
-        keys = [f"{prefix}/n", f"{prefix}/errors", f"{prefix}/outcome"]
-        keys += [f"{prefix}/error/{r}" for r in range(self.world_size)]
-        keys += [f"{prefix}/r/{r}" for r in range(self.world_size)]
-        for key in keys:
+        for key in (f"{prefix}/n", all_arrived_key(prefix), f"{prefix}/errors", f"{prefix}/outcome"):
+            try:
+                self.store.delete_key(key)
+            except Exception:
+                return
+
+    def _forget_own(self, seq: int) -> None:
+        """Delete this rank's keys of save ``seq`` (two saves back: every rank is done with it)."""
+        if seq < 0 or self.store is None:
+            return
+        prefix = f"{_PREFIX}/{self.session}/{seq}"
+        for key in (f"{prefix}/r/{self.rank}", f"{prefix}/error/{self.rank}"):
             try:
                 self.store.delete_key(key)
             except Exception:

@@ -21,7 +21,7 @@ from typing import Any, BinaryIO, TypeVar, cast
 
 from nxd_ckpt import knobs
 from nxd_ckpt.errors import StorageError
-from nxd_ckpt.storage.base import Storage, check_relative_path
+from nxd_ckpt.storage.base import ForwardWriter, Storage, check_relative_path
 
 logger = logging.getLogger("nxd_ckpt")
 
@@ -55,6 +55,108 @@ _CREDENTIAL_CODES = frozenset(
 
 _session_lock = threading.Lock()
 _sessions: dict[tuple[int, str | None], Any] = {}
+
+
+class _StreamingUpload(ForwardWriter):
+    """The write stream of ``S3Storage.open_write``: whole ``part_size`` parts are uploaded as they fill (on
+    ``max_concurrency`` threads, each part retried like any request); ``finish`` sends the rest (one PUT if no
+    part was needed) and completes the upload; ``abort`` cancels it."""
+
+    def __init__(self, storage: S3Storage, path: str) -> None:
+        self._s3, self._path, self._key = storage, path, storage._key(path)
+        self._buffer = bytearray()
+        self._size = 0
+        self._upload_id: str | None = None
+        self._parts: list[Any] = []  # futures of {"PartNumber", "ETag"}
+        self._pool: Any = None
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._buffer += view
+        self._size += len(view)
+        part = self._s3.part_size
+        while len(self._buffer) >= part:
+            chunk = bytes(self._buffer[:part])
+            del self._buffer[:part]
+            self._send(chunk)
+        return len(view)
+
+    def flush(self) -> None:
+        pass
+
+    def tell(self) -> int:
+        return self._size
+
+    def _send(self, chunk: bytes) -> None:
+        """Upload ``chunk`` as the next part (starting the multipart upload first); waits while the pool is full."""
+        s3 = self._s3
+        if self._upload_id is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            created = s3._call(
+                "upload",
+                self._path,
+                lambda: s3._client.create_multipart_upload(Bucket=s3.bucket, Key=self._key),
+            )
+            self._upload_id = created["UploadId"]
+            self._pool = ThreadPoolExecutor(max_workers=s3.max_concurrency, thread_name_prefix="nxd_ckpt_s3_part")
+        in_flight = [f for f in self._parts if not f.done()]
+        if len(in_flight) >= s3.max_concurrency:
+            in_flight[0].result()
+        number = len(self._parts) + 1
+        upload_id = self._upload_id
+
+        def put_part() -> dict[str, Any]:
+            response = s3._client.upload_part(
+                Bucket=s3.bucket, Key=self._key, PartNumber=number, UploadId=upload_id, Body=chunk
+            )
+            return {"PartNumber": number, "ETag": response["ETag"]}
+
+        self._parts.append(self._pool.submit(s3._call, "upload part", self._path, put_part))
+
+    def finish(self) -> None:
+        """Send what is left and make the object visible (one PUT, or the multipart upload's completion)."""
+        s3 = self._s3
+        self.closed = True
+        if self._upload_id is None:
+            data = bytes(self._buffer)
+            s3._call("upload", self._path, lambda: s3._client.put_object(Bucket=s3.bucket, Key=self._key, Body=data))
+            return
+        if self._buffer:
+            self._send(bytes(self._buffer))
+            self._buffer.clear()
+        parts = [f.result() for f in self._parts]
+        self._pool.shutdown()
+        upload = {"Parts": parts}
+        s3._call(
+            "upload",
+            self._path,
+            lambda: s3._client.complete_multipart_upload(
+                Bucket=s3.bucket, Key=self._key, UploadId=self._upload_id, MultipartUpload=upload
+            ),
+        )
+
+    def abort(self) -> None:
+        """Cancel the upload: nothing becomes visible (best effort; S3 lifecycle rules reap what is left)."""
+        self.closed = True
+        if self._pool is not None:
+            for f in self._parts:
+                f.cancel()
+            self._pool.shutdown(wait=True)
+        if self._upload_id is not None:
+            s3 = self._s3
+            with contextlib.suppress(Exception):
+                s3._client.abort_multipart_upload(Bucket=s3.bucket, Key=self._key, UploadId=self._upload_id)
+
+
+def _crt_installed() -> bool:
+    """Whether boto3 can use the AWS Common Runtime (``awscrt``, the ``s3-crt`` extra)."""
+    try:
+        import awscrt.s3  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -145,9 +247,9 @@ class S3Storage(Storage):
     """A checkpoint directory at ``s3://bucket/prefix`` (AWS S3 or any S3-compatible endpoint).
 
     Atomic commit on S3: there is no rename, but every object appears whole or not at all when its PUT (or
-    CompleteMultipartUpload) returns, and readers never see a partial object. ``open_write`` therefore buffers
-    the file (in memory, spilling to a temporary file past ``spool_bytes``) and uploads it only when the block
-    exits without error; a failed upload is aborted and leaves nothing. A checkpoint tag is committed by rank 0
+    CompleteMultipartUpload) returns, and readers never see a partial object. ``open_write`` therefore uploads
+    from memory, part by part as the file is written, and makes the object visible only when the block exits
+    without error; a failed upload is aborted and leaves nothing. A checkpoint tag is committed by rank 0
     writing ``<tag>/done`` after every rank's uploads returned, so ``done`` is the last object of a tag and its
     presence is the commit; S3's read-after-write consistency makes it visible to every reader at once.
 
@@ -166,9 +268,10 @@ class S3Storage(Storage):
         endpoint_url: an S3-compatible endpoint such as ``http://127.0.0.1:9000``.
         region_name: the bucket's region (default: the AWS chain's, else boto3's default).
         session: a ``boto3.session.Session`` to take credentials from (default: a shared per-process one).
-        part_size: multipart chunk size and threshold, in bytes.
-        max_concurrency: parallel part uploads/downloads per file.
-        spool_bytes: how much of a file being written or read is kept in memory before spilling to disk.
+        part_size: multipart chunk size and threshold, in bytes (default ``NXD_CKPT_S3_PART_SIZE``, 16 MiB).
+        max_concurrency: parallel part uploads/downloads per file (default ``NXD_CKPT_S3_MAX_CONCURRENCY``, 10).
+        spool_bytes: how much of a large file being read is kept in memory before spilling to disk (writes
+            never spill: they upload from memory, part by part).
         max_attempts: botocore attempts per request (default ``$AWS_MAX_ATTEMPTS`` or 4).
         retries: extra attempts of a whole operation on throttling/transient errors.
         retry_deadline_s: no retry is started after this many seconds of one operation.
@@ -183,8 +286,8 @@ class S3Storage(Storage):
         endpoint_url: str | None = None,
         region_name: str | None = None,
         session: Any = None,
-        part_size: int = 16 * MIB,
-        max_concurrency: int = 10,
+        part_size: int | None = None,
+        max_concurrency: int | None = None,
         spool_bytes: int = 256 * MIB,
         max_attempts: int | None = None,
         retries: int = 4,
@@ -196,8 +299,8 @@ class S3Storage(Storage):
         self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
         self.endpoint_url = endpoint_url or knobs.s3_endpoint_url()
         self.region_name = region_name
-        self.part_size = int(part_size)
-        self.max_concurrency = int(max_concurrency)
+        self.part_size = int(part_size if part_size is not None else knobs.s3_part_size())
+        self.max_concurrency = int(max_concurrency if max_concurrency is not None else knobs.s3_max_concurrency())
         self.spool_bytes = int(spool_bytes)
         self.max_attempts = int(max_attempts or os.environ.get("AWS_MAX_ATTEMPTS") or 4)
         self.retries = int(retries)
@@ -237,6 +340,30 @@ class S3Storage(Storage):
         session = self._session or _shared_session(None)
         return session.client("s3", endpoint_url=self.endpoint_url, region_name=self.region_name, config=config)
 
+    def transfer_client(self) -> str:
+        """Which transfer manager moves files of ``part_size`` and more: ``crt`` (the AWS Common Runtime, far
+        faster on large instances) or ``classic`` (boto3's threads, with this class's timeouts and retries).
+        ``NXD_CKPT_S3_TRANSFER_CLIENT=auto`` picks crt when ``awscrt`` is installed and the endpoint is AWS's
+        own: boto3 gives the CRT no custom endpoint, so it is never used with MinIO, a proxy or a loopback
+        server."""
+        choice = knobs.s3_transfer_client()
+        if choice == "classic":
+            return "classic"
+        aws_endpoint = "amazonaws.com" in str(self._client.meta.endpoint_url)
+        if choice == "auto":
+            return "crt" if aws_endpoint and _crt_installed() else "classic"
+        if not _crt_installed():
+            raise StorageError(
+                "NXD_CKPT_S3_TRANSFER_CLIENT=crt needs the AWS Common Runtime: pip install 'nxd-ckpt[s3-crt]' "
+                "(awscrt), or set it to auto"
+            )
+        if not aws_endpoint:
+            raise StorageError(
+                f"NXD_CKPT_S3_TRANSFER_CLIENT=crt cannot reach the custom endpoint {self._client.meta.endpoint_url}: "
+                "boto3's CRT transfer manager talks to AWS's own endpoints only; set it to auto or classic"
+            )
+        return "crt"
+
     def _transfer_config(self) -> Any:
         from boto3.s3.transfer import TransferConfig
 
@@ -244,8 +371,11 @@ class S3Storage(Storage):
             "multipart_threshold": self.part_size,
             "multipart_chunksize": self.part_size,
             "max_concurrency": self.max_concurrency,
-            "use_threads": True,
         }
+        client = self.transfer_client()
+        if client == "crt":  # the CRT accepts no other setting (use_threads etc.)
+            return TransferConfig(**settings, preferred_transfer_client="crt")
+        settings["use_threads"] = True
         try:  # our retry/timeout settings apply to the classic client, not to the CRT one boto3 may pick
             return TransferConfig(**settings, preferred_transfer_client="classic")
         except TypeError:  # boto3 older than the CRT option: classic is the only client
@@ -351,15 +481,17 @@ class S3Storage(Storage):
     # ----------------------------------------------------------------- writing
     @contextlib.contextmanager
     def open_write(self, path: str) -> Iterator[BinaryIO]:
-        """Buffer the file (spooled to disk past ``spool_bytes``); upload it only if the block succeeds."""
-        self._key(path)
-        buf = tempfile.SpooledTemporaryFile(max_size=self.spool_bytes, prefix="nxd_ckpt_s3_")  # noqa: SIM115
+        """Upload from memory as the bytes come: a file smaller than ``part_size`` is one PUT when the block
+        exits; a larger one becomes a multipart upload whose parts go out while the rest is written (at most
+        ``max_concurrency`` in flight, so memory stays within (max_concurrency + 1) parts; no temporary file),
+        completed when the block exits without error and aborted (nothing visible) otherwise."""
+        upload = _StreamingUpload(self, path)
         try:
-            yield cast(BinaryIO, buf)
-            buf.flush()
-            self._upload(path, buf, buf.tell())
-        finally:
-            buf.close()
+            yield cast(BinaryIO, upload)
+            upload.finish()
+        except BaseException:
+            upload.abort()
+            raise
 
     ranged_reads = True  # read_bytes(offset, length) is one ranged GET; open_read downloads the whole object
     mtime_resolution_s = 1.0  # LastModified: whole seconds

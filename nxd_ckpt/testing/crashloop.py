@@ -10,11 +10,9 @@ knows exactly what it must hold.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +20,7 @@ from typing import Any
 import torch
 
 import nxd_ckpt as nxd
+from nxd_ckpt.testing import rendezvous
 
 TENSORS = 4
 ROWS = 256
@@ -52,17 +51,9 @@ def optimizer_state(step: int) -> dict[str, Any]:
 
 
 def _rank_main(ckpt_dir: str, port: int, rank: int, world_size: int, start_step: int, options: dict[str, Any]) -> None:
-    """One rank of the saving loop; runs until killed."""
-    import torch.distributed as dist
-
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    """One rank of the saving loop; runs until killed. ``port`` is the parent's rendezvous store."""
+    os.environ.update({"MASTER_ADDR": rendezvous.HOST, "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+    rendezvous.init_process_group(port, rank, world_size, timeout_s=60.0)
     step = start_step
     while True:
         nxd.save_checkpoint(
@@ -74,12 +65,6 @@ def _rank_main(ckpt_dir: str, port: int, rank: int, world_size: int, start_step:
             **options,
         )
         step += 1
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -98,7 +83,8 @@ class CrashLoop:
         """Start the ranks at the step after the newest complete tag and SIGKILL all of them after ``delay`` s."""
         latest = nxd.latest_checkpoint_tag(self.ckpt_dir) if os.path.isdir(self.ckpt_dir) else None
         start = step_of(latest) + 1 if latest else 1
-        port = _free_port()
+        store = rendezvous.serve_store(60.0)  # a new store (so new keys) per run, served until the kill
+        port = int(store.port)
         procs = [
             self._ctx.Process(
                 target=_rank_main,
@@ -116,6 +102,7 @@ class CrashLoop:
                     os.kill(p.pid, signal.SIGKILL)
         for p in procs:
             p.join(timeout=30)
+        del store
         crashed = [p.exitcode for p in procs if p.exitcode not in (-signal.SIGKILL,)]
         if crashed:
             raise AssertionError(f"a saving rank exited on its own before the kill (exit codes {crashed})")

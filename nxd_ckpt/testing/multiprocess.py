@@ -9,6 +9,9 @@ must live at module level. Each rank's exception and traceback is reported by th
 
 ``ranks_per_node`` numbers the ranks as torchrun does on several nodes (LOCAL_RANK, LOCAL_WORLD_SIZE and
 GROUP_RANK per simulated node); ``sigkill_ok`` accepts ranks that end by SIGKILL (a simulated crash) as passed.
+
+The ranks meet at a TCPStore the parent serves on a port it bound itself (``testing.rendezvous``): no port is
+ever chosen, released and bound again later. ``MASTER_PORT`` in each rank is that store's port.
 """
 
 from __future__ import annotations
@@ -19,20 +22,16 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import socket
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+from nxd_ckpt.testing import rendezvous
+
 _RANK_ENV = "NXD_CKPT_TEST_RANK"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+_GROUP_TIMEOUT_S = 120.0
 
 
 def _rank_main(
@@ -63,17 +62,7 @@ def _rank_main(
         }
     )
     try:
-        import datetime
-
-        import torch.distributed as dist
-
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=120),
-        )
+        rendezvous.init_process_group(port, rank, world_size, _GROUP_TIMEOUT_S)
         obj: Any = importlib.import_module(module)
         for part in qualname.split("."):
             obj = getattr(obj, part)
@@ -112,7 +101,8 @@ def run_on_ranks(
         raise ValueError(f"ranks_per_node={ranks_per_node} must divide world_size={world_size}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    store = rendezvous.serve_store(_GROUP_TIMEOUT_S)  # served here until every rank has ended
+    port = int(store.port)
     module, qualname = fn.__module__, fn.__qualname__
     procs = [
         ctx.Process(
@@ -163,6 +153,7 @@ def run_on_ranks(
         if p.is_alive():
             p.kill()
             p.join()
+    del store
     if failures:
         details = "\n".join(f"--- rank {r} ---\n{msg}" for r, msg in sorted(failures.items()))
         raise AssertionError(f"{len(failures)} of {world_size} ranks failed:\n{details}")

@@ -6,13 +6,16 @@ Everything listens on 127.0.0.1 only. No torch import: the benchmark and the S3 
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
+import random
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -38,15 +41,31 @@ def loopback_aws_environ(endpoint_url: str) -> dict[str, str | None]:
     return env
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+@contextlib.contextmanager
+def refusing_port() -> Iterator[int]:
+    """A port on 127.0.0.1 that refuses connections while the context lasts: bound here (so nobody else can
+    take it) but never listening."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+        yield int(s.getsockname()[1])
+
+
+_SERVE = """
+import sys
+from moto.moto_server.threaded_moto_server import ThreadedMotoServer
+server = ThreadedMotoServer(sys.argv[1], 0, verbose=False)
+server.start()
+print(server.get_host_and_port()[1], flush=True)
+sys.stdin.read()
+server.stop()
+"""
+"""The server process: moto's S3 app on a port the kernel chose when it bound port 0, reported on its first line
+of output; it serves until its standard input closes (or it is ended)."""
 
 
 class MotoServer:
-    """``python -m moto.server`` on 127.0.0.1 and a free port; ``stop()`` ends the process it started."""
+    """moto's S3 server in a subprocess on 127.0.0.1; it binds port 0 itself and reports the port it got (never
+    a port chosen here and bound there later). ``stop()`` ends the process it started."""
 
     def __init__(self, extra_env: dict[str, str] | None = None, startup_timeout: float = 60.0) -> None:
         self.extra_env = dict(extra_env or {})
@@ -59,26 +78,32 @@ class MotoServer:
         return f"http://{HOST}:{self.port}"
 
     def start(self) -> MotoServer:
-        """Start the server and wait until it answers HTTP; raise RuntimeError (with its output) if it cannot."""
-        last_error = ""
-        for _ in range(3):  # the free port can be taken between choosing it and binding it
-            self.port = free_port()
-            env = {k: v for k, v in os.environ.items() if k not in TEST_AWS_UNSET}
-            env.update({**TEST_AWS_ENV, **self.extra_env})
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self.port)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
+        """Start the server, read its port and wait until it answers HTTP; raise RuntimeError (with its output)
+        if it cannot."""
+        env = {k: v for k, v in os.environ.items() if k not in TEST_AWS_UNSET}
+        env.update({**TEST_AWS_ENV, **self.extra_env})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _SERVE, HOST],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        first: list[bytes] = []
+        reader = threading.Thread(target=lambda: first.append(self.proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+        reader.start()
+        reader.join(self.startup_timeout)
+        line = first[0].strip() if first else b""
+        if line.isdigit():
+            self.port = int(line)
             deadline = time.monotonic() + self.startup_timeout
             while time.monotonic() < deadline and self.proc.poll() is None:
                 if self._answers():
                     self._drain_output()
                     return self
                 time.sleep(0.1)
-            last_error = self._stop_and_collect()
-        raise RuntimeError(f"moto server did not start on {HOST}: {last_error[-2000:] or 'no output'}")
+        output = line.decode(errors="replace") + "\n" + self._stop_and_collect()
+        raise RuntimeError(f"moto server did not start on {HOST}: {output.strip()[-2000:] or 'no output'}")
 
     def _answers(self) -> bool:
         try:
@@ -105,7 +130,7 @@ class MotoServer:
         if self.proc is None:
             return ""
         if self.proc.poll() is None:
-            self.proc.terminate()
+            self.proc.kill()
         try:
             out, _ = self.proc.communicate(timeout=10)
         except subprocess.TimeoutExpired:
@@ -116,7 +141,7 @@ class MotoServer:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
+            self.proc.stdin.close()  # type: ignore[union-attr]  # the server's signal to stop
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -144,22 +169,33 @@ _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connectio
 
 class ThrottlingProxy:
     """HTTP proxy on 127.0.0.1 in front of ``upstream``: the first ``throttle_first`` requests get
-    ``503 SlowDown`` (as S3 answers when a prefix is hot); the rest are forwarded, except that the bodies of
+    ``503 SlowDown`` (as S3 answers when a prefix is hot), and after them each request does with probability
+    ``slowdown_rate`` (a storm; ``seed`` makes it repeatable); the rest are forwarded, except that the bodies of
     the first ``cut_first_gets`` GET responses are cut in half by closing the connection (a reset mid-stream),
     and uploads (PUT/POST) to keys containing ``deny_writes_to`` get ``403 AccessDenied`` (a bucket policy or
-    a lost permission that fails one part of a save)."""
+    a lost permission that fails one part of a save). ``by_method`` counts the requests forwarded, by HTTP
+    method (GET with ``?list-type`` counts as LIST)."""
 
     def __init__(
-        self, upstream_port: int, throttle_first: int, cut_first_gets: int = 0, deny_writes_to: str = ""
+        self,
+        upstream_port: int,
+        throttle_first: int,
+        cut_first_gets: int = 0,
+        deny_writes_to: str = "",
+        slowdown_rate: float = 0.0,
+        seed: int = 0,
     ) -> None:
         self.upstream_port = upstream_port
         self.throttle_first = throttle_first
         self.cut_first_gets = cut_first_gets
         self.deny_writes_to = deny_writes_to
+        self.slowdown_rate = slowdown_rate
+        self._random = random.Random(seed)
         self.denied = 0
         self.requests = 0
         self.throttled = 0
         self.cut = 0
+        self.by_method: dict[str, int] = {}
         self._lock = threading.Lock()
         proxy = self
 
@@ -197,8 +233,12 @@ class ThrottlingProxy:
                 with proxy._lock:
                     proxy.requests += 1
                     proxy.denied += deny
-                    throttle = not deny and proxy.throttled < proxy.throttle_first
+                    storm = proxy.slowdown_rate > 0 and proxy._random.random() < proxy.slowdown_rate
+                    throttle = not deny and (proxy.throttled < proxy.throttle_first or storm)
                     proxy.throttled += throttle
+                    if not (deny or throttle):
+                        kind = "LIST" if self.command == "GET" and "list-type=" in self.path else self.command
+                        proxy.by_method[kind] = proxy.by_method.get(kind, 0) + 1
                 if deny:
                     self._error(403, "Forbidden", _DENIED_BODY)
                     return

@@ -5,16 +5,25 @@ a condition variable instead of torch.distributed, and whose ``store`` is a real
 shared by all of them, so the commit protocol (``commit.CommitBarrier``) runs exactly as in a job. Inject one
 per thread into ``CheckpointManager(coordinator=..., topology=...)`` and call ``run(fn)``.
 DP replica subgroups are not modelled: use layouts without DP replicas for loads (save paths need none).
+
+``count=True`` instruments the world for the scale benchmark and the store-operation tests: each rank's store
+is a ``testing.counting.CountingStore`` over a connection of its own (``tallies[rank]``), and
+``collectives[rank]`` counts that rank's collectives by kind with the bytes gloo would make it receive (objects
+pickled; an all-gather pads every object to the largest, as ``all_gather_object`` does).
 """
 
 from __future__ import annotations
 
+import pickle
+import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from nxd_ckpt.dist import coordinator as nxd_dist
 from nxd_ckpt.dist.coordinator import Coordinator
+from nxd_ckpt.testing.counting import CountingStore, StoreTally
 
 T = TypeVar("T")
 
@@ -22,23 +31,51 @@ T = TypeVar("T")
 class ThreadWorld:
     """``size`` ranks as threads exchanging objects in lockstep, sharing one TCPStore."""
 
-    def __init__(self, size: int, timeout_s: float = 120.0) -> None:
+    def __init__(self, size: int, timeout_s: float = 120.0, count: bool = False) -> None:
         self.size = size
         self.timeout_s = timeout_s
+        self.count = count
         self._cond = threading.Condition()
         self._slots: dict[int, dict[int, Any]] = {}
         self._calls = [0] * size
         self._exited: set[int] = set()
+        self._workers: list[_RankThread] = []
         self.store = nxd_dist.local_store(timeout_s)
+        self.tallies = [StoreTally() for _ in range(size)] if count else []
+        # with count=True every rank has its own connection, as a process has (not one client's lock for all)
+        self._rank_stores = [CountingStore(self.store.clone(), t) for t in self.tallies]
+        self.collectives: list[dict[str, list[int]]] = [{} for _ in range(size)] if count else []
+
+    def rank_store(self, rank: int) -> Any:
+        """The store client rank ``rank`` uses (a counting one with ``count=True``)."""
+        return self._rank_stores[rank] if self.count else self.store
+
+    def _account(self, rank: int, kind: str, src: int, sizes: list[int]) -> None:
+        """Record one collective of ``rank``: [calls, bytes received] under ``kind``."""
+        others = [n for r, n in enumerate(sizes) if r != rank]
+        received = {
+            "all_gather": (self.size - 1) * max(sizes, default=0),
+            "broadcast": 0 if rank == src else sizes[src],
+            "gather": sum(others) if rank == src else 0,
+            "scatter": 0 if rank == src else sizes[src] // self.size,  # its share of the list
+            "all_reduce": 4,
+        }[kind]
+        entry = self.collectives[rank].setdefault(kind, [0, 0])
+        entry[0] += 1
+        entry[1] += received
 
     def coordinator(self, rank: int) -> ThreadCoordinator:
         return ThreadCoordinator(self, rank)
 
     def run(self, fn: Callable[[int], T]) -> list[T]:
         """``fn(rank)`` on one thread per rank; returns the results in rank order, or raises the error of the
-        lowest rank that failed (a rank left waiting for a failed one raises too, instead of hanging)."""
+        lowest rank that failed (a rank left waiting for a failed one raises too, instead of hanging).
+
+        Each rank keeps its thread from one ``run`` to the next, as a process keeps its training thread (so
+        per-thread state, such as a rank's own store connection for waits, is made once, not per call)."""
         results: list[Any] = [None] * self.size
         errors: list[BaseException | None] = [None] * self.size
+        done = threading.Semaphore(0)
         with self._cond:
             self._exited.clear()
 
@@ -51,28 +88,40 @@ class ThreadWorld:
                 with self._cond:
                     self._exited.add(rank)
                     self._cond.notify_all()
+                done.release()
 
-        threads = [threading.Thread(target=main, args=(r,), name=f"rank{r}") for r in range(self.size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(self.timeout_s)
-            if t.is_alive():
-                raise TimeoutError(f"{t.name} did not finish within {self.timeout_s} s")
+        if not self._workers:
+            self._workers = [_RankThread(r) for r in range(self.size)]
+        for worker in self._workers:
+            worker.jobs.put(main)
+        deadline = time.monotonic() + self.timeout_s
+        for _ in range(self.size):
+            if not done.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                stuck = sorted(set(range(self.size)) - self._exited)
+                raise TimeoutError(f"rank(s) {stuck} did not finish within {self.timeout_s} s")
         primary = [e for e in errors if e is not None and not isinstance(e, _PeerExited)]
         if primary or any(errors):
             raise (primary or [e for e in errors if e is not None])[0]
         return results
 
-    def exchange(self, rank: int, obj: Any) -> list[Any]:
+    def close(self) -> None:
+        """End the rank threads (they end by themselves with the process too: daemons)."""
+        for worker in self._workers:
+            worker.jobs.put(None)
+        self._workers = []
+
+    def exchange(self, rank: int, obj: Any, kind: str = "all_gather", src: int = 0) -> list[Any]:
         """Every rank's ``obj`` in rank order (the one primitive every collective here is built on): the n-th
-        exchange of each rank meets the n-th of the others."""
+        exchange of each rank meets the n-th of the others. ``kind`` and ``src`` say which collective it stands
+        for (for ``count=True``)."""
+        size = len(pickle.dumps(obj)) if self.count and kind != "all_reduce" else 0
         with self._cond:
             call = self._calls[rank]
             self._calls[rank] += 1
             slot = self._slots.setdefault(call, {})
-            slot[rank] = obj
-            self._cond.notify_all()
+            slot[rank] = (obj, size)
+            if len(slot) == self.size:  # only the last arrival wakes the others (not N wake-ups per arrival)
+                self._cond.notify_all()
 
             def settled() -> bool:
                 return len(slot) == self.size or any(self._calls[r] <= call for r in self._exited)
@@ -82,7 +131,24 @@ class ThreadWorld:
             if len(slot) < self.size:
                 gone = sorted(r for r in self._exited if self._calls[r] <= call)
                 raise _PeerExited(f"rank {rank}: rank(s) {gone} finished before collective #{call}")
-            return [slot[r] for r in range(self.size)]
+            entries = [slot[r] for r in range(self.size)]
+        if self.count:
+            self._account(rank, kind, src, [n for _, n in entries])
+        return [o for o, _ in entries]
+
+
+class _RankThread(threading.Thread):
+    """The thread of one rank: runs the jobs ``ThreadWorld.run`` gives it, one after another."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(name=f"rank{rank}", daemon=True)
+        self.rank = rank
+        self.jobs: queue.SimpleQueue[Callable[[int], None] | None] = queue.SimpleQueue()
+        self.start()
+
+    def run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            job(self.rank)
 
 
 class _PeerExited(RuntimeError):
@@ -101,19 +167,19 @@ class ThreadCoordinator(Coordinator):
 
     @property
     def store(self) -> Any | None:
-        return self.world.store if self.distributed else None
+        return self.world.rank_store(self.rank) if self.distributed else None
 
     def host_names(self) -> list[str]:
         return ["localhost"] * self.world_size  # one host: replicas share reads through the page cache
 
     def gather_object(self, obj: T, dst: int = 0, phase: str = "gathering") -> list[T] | None:
         self._arrive_and_wait(phase)
-        out = self.world.exchange(self.rank, obj)
+        out = self.world.exchange(self.rank, obj, "gather", dst)
         return out if self.rank == dst else None
 
     def scatter_object(self, objs: list[T] | None, src: int = 0, phase: str = "scattering") -> T:
         self._arrive_and_wait(phase)
-        return self.world.exchange(self.rank, objs)[src][self.rank]  # type: ignore[no-any-return]
+        return self.world.exchange(self.rank, objs, "scatter", src)[src][self.rank]  # type: ignore[no-any-return]
 
     def subgroup(self, ranks: list[int]) -> Any:
         raise NotImplementedError("ThreadWorld does not model DP replica subgroups: use a layout without them")
@@ -123,11 +189,14 @@ class ThreadCoordinator(Coordinator):
 
     def _broadcast(self, obj: Any, src: int, group: Any | None) -> Any:
         self._whole_world(group)
-        return self.world.exchange(self.rank, obj)[src]
+        return self.world.exchange(self.rank, obj, "broadcast", src)[src]
 
     def _all_gather(self, obj: Any, group: Any | None) -> list[Any]:
         self._whole_world(group)
         return self.world.exchange(self.rank, obj)
+
+    def _any_failed(self, failed: bool) -> bool:
+        return any(self.world.exchange(self.rank, failed, "all_reduce"))
 
     @staticmethod
     def _whole_world(group: Any | None) -> None:

@@ -12,7 +12,7 @@ import pytest
 from nxd_ckpt.errors import StorageError
 from nxd_ckpt.storage import storage_for
 from nxd_ckpt.storage.s3 import ENDPOINT_ENV, MIB, S3Storage, parse_s3_url
-from nxd_ckpt.testing.s3server import ThrottlingProxy, free_port
+from nxd_ckpt.testing.s3server import ThrottlingProxy, refusing_port
 
 pytestmark = [pytest.mark.s3, pytest.mark.device_independent]
 
@@ -136,11 +136,12 @@ def test_endpoint_precedence(s3_server, monkeypatch):
 
 
 def test_refused_endpoint_fails_promptly_with_the_cause(s3_server):
-    s = S3Storage("s3://bkt/run", endpoint_url=f"http://127.0.0.1:{free_port()}", max_attempts=2)
-    with pytest.raises(
-        StorageError, match=r"cannot connect to S3 endpoint http://127\.0\.0\.1:\d+ for upload s3://bkt/"
-    ):
-        s.write_bytes("step_1/checkpoint", b"1")
+    with refusing_port() as port:
+        s = S3Storage("s3://bkt/run", endpoint_url=f"http://127.0.0.1:{port}", max_attempts=2)
+        with pytest.raises(
+            StorageError, match=r"cannot connect to S3 endpoint http://127\.0\.0\.1:\d+ for upload s3://bkt/"
+        ):
+            s.write_bytes("step_1/checkpoint", b"1")
 
 
 def test_silent_endpoint_times_out_with_the_cause(s3_server):
@@ -220,3 +221,56 @@ def test_connection_cut_mid_body_is_retried(s3_url, s3_server, caplog):
             assert f.read() == data
         assert proxy.cut == 2
     assert sum("ResponseStreamingError" in r.getMessage() for r in caplog.records) == 2
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """Socket inodes listening on 127.0.0.1:``port`` (from /proc/net/tcp)."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return {r[9] for r in rows if r[1] == f"0100007F:{port:04X}" and r[3] == "0A"}
+
+
+def test_the_server_process_binds_its_own_port_and_reports_it(s3_server):
+    """MotoServer's port is one its own process bound (port 0) and listens on, not one chosen by the parent."""
+    from nxd_ckpt.testing.s3server import MotoServer
+
+    with MotoServer() as other:
+        assert other.port not in (0, s3_server.port)
+        for server in (s3_server, other):
+            fds = os.listdir(f"/proc/{server.proc.pid}/fd")
+            owned = {os.readlink(f"/proc/{server.proc.pid}/fd/{fd}") for fd in fds}
+            assert {f"socket:[{inode}]" for inode in _listening_inodes(server.port)} <= owned
+            assert _listening_inodes(server.port)
+
+
+def test_writes_upload_from_memory_part_by_part_without_temporary_files(s3_url, s3_server, monkeypatch):
+    import tempfile
+
+    def no_temporary_file(*args, **kwargs):
+        raise AssertionError("open_write made a temporary file")
+
+    monkeypatch.setattr(tempfile, "SpooledTemporaryFile", no_temporary_file)
+    monkeypatch.setattr(tempfile, "TemporaryFile", no_temporary_file)
+    monkeypatch.setenv("NXD_CKPT_S3_PART_SIZE", str(5 * MIB))
+    monkeypatch.setenv("NXD_CKPT_S3_MAX_CONCURRENCY", "2")
+    data = os.urandom(16 * MIB + 7)
+    with ThrottlingProxy(s3_server.port, throttle_first=0) as proxy:
+        s = S3Storage(s3_url, endpoint_url=proxy.endpoint_url)
+        assert (s.part_size, s.max_concurrency) == (5 * MIB, 2)  # the knobs
+        with s.open_write("big.bin") as f:
+            for start in range(0, len(data), MIB):
+                f.write(data[start : start + MIB])
+            assert proxy.by_method.get("PUT", 0) >= 1  # parts went out while the file was still being written
+        assert proxy.by_method == {"POST": 2, "PUT": 4}  # create, 4 parts (5+5+5+1 MiB), complete
+    assert s.read_bytes("big.bin") == data
+
+
+def test_the_crt_transfer_manager_only_where_it_can_be_used(s3_url, monkeypatch):
+    s = S3Storage(s3_url)
+    assert s.transfer_client() == "classic"  # auto: a loopback endpoint is not AWS's, whatever is installed
+    monkeypatch.setenv("NXD_CKPT_S3_TRANSFER_CLIENT", "crt")
+    with pytest.raises(StorageError, match="awscrt|custom endpoint"):
+        s.transfer_client()
+    monkeypatch.setenv("NXD_CKPT_S3_TRANSFER_CLIENT", "fast")
+    with pytest.raises(ValueError, match="NXD_CKPT_S3_TRANSFER_CLIENT='fast'.*auto, crt, classic"):
+        s.transfer_client()

@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 import nxd_ckpt as nxd
+from nxd_ckpt.testing import rendezvous
 from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_steps
-from nxd_ckpt.testing.multiprocess import _free_port, run_with_ranks
+from nxd_ckpt.testing.multiprocess import run_with_ranks
 
 pytestmark = pytest.mark.xla
 XLA_LANE_ONLY = "needs torch_xla: runs in the XLA lane (NXD_CKPT_LANES=xla bash scripts/run_tests.sh)"
@@ -23,14 +24,14 @@ pytest.importorskip("torch_xla", reason=XLA_LANE_ONLY)
 
 
 def _reinit_with_xla_backend() -> None:
-    """Replace the harness's gloo default group with torch_xla's ``xla`` backend over the same ranks."""
+    """Replace the harness's gloo default group with torch_xla's ``xla`` backend over the same ranks (meeting
+    again at the harness's store, under a prefix of their own)."""
     import torch_xla.distributed.xla_backend  # noqa: F401 - registers the "xla" backend
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    box = [_free_port() if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
     dist.destroy_process_group()
-    dist.init_process_group("xla", init_method=f"tcp://127.0.0.1:{box[0]}", rank=rank, world_size=world)
+    port = int(os.environ["MASTER_PORT"])
+    rendezvous.init_process_group(port, rank, world, backend="xla", prefix="xla_group/")
 
 
 @run_with_ranks(2)

@@ -1,0 +1,99 @@
+"""Store operations per rank per save are bounded by a constant: they do not grow with how long a rank waits for
+a late one (blocking waits on a connection of its own, not polls), nor with the number of ranks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from nxd_ckpt.dist.topology import Topology
+from nxd_ckpt.manager import CheckpointManager
+from nxd_ckpt.testing.threadworld import ThreadWorld
+
+LATE_RANK = 3
+
+
+def _save_ops(tmp_path, world: ThreadWorld, managers: list, tag: str, late_s: float, async_save: bool) -> list[int]:
+    """Store operations each rank made during one save (``LATE_RANK`` starts it ``late_s`` late)."""
+    before = [t.total() for t in world.tallies]
+
+    def save(rank: int) -> None:
+        if rank == LATE_RANK:
+            time.sleep(late_s)
+        managers[rank].save(tmp_path, tag, model={"w": torch.ones(4) * rank}, async_save=async_save)
+        managers[rank].finalize()
+
+    world.run(save)
+    return [t.total() - b for t, b in zip(world.tallies, before, strict=True)]
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_store_ops_per_rank_do_not_grow_with_the_wait(tmp_path, async_save):
+    world = ThreadWorld(4, count=True)
+    managers = [
+        CheckpointManager(coordinator=world.coordinator(r), topology=Topology(rank=r, tp_size=4)) for r in range(4)
+    ]
+    _save_ops(tmp_path, world, managers, "warm", 0.0, async_save)  # sessions, first keys
+    short = _save_ops(tmp_path, world, managers, "s1", 0.2, async_save)
+    long = _save_ops(tmp_path, world, managers, "s2", 2.5, async_save)
+    # equal but for who arrives last at a step (that rank sets the key the others wait for: one operation)
+    assert all(abs(a - b) <= 2 for a, b in zip(long, short, strict=True)), (
+        f"per rank: {short} at 0.2 s late, {long} at 2.5 s"
+    )
+    assert max(long) <= 40, long  # a handful per step (polling every 10 ms made ~250 per waiting rank here)
+    waits = [t.snapshot().get(("waiting", "wait"), 0) for t in world.tallies]
+    assert all(n > 0 for n in waits)  # the waits are blocking waits on the rank's own connection
+
+
+def test_store_ops_per_rank_do_not_grow_with_the_ranks(tmp_path):
+    def per_rank(n: int) -> list[int]:
+        world = ThreadWorld(n, count=True)
+        managers = [
+            CheckpointManager(coordinator=world.coordinator(r), topology=Topology(rank=r, tp_size=n)) for r in range(n)
+        ]
+        _save_ops(tmp_path / str(n), world, managers, "warm", 0.0, False)
+        return _save_ops(tmp_path / str(n), world, managers, "s1", 0.0, False)
+
+    small, large = per_rank(2), per_rank(16)
+    assert max(large) <= max(small) + 2, (small, large)
+
+
+def test_write_waves_wait_only_for_the_ranks_of_their_node():
+    """num_workers bounds the writers of each node: between waves a node waits for its own ranks, not for the
+    slowest rank of the job (4 ranks, 2 per node, one writer per node at a time; rank 0 is slow)."""
+    world = ThreadWorld(4)
+    started: dict[int, float] = {}
+
+    def rank_main(rank: int) -> None:
+        coord = world.coordinator(rank)
+
+        def work() -> None:
+            started[rank] = time.monotonic()
+            if rank == 0:
+                time.sleep(1.5)
+
+        coord.in_waves(1, local_rank=rank % 2, local_world_size=2, fn=work, what="writing")
+
+    world.run(rank_main)
+    assert started[3] - started[2] < 1.0  # node 1's second wave did not wait for rank 0 (node 0)
+    assert started[1] - started[0] >= 1.5  # node 0's second wave waited for its first
+
+
+def test_missing_ranks_are_found_by_bisection_in_few_operations():
+    from nxd_ckpt.dist.coordinator import local_store, missing_ranks
+    from nxd_ckpt.testing.counting import CountingStore
+
+    store = CountingStore(local_store(10.0))
+    missing = {3, 1000, *range(3000, 3100)}
+    for r in range(4096):
+        if r not in missing:
+            store._store.set(f"p/r/{r}", b"1")  # the arrivals themselves are not what is counted
+    assert missing_ranks(store, "p", 4096) == sorted(missing)
+    before = store.tally.total()
+    assert missing_ranks(store, "p", 4096, limit=16) == sorted(missing)[:16]
+    assert store.tally.total() - before <= 16 * 2 * 12  # a log line: bounded, not 4,096 checks
+    before = store.tally.total()
+    assert missing_ranks(store, "p", 1000) == [3]
+    assert store.tally.total() - before <= 2 * 10 + 1  # one missing rank of 1,000: about 2·log2(N)
