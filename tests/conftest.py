@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import pytest
 
@@ -47,6 +48,16 @@ def _fresh_nxd_ckpt_state():
     yield
     nxd_ckpt.reset_manager()
     nxd_ckpt.destroy_model_parallel()
+    _forget_compat()
+
+
+def _forget_compat() -> None:
+    """A test (or a doc example) that saved through ``nxd_ckpt.compat`` leaves NxD's names installed and
+    ``g_iostate`` remembering its directory, as in a real process; the next test starts as a new process would."""
+    compat = sys.modules.get("nxd_ckpt.compat")
+    if compat is not None:
+        compat.uninstall()
+        compat.g_iostate.checkpoint_dir = None
 
 
 @pytest.fixture(scope="module")

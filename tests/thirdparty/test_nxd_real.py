@@ -186,3 +186,25 @@ def test_every_converter_chain_agrees_with_nxd(nxd_real, tmp_path, use_xser):
         nxd_prev, ours_prev = by_nxd, by_ours
     _ours(ours_prev, f"{tmp_path}/ours_dp1/step_3", "--convert_to_sharded", "--dp_size", "1")
     assert_state_equal(_optim_states(f"{tmp_path}/ours_dp1/step_3"), _optim_states(src))  # the state NxD saved
+
+
+@pytest.mark.parametrize("use_xser", [False, True], ids=["plain", "xser"])
+def test_lightning_tags_load_with_nxds_code(nxd_real, tmp_path, use_xser):
+    """What ``NxdCheckpointIO`` writes for a Lightning path is an NxD tag: NxD's own load reads the model, the
+    optimizer and the rest of Lightning's dict (as NxDT's ``NLPCheckpointIO`` expects to get it back)."""
+    pytest.importorskip("pytorch_lightning", reason="needs pytorch-lightning (the test extra)")
+    from nxd_ckpt.lightning import NxdCheckpointIO
+
+    model, opt, _ = _trained(1)
+    checkpoint = {"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()], "epoch": 1,
+                  "global_step": 4, "loops": {"fit_loop": {"step": 4}}}  # fmt: skip
+    NxdCheckpointIO(use_xser=use_xser).save_checkpoint(checkpoint, str(tmp_path / "last-v1.ckpt"))
+    nxd.finalize_checkpoint()
+    assert nxd_real.has_checkpoint(str(tmp_path))
+    model2, opt2, _ = make_training(seed=7, device=_device())
+    opt_state: dict = {}
+    content = nxd_real.load_checkpoint(str(tmp_path), tag="last.ckpt", model=model2, optimizer=opt_state)
+    assert content == {"epoch": 1, "global_step": 4, "loops": {"fit_loop": {"step": 4}}}
+    opt2.load_state_dict(opt_state)
+    assert_state_equal(model2.state_dict(), model.state_dict())
+    assert_state_equal(opt2.state_dict(), opt.state_dict())
