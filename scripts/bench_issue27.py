@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_memory import PeakRSS
+from bench_memory import PeakRSS, receive_exactly
 
 
 def _gather(value: Any) -> list[Any]:
@@ -222,12 +222,7 @@ def _socket_s(sources: list[torch.Tensor], receive_into: torch.Tensor) -> float:
         conn, _ = listener.accept()
         start = time.perf_counter()
         with conn:
-            done = 0
-            while done < nbytes:
-                n = conn.recv_into(view[done : done + (8 << 20)])
-                if not n:
-                    raise RuntimeError("the socket baseline's sender stopped early")
-                done += n
+            receive_exactly(conn, view, nbytes)
         elapsed = time.perf_counter() - start
         listener.close()
     elif dist.get_rank() == 1:

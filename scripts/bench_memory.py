@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
+from typing import Any
 
 
 def _rss(field: str) -> int:
@@ -66,3 +67,13 @@ class PeakRSS:
         self._heap_peak = max(self._heap_peak, _malloc_in_use() or 0)
         self.extra_rss = max(0, _rss("VmHWM:") - self._base)
         self.extra = max(0, self._heap_peak - self._heap_base) if self._heap_base is not None else self.extra_rss
+
+
+def receive_exactly(conn: Any, view: memoryview, nbytes: int) -> None:
+    """Fill ``view[:nbytes]`` from the socket ``conn`` in 8 MiB reads (the loopback-copy baseline's receiver)."""
+    done = 0
+    while done < nbytes:
+        n = conn.recv_into(view[done : done + (8 << 20)])
+        if not n:
+            raise RuntimeError("the socket baseline's sender stopped early")
+        done += n

@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # spawned ranks import this file by name
 
-from bench_memory import PeakRSS
+from bench_memory import PeakRSS, receive_exactly
 
 MIB = 1 << 20
 
@@ -221,12 +221,7 @@ def socket_copy_s(coord, read: list[torch.Tensor], rank: int, peer: int, receive
         conn, _ = listener.accept()
         start = time.perf_counter()
         with conn:
-            done = 0
-            while done < nbytes:
-                n = conn.recv_into(view[done : done + (8 << 20)])
-                if not n:
-                    raise RuntimeError("the sender stopped early")
-                done += n
+            receive_exactly(conn, view, nbytes)
         elapsed = time.perf_counter() - start
         listener.close()
     else:

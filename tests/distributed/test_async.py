@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import nxd_ckpt as nxd
 from nxd_ckpt.storage import LocalStorage
+from nxd_ckpt.testing.counting import GatedStorage
 from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_steps
 from nxd_ckpt.testing.multiprocess import run_with_ranks
 from nxd_ckpt.tree import map_tensors
@@ -147,21 +148,6 @@ def test_writer_failure_surfaces_on_the_next_call_on_every_rank_and_leaves_no_do
     nxd.save_checkpoint(storage, "step_5", **kw).wait()  # the job goes on
     nxd.finalize_checkpoint()
     assert nxd.list_checkpoint_tags(ckpt) == ["step_1", "step_5"]
-
-
-class GatedStorage(LocalStorage):
-    """Local storage whose state-file writes wait for ``gate``: a save still being written, as long as needed."""
-
-    def __init__(self, root: str, gate: threading.Event) -> None:
-        super().__init__(root)
-        self.gate = gate
-
-    @contextlib.contextmanager
-    def open_write(self, path: str):
-        if "/model/" in path:
-            self.gate.wait()
-        with super().open_write(path) as f:
-            yield f
 
 
 def test_a_new_save_waits_for_the_previous_one_and_logs_how_long(tmp_path, caplog):

@@ -3,7 +3,6 @@ installed (install() provides the modules); tests/thirdparty runs NxDT's and opt
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
 import os
@@ -15,7 +14,7 @@ import torch
 
 import nxd_ckpt as nxd
 from nxd_ckpt import compat
-from nxd_ckpt.storage import LocalStorage
+from nxd_ckpt.testing.counting import GatedStorage
 from nxd_ckpt.testing.fakes import TinyMLP, assert_state_equal
 
 pytestmark = pytest.mark.skipif(
@@ -29,21 +28,6 @@ def installed():
     yield importlib.import_module(compat.CHECKPOINT_MODULE)
     compat.uninstall()
     compat.g_iostate.checkpoint_dir = None
-
-
-class GatedStorage(LocalStorage):
-    """Local storage whose model-file writes wait for ``gate``: a save in flight for as long as a test needs."""
-
-    def __init__(self, root: str, gate: threading.Event) -> None:
-        super().__init__(root)
-        self.gate = gate
-
-    @contextlib.contextmanager
-    def open_write(self, path: str):
-        if "/model/" in path:
-            assert self.gate.wait(timeout=60), "gate never opened"
-        with super().open_write(path) as f:
-            yield f
 
 
 def test_install_provides_nxd_names_and_uninstall_removes_them(installed, tmp_path):
