@@ -342,12 +342,15 @@ def prepare_tag(storage: Storage, tag: str, durable: bool) -> tuple[float, bool]
     if not durable:
         return time.time(), False
     tags.recover_resaves(storage)  # a re-save a crash interrupted is finished or dropped first
-    if tags.holds_complete_checkpoint(storage, tag):
+    done = layout.tag_path(tag, layout.DONE_MARKER)
+    has_done = storage.exists(done)
+    if has_done and tags.holds_complete_checkpoint(storage, tag):
         tags.begin_resave(storage, tag)
         return time.time(), True
     # A new tag, the leftovers of an interrupted save of it, or a bare 'done' (optimum-neuron touches one before
     # its async save): rewritten in place.
-    storage.delete(layout.tag_path(tag, layout.DONE_MARKER))
+    if has_done:
+        storage.delete(done)
     storage.delete(metadata_path(tag))
     integrity.remove_manifests(storage, tag)  # stale ones (e.g. another world size) would fail verify
     storage.write_bytes(layout.tag_path(tag, layout.CHECKPOINT_MARKER), b"1")
