@@ -198,23 +198,62 @@ def load_into(
     """Read the ``torch.save`` zip streamed by ``f`` (from its start, to its end, once) and unpickle it, with
     tensor data read straight into the destinations ``choose`` picks. Raises ``Fallback`` (carrying the whole
     file) for layouts it does not stream, FormatError for a damaged file."""
-    seq = _Sequential(f)
-    allocate = allocate or (lambda n: torch.empty(n, dtype=torch.uint8))
-    stats = stats if stats is not None else ReadStats()
-    pickled: bytes | None = None
-    byteorder: str | None = None
-    storages: dict[str, tuple[torch.dtype, int]] = {}
-    destinations: dict[str, torch.Tensor] = {}
-    loaded: dict[str, torch.UntypedStorage] = {}
-    while True:
+    load = _StreamingLoad(f, what, make_unpickler, choose, filled, allocate, stats)
+    while (record := load.next_record()) is not None:
+        key = _record_key(record.name)
+        if key is None or load.pickled is None:  # data.pkl and the small records
+            load.small_record(record, key)
+        else:
+            load.data_record(record, key)
+    return load.finish()
+
+
+@dataclass(frozen=True)
+class _Record:
+    """A zip local header: the record's name, flags and stored size (its data follows in the stream)."""
+
+    name: str
+    flags: int
+    csize: int
+
+
+class _StreamingLoad:
+    """One streamed load: the records read so far, the pickle, and where each storage's bytes went."""
+
+    def __init__(
+        self,
+        f: BinaryIO,
+        what: str,
+        make_unpickler: Callable[[io.BytesIO], Any],
+        choose: Chooser,
+        filled: Filled | None,
+        allocate: Callable[[int], torch.Tensor] | None,
+        stats: ReadStats | None,
+    ) -> None:
+        self.seq = _Sequential(f)
+        self.what = what
+        self.make_unpickler = make_unpickler
+        self.choose = choose
+        self.filled = filled
+        self.allocate = allocate or (lambda n: torch.empty(n, dtype=torch.uint8))
+        self.stats = stats if stats is not None else ReadStats()
+        self.pickled: bytes | None = None
+        self.byteorder: str | None = None
+        self.storages: dict[str, tuple[torch.dtype, int]] = {}
+        self.destinations: dict[str, torch.Tensor] = {}
+        self.loaded: dict[str, torch.UntypedStorage] = {}
+
+    def next_record(self) -> _Record | None:
+        """The next local header, or None at the central directory."""
+        seq, what = self.seq, self.what
         header = seq.take(4)
         if len(header) < 4:
             raise FormatError(f"{what} is truncated: it ends before its zip directory")
         (sig,) = struct.unpack("<I", header)
         if sig == _CENTRAL_SIG:
-            break
+            return None
         if sig != _LOCAL_SIG:
-            if pickled is None:
+            if self.pickled is None:
                 raise _fallback(seq, "not a zip record")
             raise FormatError(f"{what} is damaged: unexpected bytes at offset {seq.pos - 4}")
         fixed = header + seq.take(_LOCAL.size - 4)
@@ -223,66 +262,76 @@ def load_into(
         _, _, flags, method, _, _, _, csize, usize, name_len, extra_len = _LOCAL.unpack(fixed)
         name = seq.take(name_len + extra_len)[:name_len].decode("utf-8", "replace")
         if method != 0 or csize == 0xFFFFFFFF or usize == 0xFFFFFFFF:
-            if pickled is None:
+            if self.pickled is None:
                 raise _fallback(seq, f"record {name} is compressed or zip64")
             raise FormatError(f"{what} has an unsupported record {name}")
-        key = _record_key(name)
-        if key is None or pickled is None:  # data.pkl and the small records
-            if flags & _HAS_DESCRIPTOR and csize == 0:
-                data = seq.take_until_descriptor(what) if pickled is not None or key is None else None
-            else:
-                data = seq.take(csize)
-                if flags & _HAS_DESCRIPTOR and csize:
-                    seq.take(_DESCRIPTOR.size)
-            if data is None:
-                raise _fallback(seq, "a data record comes before data.pkl")
-            if name.endswith("data.pkl") and pickled is None:
-                pickled = data
-                try:
-                    meta, storages, meta_keys = _meta_unpickle(pickled, what, make_unpickler)
-                except Fallback as e:
-                    raise _fallback(seq, str(e)) from e
-                destinations = _eligible(meta, choose(meta), meta_keys)
-            elif name.endswith("byteorder"):
-                byteorder = data.decode(errors="replace")
-            continue
-        if byteorder is not None and byteorder != sys.byteorder:
+        return _Record(name, flags, csize)
+
+    def small_record(self, record: _Record, key: str | None) -> None:
+        """``data.pkl`` (which decides where each storage goes), ``byteorder`` and the other small records."""
+        seq, flags, csize = self.seq, record.flags, record.csize
+        if flags & _HAS_DESCRIPTOR and csize == 0:
+            data = seq.take_until_descriptor(self.what) if self.pickled is not None or key is None else None
+        else:
+            data = seq.take(csize)
+            if flags & _HAS_DESCRIPTOR and csize:
+                seq.take(_DESCRIPTOR.size)
+        if data is None:
+            raise _fallback(seq, "a data record comes before data.pkl")
+        if record.name.endswith("data.pkl") and self.pickled is None:
+            self.pickled = data
+            try:
+                meta, self.storages, meta_keys = _meta_unpickle(data, self.what, self.make_unpickler)
+            except Fallback as e:
+                raise _fallback(seq, str(e)) from e
+            self.destinations = _eligible(meta, self.choose(meta), meta_keys)
+        elif record.name.endswith("byteorder"):
+            self.byteorder = data.decode(errors="replace")
+
+    def data_record(self, record: _Record, key: str) -> None:
+        """A storage's bytes, read straight into its destination (or into fresh memory)."""
+        seq, what, name = self.seq, self.what, record.name
+        if self.byteorder is not None and self.byteorder != sys.byteorder:
             raise _fallback(seq, "byte-swapped file")
-        if key not in storages:
+        if key not in self.storages:
             raise FormatError(f"{what} has a data record {name} that its pickle does not use")
         seq.stop_history()
-        _, nbytes = storages[key]
-        if csize and csize != nbytes:
-            raise FormatError(f"{what}: record {name} holds {csize} bytes, its tensor needs {nbytes}")
-        dest = destinations.get(key)
-        target = _bytes_of(dest) if dest is not None else allocate(nbytes)
+        _, nbytes = self.storages[key]
+        if record.csize and record.csize != nbytes:
+            raise FormatError(f"{what}: record {name} holds {record.csize} bytes, its tensor needs {nbytes}")
+        dest = self.destinations.get(key)
+        target = _bytes_of(dest) if dest is not None else self.allocate(nbytes)
         _read_exactly(seq, target, what, name)
-        if flags & _HAS_DESCRIPTOR and nbytes:
+        if record.flags & _HAS_DESCRIPTOR and nbytes:
             desc = seq.take(_DESCRIPTOR.size)
             if len(desc) < _DESCRIPTOR.size or desc[:4] != _DESCRIPTOR_SIG or _DESCRIPTOR.unpack(desc)[2] != nbytes:
                 raise FormatError(f"{what} is damaged: record {name} is not followed by its data descriptor")
         if dest is not None:
-            loaded[key] = dest.untyped_storage()
-            stats.into_destinations += nbytes
-            stats.destinations.append(dest)
-            if filled is not None:
-                filled(dest)
+            self.loaded[key] = dest.untyped_storage()
+            self.stats.into_destinations += nbytes
+            self.stats.destinations.append(dest)
+            if self.filled is not None:
+                self.filled(dest)
         else:
-            loaded[key] = target.untyped_storage()
-            stats.into_fresh += nbytes
-    seq.stop_history()
-    seq.rest()  # the central directory and end records: read (and hashed) to the end, not parsed
-    if pickled is None:
-        raise FormatError(f"{what} has no data.pkl record; it is not a torch.save file")
-    missing = [k for k in storages if k not in loaded and storages[k][1]]
-    if missing:
-        raise FormatError(f"{what} is truncated: tensor data record data/{missing[0]} is missing")
+            self.loaded[key] = target.untyped_storage()
+            self.stats.into_fresh += nbytes
 
-    def real(key: str, dtype: torch.dtype, nbytes: int) -> torch.UntypedStorage:
-        found = loaded.get(key)
-        return found if found is not None else torch.empty(0, dtype=torch.uint8).untyped_storage()
+    def finish(self) -> Any:
+        """The rest of the stream (read and hashed, not parsed), then the unpickled object over the storages."""
+        self.seq.stop_history()
+        self.seq.rest()  # the central directory and end records: read (and hashed) to the end, not parsed
+        if self.pickled is None:
+            raise FormatError(f"{self.what} has no data.pkl record; it is not a torch.save file")
+        missing = [k for k in self.storages if k not in self.loaded and self.storages[k][1]]
+        if missing:
+            raise FormatError(f"{self.what} is truncated: tensor data record data/{missing[0]} is missing")
+        loaded = self.loaded
 
-    return _unpickle(pickled, make_unpickler, real)
+        def real(key: str, dtype: torch.dtype, nbytes: int) -> torch.UntypedStorage:
+            found = loaded.get(key)
+            return found if found is not None else torch.empty(0, dtype=torch.uint8).untyped_storage()
+
+        return _unpickle(self.pickled, self.make_unpickler, real)
 
 
 def _meta_unpickle(
