@@ -111,8 +111,10 @@ else
   echo "$stamp_src" > "$stamp_file"
   say "$lane environment ready in $(( $(date +%s) - start )) s, $(du -sh "$env_dir" 2>/dev/null | cut -f1) on disk"
 fi
-# The package itself is installed editable; make sure this clone is the one on the path.
-if ! "$env_dir/bin/python" -c "import nxd_ckpt, os, sys; sys.exit(0 if os.path.realpath(nxd_ckpt.__path__[0]).startswith(os.path.realpath('$root')) else 1)" 2>/dev/null; then
+# The package itself is installed editable; make sure this clone is the one on the path. Checked from / so that
+# the working directory (often this clone) cannot stand in for an install pointing at another, maybe deleted, one:
+# the nxd-ckpt console script does not run from the clone.
+if ! (cd / && "$env_dir/bin/python" -c "import nxd_ckpt, os, sys; sys.exit(0 if os.path.realpath(nxd_ckpt.__path__[0]).startswith(os.path.realpath('$root')) else 1)") 2>/dev/null; then
   "$env_dir/bin/python" -m pip install -q --no-deps -e "$root" >&2
 fi
 echo "$env_dir/bin/python"
