@@ -28,6 +28,7 @@ from nxd_ckpt.save import plan
 from nxd_ckpt.serialization import plain, readinto, torchzip, xser
 from nxd_ckpt.serialization.inmemory import BufferReader, allocate
 from nxd_ckpt.storage import Storage
+from nxd_ckpt.storage.direct import lined_up_empty
 from nxd_ckpt.tree import map_tensors, tensor_bytes
 
 
@@ -162,15 +163,22 @@ def _safe_unpickler(data: Any) -> Any:
 
 
 def read_plain(storage: Storage, path: str, *, trusted: bool = False, target: LoadTarget | None = None) -> Any:
-    """Read a ``torch.save`` state file; verified loads read it once into memory, check and parse it there.
-    With ``target``, tensor data is read straight into the target's tensors (one sequential pass)."""
+    """Read a ``torch.save`` state file in one sequential pass (hashed as it is read when verified), its tensor
+    data straight into ``target``'s tensors where given, else into fresh memory lined up for O_DIRECT reads.
+    Files on storage without a local page cache (S3) are read whole into one buffer and parsed there."""
     what = f"{storage.url}/{path}"
-    if target is not None and not trusted:  # trusted pickles keep torch.load's own unpickler
+    if not trusted and (target is not None or storage.host_page_cache):  # trusted: torch.load's own unpickler
+        target = target if target is not None else LoadTarget({})  # fresh dicts: lined-up fresh memory
         with storage.open_sequential(path, direct=target.direct) as f:
             try:
                 with torchzip.safe_globals():
                     return readinto.load_into(
-                        f, what=what, make_unpickler=_safe_unpickler, choose=target.chooser(), filled=target.filled
+                        f,
+                        what=what,
+                        make_unpickler=_safe_unpickler,
+                        choose=target.chooser(),
+                        filled=target.filled,
+                        allocate=lined_up_empty,
                     )
             except readinto.Fallback as e:
                 buffer = readinto.as_array(e.data)
@@ -335,7 +343,8 @@ def read_xser(
     loaded: dict[int, torch.Tensor] = {}
     error: BaseException | None = None
     try:
-        loaded = _read_tensors(storage, path, mine, header.info, threads, target, _tid_paths(header.ref_data))
+        paths = _tid_paths(header.ref_data)
+        loaded = _read_tensors(storage, path, mine, header.info, threads, target, paths, not through_page_cache)
     except BaseException as e:  # shared with the replicas before raising
         error = e
     if group is None:
@@ -442,36 +451,42 @@ def _read_tensors(
     threads: int | None,
     target: LoadTarget | None = None,
     paths: dict[int, Path] | None = None,
+    direct: bool = True,
 ) -> dict[int, torch.Tensor]:
     def read_into(tid: int, tensor_path: str, what: str) -> torch.Tensor:
-        assert target is not None and paths is not None
-        where = paths[tid]
-
+        """One tensor file in one pass: into the target's tensor where there is one, else fresh memory."""
+        where = paths.get(tid) if target is not None and paths is not None else None
         chosen: list[torch.Tensor] = []
 
         def choose(meta: Any) -> dict[int, torch.Tensor]:
-            dest = target.dest(where, meta) if isinstance(meta, torch.Tensor) else None
+            dest = target.dest(where, meta) if where is not None and isinstance(meta, torch.Tensor) else None
             if dest is None:
                 return {}
             chosen.append(dest)
             return {id(meta): dest}
 
-        with storage.open_sequential(tensor_path, direct=target.direct) as f:
+        with storage.open_sequential(tensor_path, direct=direct) as f:
             try:
                 result = readinto.load_into(
-                    f, what=what, make_unpickler=xser.tensor_unpickler, choose=choose, filled=target.filled
+                    f,
+                    what=what,
+                    make_unpickler=xser.tensor_unpickler,
+                    choose=choose,
+                    filled=target.filled if target is not None else None,
+                    allocate=lined_up_empty,
                 )
             except readinto.Fallback as e:
                 buffer = readinto.as_array(e.data)
             else:
-                return target.result_for(result, chosen[0]) if chosen else result
+                return target.result_for(result, chosen[0]) if chosen and target is not None else result
         return xser.load_tensor_buffer(buffer, what=what)
 
     def read_one(tid: int) -> torch.Tensor:
         tensor_path = _tensor_file(storage, path, tid, info)
         what = f"{storage.url}/{tensor_path}"
         try:
-            if target is not None and paths is not None and paths.get(tid) in target.tensors:
+            into_target = target is not None and paths is not None and paths.get(tid) in target.tensors
+            if into_target or storage.host_page_cache:
                 tensor = read_into(tid, tensor_path, what)
                 if not isinstance(tensor, torch.Tensor):
                     raise FormatError(f"{what} does not hold a tensor (found {type(tensor).__name__})")
