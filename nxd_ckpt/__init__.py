@@ -26,6 +26,7 @@ from nxd_ckpt.log import enable_logging
 # without importing torch; ``import nxd_ckpt`` followed by any of these names behaves as an eager import.
 _LAZY = {
     "finalize_checkpoint": "api",
+    "prepare_async_save": "api",
     "g_iostate": "compat",
     "get_manager": "api",
     "has_checkpoint": "api",
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
         latest_checkpoint_tag,
         list_checkpoint_tags,
         load_checkpoint,
+        prepare_async_save,
         reset_manager,
         save_checkpoint,
     )
@@ -131,6 +133,7 @@ __all__ = [
     "list_checkpoint_tags",
     "load_checkpoint",
     "open_checkpoint",
+    "prepare_async_save",
     "reset_manager",
     "save_checkpoint",
     "verify",

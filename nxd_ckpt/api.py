@@ -208,6 +208,13 @@ def load_checkpoint(
     return get_manager().load(options)
 
 
+def prepare_async_save(model: Any = None, optimizer: Any = None) -> int:
+    """Make the first ``save_checkpoint(..., async_save=True)`` of this process as cheap as later ones: the host
+    buffers it copies into are reserved now and faulted in beside the training loop (a low-priority thread).
+    Call it once the model and optimizer exist; returns the bytes reserved."""
+    return get_manager().prepare_async_save(model=model, optimizer=optimizer)
+
+
 def finalize_checkpoint() -> None:
     """Wait for every pending save to be durable and committed; raise if one failed."""
     get_manager().finalize()

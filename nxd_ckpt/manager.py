@@ -23,6 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from nxd_ckpt import adapters
 from nxd_ckpt.dist.coordinator import Coordinator, group_identity
 from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.format import layout, tags
@@ -214,6 +215,18 @@ class CheckpointManager:
             writer.check_for_errors()
 
     # ----------------------------------------------------------------- save and load
+    def prepare_async_save(self, model: Any = None, optimizer: Any = None) -> int:
+        """Reserve and fault in, on a low-priority background thread, the host buffers the first async save of
+        ``model``/``optimizer`` will copy into, so that it blocks no longer than later ones. Call it once the
+        model and optimizer exist (after a resume load, say); returns the bytes reserved (0 when buffers are
+        already held). A later save with a host memory budget does not use them; ``finalize`` frees them."""
+        trees = []
+        if model is not None:
+            trees.append(adapters.model_state(model))
+        if optimizer is not None:
+            trees.append(adapters.optimizer_state(optimizer))
+        return self._staging_pool.prepare(trees)
+
     def save(
         self, checkpoint_dir: str | os.PathLike[str] | SaveOptions, tag: str | None = None, **keywords: Any
     ) -> SaveReport:

@@ -14,6 +14,8 @@ into a caller's buffer), so those are used as the snapshot directly instead of b
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from collections.abc import Collection, Sequence
@@ -196,29 +198,52 @@ class StagedState:
 
 
 def _copy_into(buffer_set: _BufferSet, tensors: list[torch.Tensor], staged: dict[int, torch.Tensor]) -> int:
-    """Copy ``tensors`` into ``buffer_set`` (position i -> buffer i), replacing buffers whose shape or dtype
-    changed; record each copy in ``staged`` by the source's id; return the bytes newly allocated.
+    """Copy ``tensors`` into ``buffer_set``, each into a buffer of its shape and dtype (the set's own, in
+    order, else a new one; buffers left over are dropped); record each copy in ``staged`` by the source's id;
+    return the bytes newly allocated.
 
     New buffers (the first save, a changed layout) are faulted in by helper threads ahead of the copy
     (``_Populator``): first-touch page faults, not the copy, are most of a first staging's time."""
-    buffers = buffer_set.buffers
+    spare: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+    for buf in reversed(buffer_set.buffers):
+        spare.setdefault((tuple(buf.shape), buf.dtype), []).append(buf)
+    buffers: list[torch.Tensor] = []
     fresh: list[int] = []
     for i, t in enumerate(tensors):
-        buf = buffers[i] if i < len(buffers) else None
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype)  # reserved, not yet touched
-            if i < len(buffers):
-                buffers[i] = buf
-            else:
-                buffers.append(buf)
+        reusable = spare.get((tuple(t.shape), t.dtype))
+        if reusable:
+            buffers.append(reusable.pop())
+        else:
+            buffers.append(torch.empty(t.shape, dtype=t.dtype))  # reserved, not yet touched
             fresh.append(i)
-    del buffers[len(tensors) :]
+    buffer_set.buffers = buffers
     with _Populator([buffers[i] for i in fresh]) as populator, torch.no_grad():
         for i, t in enumerate(tensors):
             populator.wait_for(buffers[i])
             buffers[i].copy_(t.detach())
             staged[id(t)] = buffers[i]
     return sum(buffers[i].numel() * buffers[i].element_size() for i in fresh)
+
+
+def _fault_in_background(buffers: list[torch.Tensor]) -> threading.Thread | None:
+    """Fault ``buffers`` in on one low-priority daemon thread (``madvise(MADV_POPULATE_WRITE)``, GIL released):
+    the cost of first touch is paid beside the training loop, on an otherwise idle core, at nice 19."""
+    if _Populator._lib is None:
+        _Populator._lib = _libc() or False
+    if not _Populator._lib or not buffers:
+        return None
+    ranges = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in buffers]
+
+    def run() -> None:
+        with contextlib.suppress(OSError, AttributeError):  # lowering our own priority: best effort
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        for start, end in ranges:
+            for lo in range(start, end, _POPULATE_PIECE):
+                _Populator._populate(lo, min(end, lo + _POPULATE_PIECE))
+
+    thread = threading.Thread(target=run, name="nxd_ckpt_prepare_staging", daemon=True)
+    thread.start()
+    return thread
 
 
 _MADV_POPULATE_WRITE = 23
@@ -299,6 +324,7 @@ class StagingPool:
         self._free: list[_BufferSet] = []
         self._lent = 0
         self._generation = 0
+        self._prepared: threading.Thread | None = None
 
     @property
     def held_bytes(self) -> int:
@@ -344,6 +370,33 @@ class StagingPool:
         staged.update(skipped)
         out = [map_tensors(tree, lambda t: staged[id(t)]) for tree in trees]
         return StagedState(out, nbytes, allocated, copy_s, _pool=self, _set=buffer_set)
+
+    def prepare(self, trees: Sequence[Any]) -> int:
+        """Reserve the buffers the next ``stage`` of ``trees`` (or of a part of them) copies into and fault them
+        in on a background thread, so that the first async save of a process copies into touched memory like
+        every later one. Returns the bytes reserved: 0 when the pool already holds or lends out a set. The
+        buffers are the pool's: an unused one is dropped by the first save (or by ``clear``)."""
+        unique: dict[int, torch.Tensor] = {}
+        for tree in trees:
+            for _, t in iter_tensors(tree):
+                if t.device.type == "cpu" and _copyable(t):
+                    unique.setdefault(id(t), t)
+        with self._cond:
+            if self._free or self._lent or not unique:
+                return 0
+            buffer_set = _BufferSet(generation=self._generation)
+            buffer_set.buffers = [torch.empty(t.shape, dtype=t.dtype) for t in unique.values()]
+            self._free.append(buffer_set)
+            self._cond.notify_all()
+        self._prepared = _fault_in_background(buffer_set.buffers)
+        return buffer_set.nbytes
+
+    def wait_prepared(self, timeout: float | None = None) -> bool:
+        """Whether the buffers of the last ``prepare`` are faulted in (waits up to ``timeout`` s)."""
+        if self._prepared is not None:
+            self._prepared.join(timeout)
+            return not self._prepared.is_alive()
+        return True
 
     def clear(self) -> None:
         """Free every buffer; sets still lent out are dropped when they come back."""

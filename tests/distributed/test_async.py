@@ -279,3 +279,31 @@ def test_async_saves_under_a_host_memory_budget_hold_the_values_at_the_call(tmp_
         nxd.load_checkpoint(ckpt, tag, model=loaded_model, optimizer=loaded_opt)
         assert_state_equal(loaded_model.state_dict(), expected[tag][0])
         assert_state_equal(loaded_opt.state_dict(), expected[tag][1])
+
+
+@run_with_ranks(2)
+def test_prepare_async_save_makes_the_first_save_copy_into_reserved_memory(tmp_path):
+    """After ``prepare_async_save`` the first async save of the process allocates nothing (its buffers were
+    reserved and faulted in beside training), snapshots correctly and loads bit-exactly; the second save
+    still reuses them."""
+    rank = dist.get_rank()
+    ckpt = str(tmp_path / "ckpt")
+    model, opt, sched = make_training(seed=5)
+    train_steps(model, opt, sched, 1, seed=1)  # replicas stay equal; each rank saves its own optimizer shard
+    reserved = nxd.prepare_async_save(model=model, optimizer=opt)
+    assert reserved > 0
+    assert nxd.prepare_async_save(model=model, optimizer=opt) == 0  # already reserved
+    train_steps(model, opt, sched, 1, seed=2)
+    with torch.no_grad():
+        for param_state in opt.state.values():
+            param_state["exp_avg"].add_(rank)
+    expected = _snapshot(model, opt)
+    first = nxd.save_checkpoint(ckpt, "step_1", model=model, optimizer=opt, async_save=True, zero1_optimizer=True)
+    _mutate_every_tensor(model, opt)
+    second = nxd.save_checkpoint(ckpt, "step_2", model=model, optimizer=opt, async_save=True, zero1_optimizer=True)
+    nxd.finalize_checkpoint()
+    assert first.staging_allocated_bytes == 0 and second.staging_allocated_bytes == 0
+    loaded_model, loaded_opt, _ = make_training(seed=42)
+    nxd.load_checkpoint(ckpt, "step_1", model=loaded_model, optimizer=loaded_opt)
+    assert_state_equal(loaded_model.state_dict(), expected[0])
+    assert_state_equal(loaded_opt.state_dict(), expected[1])

@@ -178,3 +178,33 @@ def test_new_staging_buffers_are_faulted_in_before_the_copy_touches_them():
     if grown == 0:
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (before 5.14): the copy takes the faults")
     assert grown >= 120 << 20
+
+
+def test_prepared_buffers_are_faulted_in_and_taken_by_the_first_stage_without_allocating():
+    """``prepare`` reserves the next stage's buffers and faults them in on a background thread: the first
+    stage then allocates nothing and copies into exactly those buffers."""
+    state = {"w": torch.randn(512, 1024), "b": torch.randn(1024), "step": torch.tensor(3)}
+    pool = staging.StagingPool()
+    reserved = pool.prepare([state])
+    assert reserved == sum(t.numel() * t.element_size() for t in state.values())
+    assert pool.wait_prepared(timeout=30)
+    prepared = {t.data_ptr() for t in pool._free[0].buffers}
+    lease = pool.stage([state])
+    assert lease.allocated_bytes == 0
+    assert set(_ptrs(lease.trees)) == prepared
+    assert_state_equal(lease.trees[0], state)
+    lease.release()
+    assert pool.prepare([state]) == 0  # the pool already holds a set: nothing more is reserved
+
+
+def test_a_stage_of_part_of_the_prepared_state_takes_matching_buffers_and_drops_the_rest():
+    """A replica's xser save stages only its share: buffers are matched by shape and dtype, not position."""
+    state = {"a": torch.randn(64, 32), "b": torch.randn(32), "c": torch.randn(16, 8).double()}
+    pool = staging.StagingPool()
+    pool.prepare([state])
+    pool.wait_prepared(timeout=30)
+    lease = pool.stage([{"c": state["c"], "a": state["a"]}])
+    assert lease.allocated_bytes == 0
+    assert_state_equal(lease.trees[0], {"c": state["c"], "a": state["a"]})
+    lease.release()
+    assert pool.held_bytes == (64 * 32 * 4) + (16 * 8 * 8)  # the unused buffer of "b" is freed
