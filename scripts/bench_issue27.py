@@ -353,7 +353,8 @@ def report_lines(data: dict, med: dict[str, tuple[float | None, float | None]]) 
                 f"    after prepare_async_save (returned in {first['prepare_call_s'] * 1e3:.1f} ms; buffers faulted "
                 f"in {first['prepare_faulted_s']:.2f} s beside {first['steps_during_prepare']} training steps): a "
                 f"step took {first['step_during_prepare_s'] * 1e3:.1f} ms meanwhile, "
-                f"{first['step_after_prepare_s'] * 1e3:.1f} ms otherwise ({slow:.2f}x; host work of a stand-in step, 2 ranks on this VM's 2 cores)"
+                f"{first['step_after_prepare_s'] * 1e3:.1f} ms otherwise ({slow:.2f}x; host work of a stand-in "
+                "step, 2 ranks on this VM's 2 cores)"
             )
     runs = extra.get("nxd_memory", [])
     if runs:
