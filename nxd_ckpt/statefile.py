@@ -162,14 +162,17 @@ def _safe_unpickler(data: Any) -> Any:
     return weights_only.Unpickler(data, encoding="utf-8")
 
 
-def read_plain(storage: Storage, path: str, *, trusted: bool = False, target: LoadTarget | None = None) -> Any:
+def read_plain(
+    storage: Storage, path: str, *, trusted: bool = False, target: LoadTarget | None = None, direct: bool = True
+) -> Any:
     """Read a ``torch.save`` state file in one sequential pass (hashed as it is read when verified), its tensor
     data straight into ``target``'s tensors where given, else into fresh memory lined up for O_DIRECT reads.
-    Files on storage without a local page cache (S3) are read whole into one buffer and parsed there."""
+    Files on storage without a local page cache (S3) are read whole into one buffer and parsed there.
+    ``direct=False`` keeps the reads in the page cache (other replicas on this host read the same file)."""
     what = f"{storage.url}/{path}"
     if not trusted and (target is not None or storage.host_page_cache):  # trusted: torch.load's own unpickler
         target = target if target is not None else LoadTarget({})  # fresh dicts: lined-up fresh memory
-        with storage.open_sequential(path, direct=target.direct) as f:
+        with storage.open_sequential(path, direct=direct and target.direct) as f:
             try:
                 with torchzip.safe_globals():
                     return readinto.load_into(
@@ -300,8 +303,14 @@ def read_state_file(
     """Read one state file in whichever encoding it has; xser reads are shared across ``group`` if given.
     With ``target``, tensors are read straight into the target's existing tensors where they fit."""
     if not is_xser_file(storage, path):
-        return read_plain(storage, path, trusted=trusted, target=target)
+        direct = not _replicas_share_page_cache(group, storage)  # all replicas here read the whole file
+        return read_plain(storage, path, trusted=trusted, target=target, direct=direct)
     return read_xser(storage, path, trusted=trusted, group=group, threads=threads, target=target)
+
+
+def _replicas_share_page_cache(group: ReplicaGroup | None, storage: Storage) -> bool:
+    """Whether other replicas on this host read the same files through this host's page cache."""
+    return group is not None and group.peers_on_host > 1 and storage.host_page_cache and replica_reads_mode() == "auto"
 
 
 @dataclass(frozen=True)
