@@ -30,7 +30,6 @@ import threading
 from typing import Any
 
 import numpy as np
-import torch
 
 from nxd_ckpt import knobs
 from nxd_ckpt.storage.base import ForwardWriter
@@ -54,13 +53,15 @@ _MADV_POPULATE_WRITE = 23
 """Linux 5.14+: fault in a range's pages for writing in one call."""
 
 
-def lined_up_empty(nbytes: int, position: int) -> torch.Tensor:
+def lined_up_empty(nbytes: int, position: int) -> Any:
     """Fresh host memory (uint8) for ``nbytes`` that a load reads from file offset ``position``.
 
     Large buffers start at an address congruent to ``position`` modulo the block size, so ``DirectReader``
     fills them with O_DIRECT like a live parameter, and are faulted in with one ``madvise`` call first: an
     O_DIRECT read or a page-cache copy into untouched memory takes one fault per page, 3-5x slower here.
     The tensor owns its own mapping (returned to the system when the tensor is freed)."""
+    import torch  # not at module level: listing and inspecting checkpoints work without torch
+
     if nbytes < IN_PLACE_MIN_BYTES or not enabled():
         return torch.empty(nbytes, dtype=torch.uint8)
     offset = position % BLOCK_BYTES
