@@ -64,6 +64,14 @@ KNOBS: dict[str, Knob] = {
             minimum=1,
         ),
         Knob(
+            "NXD_CKPT_XLA_DEVICE_SNAPSHOT",
+            "bool",
+            False,
+            "1 makes async saves of XLA state copy it on the device (one sync) and stream the copy to the host "
+            "on the writer's side in batches: training waits for a device copy, not the transfer; costs a second "
+            "device copy of the state until it is written",
+        ),
+        Knob(
             "NXD_CKPT_XLA_TRANSFER_THREAD",
             "bool",
             True,
@@ -246,6 +254,10 @@ def replica_reads() -> str:
 
 def xla_transfer_batch_bytes() -> int:
     return get_int("NXD_CKPT_XLA_TRANSFER_BATCH_BYTES")
+
+
+def xla_device_snapshot() -> bool:
+    return get_bool("NXD_CKPT_XLA_DEVICE_SNAPSHOT")
 
 
 def xla_transfer_thread() -> bool:

@@ -225,3 +225,10 @@ class DeviceSnapshot:
     def release(self) -> None:
         """Drop the device copies (idempotent)."""
         self._copies = None
+
+    def release_copies(self) -> list[torch.Tensor]:
+        """Hand the device copies over (same order as given) to a caller that fetches them itself."""
+        if self._copies is None:
+            raise RuntimeError("DeviceSnapshot's copies were already handed over or released")
+        copies, self._copies = self._copies, None
+        return copies

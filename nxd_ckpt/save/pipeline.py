@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
-from nxd_ckpt import adapters, statefile, tree
+from nxd_ckpt import adapters, knobs, statefile, tree
 from nxd_ckpt import rank_state as rank_states
 from nxd_ckpt.dist.coordinator import Coordinator
 from nxd_ckpt.dist.topology import Topology
@@ -234,10 +234,12 @@ class SavePipeline:
                 return Staged(list(writes), fetcher=stager)
             if ctx.options.async_save:
                 needed = {id(t) for t in plan.tensors_to_write(writes, rank)}
-                lease = self.services.staging_pool.stage([w.state for w in writes], needed=needed)
+                lease = self.services.staging_pool.stage(
+                    [w.state for w in writes], needed=needed, device_snapshot=knobs.xla_device_snapshot()
+                )
                 report.staging_allocated_bytes = lease.allocated_bytes
                 staged = [w.with_state(state) for w, state in zip(writes, lease.trees, strict=True)]
-                return Staged(staged, lease=lease)
+                return Staged(staged, lease=lease, fetcher=lease.fetcher)
             if any(staging.has_device_tensors(w.state) for w in writes):
                 return Staged(list(writes), fetcher=staging.HostFetcher(plan.tensors_to_write(writes, rank)))
             return Staged(list(writes))

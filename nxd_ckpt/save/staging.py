@@ -189,6 +189,8 @@ class StagedState:
     copy_s: float
     _pool: StagingPool | None = field(default=None, repr=False)
     _set: _BufferSet | None = field(default=None, repr=False)
+    fetcher: HostFetcher | None = None
+    """With a device snapshot: the device copies' host copies, arriving on a background thread."""
 
     def release(self) -> None:
         """Hand the buffers back to the pool once the files are written; the trees are invalid after."""
@@ -333,7 +335,11 @@ class StagingPool:
             return sum(s.nbytes for s in self._free)
 
     def stage(
-        self, trees: Sequence[Any], timeout: float | None = None, needed: Collection[int] | None = None
+        self,
+        trees: Sequence[Any],
+        timeout: float | None = None,
+        needed: Collection[int] | None = None,
+        device_snapshot: bool = False,
     ) -> StagedState:
         """Copy ``trees`` to host memory no later training step can modify; same structure, host tensors.
 
@@ -341,6 +347,10 @@ class StagingPool:
         ``needed`` (ids of tensors), other tensors are not copied: they become data-less ``meta`` tensors of the
         same shape and dtype (writers of a DP replica's xser share only look at the others' metadata), so any
         attempt to read their data fails instead of writing something stale.
+
+        With ``device_snapshot``, XLA tensors are copied on the device instead (one sync; ``xla.DeviceSnapshot``)
+        and stay there: ``StagedState.fetcher`` brings them to the host in batches on a background thread, for
+        the writer, while training goes on.
         """
         unique: dict[int, torch.Tensor] = {}
         skipped: dict[int, torch.Tensor] = {}
@@ -353,7 +363,15 @@ class StagingPool:
         device = [t for t in unique.values() if t.device.type != "cpu"]
         host_cpu = [t for t in unique.values() if t.device.type == "cpu" and _copyable(t)]
         start = time.perf_counter()
-        staged: dict[int, torch.Tensor] = _bulk_to_cpu(device) if device else {}
+        fetcher: HostFetcher | None = None
+        if device_snapshot and any(xla.is_xla(t) for t in device):
+            on_device = [t for t in device if xla.is_xla(t)]
+            copies = xla.DeviceSnapshot(on_device).release_copies()
+            staged = {id(t): c for t, c in zip(on_device, copies, strict=True)}
+            fetcher = HostFetcher(copies, background=True)
+            staged.update(_bulk_to_cpu([t for t in device if not xla.is_xla(t)]))
+        else:
+            staged = _bulk_to_cpu(device) if device else {}
         buffer_set = self._acquire(timeout) if host_cpu else None
         allocated = 0
         if buffer_set is not None:
@@ -369,7 +387,7 @@ class StagingPool:
         nbytes = sum(t.numel() * t.element_size() for t in staged.values())
         staged.update(skipped)
         out = [map_tensors(tree, lambda t: staged[id(t)]) for tree in trees]
-        return StagedState(out, nbytes, allocated, copy_s, _pool=self, _set=buffer_set)
+        return StagedState(out, nbytes, allocated, copy_s, _pool=self, _set=buffer_set, fetcher=fetcher)
 
     def prepare(self, trees: Sequence[Any]) -> int:
         """Reserve the buffers the next ``stage`` of ``trees`` (or of a part of them) copies into and fault them
