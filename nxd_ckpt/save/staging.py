@@ -160,6 +160,14 @@ def _bulk_to_cpu(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     return out
 
 
+def _close_quietly(fetcher: HostFetcher | None) -> None:
+    """Stop a device snapshot's transfer when its save fails before the writer takes it (the save's own error
+    is the one raised)."""
+    if fetcher is not None:
+        with contextlib.suppress(BaseException):
+            fetcher.close()
+
+
 def _copyable(t: torch.Tensor) -> bool:
     """Dense CPU tensors are copied into pooled buffers; anything else (sparse, quantized...) is cloned."""
     return t.layout == torch.strided and not t.is_quantized
@@ -372,13 +380,18 @@ class StagingPool:
             staged.update(_bulk_to_cpu([t for t in device if not xla.is_xla(t)]))
         else:
             staged = _bulk_to_cpu(device) if device else {}
-        buffer_set = self._acquire(timeout) if host_cpu else None
+        try:
+            buffer_set = self._acquire(timeout) if host_cpu else None
+        except BaseException:
+            _close_quietly(fetcher)
+            raise
         allocated = 0
         if buffer_set is not None:
             try:
                 allocated = _copy_into(buffer_set, host_cpu, staged)
             except BaseException:
                 self._give_back(buffer_set)
+                _close_quietly(fetcher)
                 raise
         for t in unique.values():
             if id(t) not in staged:
