@@ -635,6 +635,15 @@ class Coordinator:
             self._hosts = self.all_gather_object(socket.gethostname(), phase="exchanging host names")
         return self._hosts
 
+    def all_gather_with_hosts(self, obj: T, phase: str) -> list[T]:
+        """``all_gather_object(obj)``, carrying the host names along when they are not known yet (one step, where
+        ``host_names`` first would take two)."""
+        if self._hosts is not None or not self.distributed:
+            return self.all_gather_object(obj, phase=phase)
+        pairs = self.all_gather_object((socket.gethostname(), obj), phase=phase)
+        self._hosts = [host for host, _ in pairs]
+        return [value for _, value in pairs]
+
     # ------------------------------------------------------------------ subgroups
     def subgroup(self, ranks: list[int]) -> Any:
         """A gloo group over ``ranks``; every rank must request every subgroup in the same order."""

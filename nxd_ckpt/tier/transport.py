@@ -147,6 +147,15 @@ class FileServer:
         self._thread = threading.Thread(target=self._server.serve_forever, name="nxd_ckpt_tier_server", daemon=True)
         self._thread.start()
 
+    @property
+    def token(self) -> str:
+        """The token requests must carry."""
+        return self._server.token
+
+    @token.setter
+    def token(self, token: str) -> None:
+        self._server.token = token
+
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
