@@ -133,11 +133,8 @@ class LoadPipeline:
         if topo is None:
             topo = coord.run_all(self.services.topology, "reading the parallel layout")
         storage = source if isinstance(source, TierView) else self.services.storage_for(source)
-        resolved, info = self.resolve(storage, tag)
-        if options.verify:  # every file read below is checked against the manifests written with it
-            index = coord.master_computes(
-                lambda: integrity.read_index(storage, resolved), f"reading the manifests of {resolved!r}"
-            )
+        resolved, info, index = self.resolve(storage, tag, options.verify)
+        if index is not None:  # every file read below is checked against the manifests written with it
             storage = integrity.VerifyingStorage(storage, resolved, index)
         read = self.choose(storage, resolved, info, topo, options)
         start = time.perf_counter()
@@ -154,15 +151,20 @@ class LoadPipeline:
                         time.perf_counter() - call_start)  # fmt: skip
         return result
 
-    def resolve(self, storage: Storage, tag: str | None) -> tuple[str, TagDescription]:
-        """Rank 0: the tag to load and its layout, told to every rank."""
+    def resolve(
+        self, storage: Storage, tag: str | None, verify: bool = False
+    ) -> tuple[str, TagDescription, dict[str, integrity.FileRecord] | None]:
+        """Rank 0: the tag to load, its layout and (``verify``) its merged manifests, told to every rank in one
+        step."""
 
-        def resolve() -> tuple[str, TagDescription]:
+        def resolve() -> tuple[str, TagDescription, dict[str, integrity.FileRecord] | None]:
             tags.recover_resaves(storage, finish_only=True)  # a crash mid-swap: the complete copy gets its name
             resolved = tags.resolve_tag(storage, tag)
-            return resolved, describe(storage, resolved)
+            info = describe(storage, resolved)
+            return resolved, info, integrity.read_index(storage, resolved) if verify else None
 
-        return self.coord.master_computes(resolve, f"resolving the checkpoint to load from {storage.url}")
+        what = " and reading its manifests" if verify else ""
+        return self.coord.master_computes(resolve, f"resolving the checkpoint to load from {storage.url}{what}")
 
     def choose(self, storage: Storage, tag: str, info: TagDescription, topo: Topology, options: LoadOptions) -> TagRead:
         """The read plan: re-sharded when the TP/PP size changed, else this rank's own files (DP replicas
@@ -257,12 +259,12 @@ class LoadPipeline:
         with coord.deadline(options.timeout_s):
             topo = coord.run_all(self.services.topology, "reading the parallel layout")
             runtime = self.services.tier_runtime(tier, storage.url, topo)
-            reports = coord.all_gather_object(runtime.report(), phase="memory tier: what each node holds")
-            choice = choose_memory_tag(reports, options.tag)
-            durable = coord.master_computes(
+            reports, durable = coord.gather_and_master_computes(
+                runtime.report(),
                 lambda: None if options.tag is not None else newest_durable(storage),
-                f"listing the checkpoints in {storage.url}",
+                f"memory tier: what each node holds; listing the checkpoints in {storage.url}",
             )
+            choice = choose_memory_tag(reports, options.tag)
         failures: list[str] = []
         if choice is not None and (durable is None or choice.created_at >= durable[1] or durable[0] == choice.tag):
             # a tier copy counts only verified: every file read is checked against its manifest

@@ -181,7 +181,7 @@ def test_unreachable_peer_fails_the_save_on_every_rank(tmp_path):
     run_on_ranks(_unreachable_peer_job, 4, kwargs, ranks_per_node=2)
 
 
-RESTORE_STEPS = 9
+RESTORE_STEPS = 7
 """World-wide coordinator steps of a restore from node memory on a fresh manager (tier set-up included)."""
 
 
@@ -220,7 +220,59 @@ def _counted_restore_job(ckpt: str, mem: str) -> None:
     assert len(steps) <= RESTORE_STEPS, steps
     manager.finalize()
 
+    # From the peer (node 0's memory lost): no file crosses the network twice (manifests and metadata are
+    # read on several steps; the view keeps the small ones it fetched).
+    from nxd_ckpt.tier.transport import FileClient
+
+    dist.barrier()
+    if rank == 0:
+        os.rename(os.path.join(mem, "node0"), os.path.join(mem, "node0.lost"))
+    dist.barrier()
+    fetched: list[str] = []
+    get, stream = FileClient.get, FileClient.open_stream
+
+    def counting_get(self, address, path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        fetched.append(path)
+        return get(self, address, path, *args, **kwargs)
+
+    def counting_stream(self, address, path):  # type: ignore[no-untyped-def]
+        fetched.append(path)
+        return stream(self, address, path)
+
+    FileClient.get, FileClient.open_stream = counting_get, counting_stream  # type: ignore[method-assign]
+    try:
+        manager = CheckpointManager()
+        target = {"w": torch.zeros(1024), "b": torch.zeros(8)}
+        manager.load(ckpt, model=target, memory_tier=tier)
+    finally:
+        FileClient.get, FileClient.open_stream = get, stream  # type: ignore[method-assign]
+    assert manager.last_restore is not None and manager.last_restore.tiers == ["peer", "memory"]
+    assert torch.equal(target["w"], torch.full((1024,), 1.0))
+    if rank == 0:
+        assert fetched and len(fetched) == len(set(fetched)), fetched
+    manager.finalize()
+
 
 def test_a_restore_from_memory_takes_few_world_wide_steps(tmp_path):
     kwargs = dict(ckpt=str(tmp_path / "ckpt"), mem=str(tmp_path / "mem"))
     run_on_ranks(_counted_restore_job, 2, kwargs, ranks_per_node=1)
+
+
+def _gather_and_master_job() -> None:
+    """One step carries every rank's object and rank 0's result, or rank 0's error raised on every rank."""
+    from nxd_ckpt.dist.coordinator import Coordinator
+
+    coord = Coordinator()
+    rank = coord.rank
+    assert coord.gather_and_master_computes(rank * 10, lambda: "from rank 0", "both") == ([0, 10], "from rank 0")
+
+    def broken() -> None:
+        raise nxd.FormatError("rank 0 could not list")
+
+    with pytest.raises(nxd.FormatError, match="rank 0 could not list"):
+        coord.gather_and_master_computes(rank, broken, "both")
+    assert coord.all_gather_object(rank, phase="still in step") == [0, 1]
+
+
+def test_gather_and_master_computes_in_one_step():
+    run_on_ranks(_gather_and_master_job, 2)
