@@ -3,7 +3,7 @@
 Replication and peer restores run on the writer thread (or inside a load), never as a collective on the
 training thread: a collective from a background thread would interleave with the training thread's own on the
 same group. Each process serves its node's memory directory (``FileServer``); a peer pushes a file with one
-``put`` (streamed with ``sendfile``, written under a temporary name and renamed, as ``LocalStorage`` does) and
+``put`` (streamed from a mapping of the file, written under a temporary name and renamed, as ``LocalStorage`` does) and
 fetches one with ``get``. Every request carries the job's token (made by rank 0, shared at set-up), so a stray
 connection cannot read or write the memory directory; paths are checked like every storage path. Each socket
 operation has a deadline (no call waits forever).
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import mmap
 import os
 import socket
 import socketserver
@@ -54,19 +55,18 @@ def _kernel_deadlines(sock: socket.socket, timeout_s: float) -> None:
 
 
 def _send_file(sock: socket.socket, f: Any, size: int, what: str, timeout_s: float) -> None:
-    """All ``size`` bytes of ``f`` through ``sock`` by ``sendfile`` (blocking, with kernel deadlines, meanwhile):
-    the kernel hands the memory tier's pages to the socket without a copy, in one system call for most files."""
+    """All ``size`` bytes of ``f`` through ``sock`` in one ``sendall`` from a read-only mapping of the file whose
+    page table is filled at once (MAP_POPULATE), the socket blocking with kernel deadlines meanwhile. The
+    kernel then copies long runs into the socket; ``sendfile`` of memory-tier (tmpfs) pages went 64 KiB per
+    splice and was measured 1.3-1.5x slower end to end on loopback."""
     _kernel_deadlines(sock, timeout_s)
-    offset = 0
     try:
-        while offset < size:
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        with mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ) as mapped, memoryview(mapped) as view:
             try:
-                sent = os.sendfile(sock.fileno(), f.fileno(), offset, min(size - offset, 1 << 30))
+                sock.sendall(view)
             except BlockingIOError as e:
                 raise CheckpointTimeoutError(f"{what}: the receiver took nothing for {timeout_s:g} s") from e
-            if not sent:
-                raise StorageError(f"{what}: the file ended after {offset} of {size} bytes")
-            offset += sent
     finally:
         sock.settimeout(timeout_s)  # what follows (the answer) has Python's deadlines again
 

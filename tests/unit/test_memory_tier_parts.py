@@ -219,22 +219,26 @@ def test_the_durable_copy_of_a_tier_save_is_not_hashed_again_and_verifies(tmp_pa
         assert_state_equal(target, _model(step))
 
 
-def test_transport_sends_a_file_in_one_call_and_fills_whole_pieces(tmp_path, monkeypatch):
-    """Issue 27: the server hands a file to the kernel in one blocking ``sendfile`` (not one call, and one
-    wake-up of a busy process, per socket buffer), and the receiver's buffers are filled whole (one system call
-    per piece)."""
+def test_transport_sends_a_mapped_file_in_one_call_and_fills_whole_pieces(tmp_path, monkeypatch):
+    """Issue 27: the server sends a file in one blocking call from one populated mapping of it (not one
+    ``sendfile`` splice of 64 KiB, and a wake-up of a busy process, per socket buffer), and the receiver's
+    buffers are filled whole (one system call per piece)."""
+    import mmap
+
+    from nxd_ckpt.tier import transport
+
     payload = os.urandom(12 << 20)  # three times the largest socket send buffer Linux grants by default
     (tmp_path / "peer" / "node_00001").mkdir(parents=True)
     (tmp_path / "peer" / "node_00001" / "f.bin").write_bytes(payload)
-    calls: list[int] = []
-    sendfile = os.sendfile
+    mapped: list[tuple[int, int]] = []
 
-    def counting(*args: int) -> int:
-        sent = sendfile(*args)
-        calls.append(sent)
-        return sent
+    class Recording(mmap.mmap):
+        def __new__(cls, fileno: int, length: int, **kwargs: int) -> mmap.mmap:
+            mapped.append((length, kwargs.get("flags", 0)))
+            return super().__new__(cls, fileno, length, **kwargs)
 
-    monkeypatch.setattr(os, "sendfile", counting)
+    monkeypatch.setattr(transport.mmap, "mmap", Recording)
+    monkeypatch.setattr(os, "sendfile", None)  # not used any more
     server = FileServer(str(tmp_path / "peer"), token="t", timeout_s=10, bind="127.0.0.1")
     try:
         client = FileClient("t", timeout_s=10)
@@ -245,7 +249,7 @@ def test_transport_sends_a_file_in_one_call_and_fills_whole_pieces(tmp_path, mon
                 got.append(stream.readinto(view[start : start + (1 << 20)]))
         assert bytes(target) == payload
         assert got == [1 << 20] * 12
-        assert calls == [len(payload)]
+        assert mapped == [(len(payload), mmap.MAP_SHARED | mmap.MAP_POPULATE)]
     finally:
         server.close()
 
