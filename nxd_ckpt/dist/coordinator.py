@@ -507,6 +507,26 @@ class Coordinator:
         raise_failures([failure], local, self.rank)
         return value  # type: ignore[no-any-return]
 
+    def gather_and_master_computes(self, obj: T, fn: Callable[[], Any], phase: str) -> tuple[list[T], Any]:
+        """``all_gather_object(obj)`` and ``master_computes(fn)`` in one step: rank 0's result of ``fn`` (or its
+        exception, raised on every rank as in ``master_computes``) travels with its ``obj``."""
+        value: Any = None
+        failure: RankFailure | None = None
+        local: BaseException | None = None
+        if self.rank == 0:
+            try:
+                value = fn()
+            except BaseException as e:
+                local, failure = e, RankFailure.of(e, 0, phase)
+        if not self.distributed:
+            if local is not None:
+                raise local
+            return [obj], value
+        gathered = self.all_gather_object((obj, failure, value), phase=phase)
+        _, failure, value = gathered[0]
+        raise_failures([failure], local, self.rank)
+        return [mine for mine, _, _ in gathered], value
+
     def run_all(self, fn: Callable[[], T], phase: str) -> T:
         """Every rank runs ``fn``; if it fails anywhere, every rank raises the (lowest) failing rank's exception
         as its own type. A one-number all-reduce says whether any rank failed (O(N) bytes in all); only then an
@@ -634,6 +654,15 @@ class Coordinator:
         if self._hosts is None:
             self._hosts = self.all_gather_object(socket.gethostname(), phase="exchanging host names")
         return self._hosts
+
+    def all_gather_with_hosts(self, obj: T, phase: str) -> list[T]:
+        """``all_gather_object(obj)``, carrying the host names along when they are not known yet (one step, where
+        ``host_names`` first would take two)."""
+        if self._hosts is not None or not self.distributed:
+            return self.all_gather_object(obj, phase=phase)
+        pairs = self.all_gather_object((socket.gethostname(), obj), phase=phase)
+        self._hosts = [host for host, _ in pairs]
+        return [value for _, value in pairs]
 
     # ------------------------------------------------------------------ subgroups
     def subgroup(self, ranks: list[int]) -> Any:

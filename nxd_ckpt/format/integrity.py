@@ -41,6 +41,7 @@ from nxd_ckpt.format.manifests import (
 )
 from nxd_ckpt.storage import DelegatingStorage, Storage
 from nxd_ckpt.storage.base import Allocator, ForwardWriter, read_whole
+from nxd_ckpt.storage.direct import DirectReader
 
 # The manifest format (records, sealing, parsing, the one reader) lives in format/manifests.py; these names are
 # re-exported for callers of this module.
@@ -123,22 +124,38 @@ class _HashingWriter(ForwardWriter):
 
 
 class _HashingReader:
-    """A read stream that hashes what passes through, in order, in pieces still warm in the CPU cache."""
+    """A read stream that hashes what passes through, in order. Bytes copied by the CPU (page cache, memory
+    tier, sockets) are read ``piece`` bytes at a time and each piece is hashed right after its copy, while it is
+    still in the CPU cache: one pass over memory instead of a copy and a second, hashing pass. ``piece=None``
+    (O_DIRECT streams: the disk writes by DMA, and large requests keep it fast) reads as asked, then hashes."""
 
-    PIECE = 4 << 20
+    PIECE = 1 << 20
+    """Fits the per-core L2 cache of current x86 and Graviton server parts."""
 
-    def __init__(self, source: BinaryIO) -> None:
+    def __init__(self, source: BinaryIO, piece: int | None = PIECE) -> None:
         self._source = source
+        self._piece = piece
         self._hasher = new_hasher()
         self.size = 0
 
     def readinto(self, b: Any) -> int:
         view = memoryview(b).cast("B")
-        n = self._source.readinto(view) or 0  # type: ignore[attr-defined]
-        for start in range(0, n, self.PIECE):
-            self._hasher.update(view[start : min(n, start + self.PIECE)])
-        self.size += n
-        return n
+        if self._piece is None:
+            n = self._source.readinto(view) or 0  # type: ignore[attr-defined]
+            for start in range(0, n, self.PIECE):
+                self._hasher.update(view[start : min(n, start + self.PIECE)])
+            self.size += n
+            return n
+        done = 0
+        while done < len(view):  # stops at a short read (end of file, or what a socket had): callers loop
+            want = min(self._piece, len(view) - done)
+            n = self._source.readinto(view[done : done + want]) or 0  # type: ignore[attr-defined]
+            self._hasher.update(view[done : done + n])
+            done += n
+            if n < want:
+                break
+        self.size += done
+        return done
 
     def read(self, n: int = -1) -> bytes:
         data = self._source.read(n)
@@ -295,7 +312,7 @@ class VerifyingStorage(DelegatingStorage):
             if rec is None:
                 yield f
                 return
-            reader = _HashingReader(f)
+            reader = _HashingReader(f, None if isinstance(f, DirectReader) else _HashingReader.PIECE)
             yield reader  # type: ignore[misc]
             reader.drain()
         self._check(path, rec, reader.size, reader.digest())

@@ -116,26 +116,25 @@ class LoadPipeline:
             return self.from_tiers(options, options.memory_tier)
         return self.from_directory(options.checkpoint_dir, options)
 
-    def from_directory(self, source: Any, options: LoadOptions) -> Any:
-        """A load from one checkpoint directory (or one memory-tier view, a Storage)."""
+    def from_directory(self, source: Any, options: LoadOptions, topo: Topology | None = None) -> Any:
+        """A load from one checkpoint directory (or one memory-tier view, a Storage); ``topo``: the layout when
+        the caller has already agreed on it."""
         if options.fallback_to_verified and options.tag is None:
             return self.newest_verified(source, options)
         with self.coord.deadline(options.timeout_s):
-            return self.load_tag(source, options.tag, options)
+            return self.load_tag(source, options.tag, options, topo)
 
     # ------------------------------------------------------------------ one tag
-    def load_tag(self, source: Any, tag: str | None, options: LoadOptions) -> Any:
+    def load_tag(self, source: Any, tag: str | None, options: LoadOptions, topo: Topology | None = None) -> Any:
         """resolve → describe → choose → read → restore, for one tag of one directory."""
         coord = self.coord
         call_start = time.perf_counter()
         device = xla.resolve_device(options.device)  # before any collective: a missing torch_xla fails fast
-        topo = coord.run_all(self.services.topology, "reading the parallel layout")
+        if topo is None:
+            topo = coord.run_all(self.services.topology, "reading the parallel layout")
         storage = source if isinstance(source, TierView) else self.services.storage_for(source)
-        resolved, info = self.resolve(storage, tag)
-        if options.verify:  # every file read below is checked against the manifests written with it
-            index = coord.master_computes(
-                lambda: integrity.read_index(storage, resolved), f"reading the manifests of {resolved!r}"
-            )
+        resolved, info, index = self.resolve(storage, tag, options.verify)
+        if index is not None:  # every file read below is checked against the manifests written with it
             storage = integrity.VerifyingStorage(storage, resolved, index)
         read = self.choose(storage, resolved, info, topo, options)
         start = time.perf_counter()
@@ -152,25 +151,31 @@ class LoadPipeline:
                         time.perf_counter() - call_start)  # fmt: skip
         return result
 
-    def resolve(self, storage: Storage, tag: str | None) -> tuple[str, TagDescription]:
-        """Rank 0: the tag to load and its layout, told to every rank."""
+    def resolve(
+        self, storage: Storage, tag: str | None, verify: bool = False
+    ) -> tuple[str, TagDescription, dict[str, integrity.FileRecord] | None]:
+        """Rank 0: the tag to load, its layout and (``verify``) its merged manifests, told to every rank in one
+        step."""
 
-        def resolve() -> tuple[str, TagDescription]:
+        def resolve() -> tuple[str, TagDescription, dict[str, integrity.FileRecord] | None]:
             tags.recover_resaves(storage, finish_only=True)  # a crash mid-swap: the complete copy gets its name
             resolved = tags.resolve_tag(storage, tag)
-            return resolved, describe(storage, resolved)
+            info = describe(storage, resolved)
+            return resolved, info, integrity.read_index(storage, resolved) if verify else None
 
-        return self.coord.master_computes(resolve, f"resolving the checkpoint to load from {storage.url}")
+        what = " and reading its manifests" if verify else ""
+        return self.coord.master_computes(resolve, f"resolving the checkpoint to load from {storage.url}{what}")
 
     def choose(self, storage: Storage, tag: str, info: TagDescription, topo: Topology, options: LoadOptions) -> TagRead:
         """The read plan: re-sharded when the TP/PP size changed, else this rank's own files (DP replicas
-        reading the same xser file share the reads, when all replicas load in one wave)."""
+        reading the same xser file share the reads, when all replicas load in one wave: their groups are made
+        only then, as plain files are read by each rank alone)."""
         targets = options.model is not None or options.optimizer is not None
         resharded = None
         if check_layout(info, topo, storage.url, tag) and targets:
             resharded = self.plan_reshard(storage, tag, info, topo, options)
         replicas = None
-        if targets and options.num_workers >= topo.local_world_size:
+        if targets and info.xser and options.num_workers >= topo.local_world_size:
             replicas = replica_reads.replica_groups(self.coord, topo)
         return TagRead(storage, tag, info, topo, options, replicas, resharded)
 
@@ -254,23 +259,23 @@ class LoadPipeline:
         with coord.deadline(options.timeout_s):
             topo = coord.run_all(self.services.topology, "reading the parallel layout")
             runtime = self.services.tier_runtime(tier, storage.url, topo)
-            reports = coord.all_gather_object(runtime.report(), phase="memory tier: what each node holds")
-            choice = choose_memory_tag(reports, options.tag)
-            durable = coord.master_computes(
+            reports, durable = coord.gather_and_master_computes(
+                runtime.report(),
                 lambda: None if options.tag is not None else newest_durable(storage),
-                f"listing the checkpoints in {storage.url}",
+                f"memory tier: what each node holds; listing the checkpoints in {storage.url}",
             )
+            choice = choose_memory_tag(reports, options.tag)
         failures: list[str] = []
         if choice is not None and (durable is None or choice.created_at >= durable[1] or durable[0] == choice.tag):
             # a tier copy counts only verified: every file read is checked against its manifest
             verified = options.replace(fallback_to_verified=False, verify=True)
-            restored = self.from_tier_copies(runtime, choice, reports, verified, failures)
+            restored = self.from_tier_copies(runtime, choice, reports, verified, failures, topo)
             if restored is not None:
                 return restored[0]
         elif choice is None and coord.rank == 0:
             logger.info("no complete checkpoint%s in the memory tier; loading from %s",
                         f" {options.tag!r}" if options.tag else "", storage.url)  # fmt: skip
-        result = self.from_directory(options.checkpoint_dir, options)
+        result = self.from_directory(options.checkpoint_dir, options, topo)
         restore = RestoreReport(options.tag or tags.latest_tag(storage) or "", ["durable"] * coord.world_size)
         self.services.on_restore(restore)
         if coord.rank == 0:
@@ -280,7 +285,7 @@ class LoadPipeline:
 
     def from_tier_copies(
         self, runtime: TierRuntime, choice: MemoryChoice, reports: list[Report], options: LoadOptions,
-        failures: list[str],
+        failures: list[str], topo: Topology,
     ) -> tuple[Any] | None:  # fmt: skip
         """This node's copy, then (ranks that found damage) other nodes' copies; ``(result,)`` once every rank
         loaded, None (with ``failures`` told why) when the durable directory must serve."""
@@ -297,7 +302,7 @@ class LoadPipeline:
                 if not all(ready):
                     return None
             assert view is not None
-            result, error = self.attempt(lambda v=view: self.from_directory(v, options.replace(tag=choice.tag)))
+            result, error = self.attempt(lambda v=view: self.from_directory(v, options.replace(tag=choice.tag), topo))
             outcome = Outcome.of(error, coord.rank, "peer" if view.bytes_remote else "memory")
             damaged = outcome.found_here
             with coord.deadline(options.timeout_s):

@@ -47,18 +47,27 @@ class TierRuntime:
         self.url = url
         self.rank = coord.rank
         self.local_rank = local_rank
-        hosts = coord.host_names() if coord.distributed else ["localhost"]
-        self.nodes: Nodes = nodes_of(coord.world_size, local_world_size, hosts, tier.replicas)
+        world = coord.world_size
+        self.nodes: Nodes = nodes_of(world, local_world_size, [], tier.replicas)  # the host check follows
         self.node = self.nodes.node_of(coord.rank)
         self.root = tier.root(self.node, url)
         os.makedirs(self.root, exist_ok=True)
-        token = coord.master_computes(lambda: secrets.token_hex(16), "memory tier: making the job's token")
         self.timeout_s = stall_limit_s(coord.timeout_s)
-        self.server = FileServer(self.root, token, self.timeout_s, tier.bind)
+        # Until the job's token (rank 0's) is known, the server only accepts this rank's own secret one.
+        self.server = FileServer(self.root, secrets.token_hex(16), self.timeout_s, tier.bind)
         self.address = f"{host_name()}:{self.server.port}"
-        self.addresses: list[str] = coord.all_gather_object(
-            self.address, phase="memory tier: exchanging the file servers' addresses"
-        )
+        try:  # one step: addresses, rank 0's token and (if not known yet) the host names
+            exchanged = coord.all_gather_with_hosts(
+                (self.address, self.server.token), phase="memory tier: exchanging the file servers' addresses"
+            )
+            hosts = coord.host_names() if coord.distributed else ["localhost"]
+            self.nodes = nodes_of(world, local_world_size, hosts, tier.replicas)
+        except BaseException:
+            self.server.close()
+            raise
+        self.addresses: list[str] = [address for address, _ in exchanged]
+        token = exchanged[0][1]
+        self.server.token = token
         self.client = FileClient(token, self.timeout_s)
         self.saves = 0
         """Saves through this run-time so far (identical on every rank)."""

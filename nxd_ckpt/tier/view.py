@@ -28,6 +28,9 @@ from nxd_ckpt.storage import LocalStorage, Storage
 from nxd_ckpt.storage.base import Allocator
 from nxd_ckpt.tier.transport import FileClient, MissingOnPeer
 
+SMALL_FILE_BYTES = 1 << 20
+"""Files up to this size that the restore reads whole are kept by the view (see ``TierView._small``)."""
+
 
 @dataclass(frozen=True)
 class Source:
@@ -55,6 +58,9 @@ class TierView(Storage):
         self._owner: dict[str, int] | None = None
         self._sizes: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._small: dict[str, bytes] = {}
+        """Small files already read whole (manifests, metadata): a restore reads them on several steps, and a
+        peer's copy would cost a round trip each time. The view's files do not change while it is in use."""
         self.bytes_local = 0
         self.bytes_remote = 0
 
@@ -92,6 +98,7 @@ class TierView(Storage):
                     f"the memory-tier copy of rank {rank}'s manifest of {self.tag} is missing: {e}"
                 ) from e
             _, records = parse_manifest(data, f"{self.url}/{path}")
+            self._keep_small(path, data)
             owner[path], sizes[path] = rank, len(data)
             for rel, rec in records.items():
                 owner[f"{self.tag}/{rel}"], sizes[f"{self.tag}/{rel}"] = rank, rec.size
@@ -162,8 +169,17 @@ class TierView(Storage):
             raise FormatError(f"memory-tier file {self.url}/{path} is missing: {e}") from e
 
     def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
-        data = self.read_buffer(path).tobytes()
+        with self._lock:
+            data = self._small.get(path)
+        if data is None:
+            data = self.read_buffer(path).tobytes()
+            self._keep_small(path, data)
         return data[offset:] if length is None else data[offset : offset + length]
+
+    def _keep_small(self, path: str, data: bytes) -> None:
+        if len(data) <= SMALL_FILE_BYTES:
+            with self._lock:
+                self._small[path] = data
 
     def exists(self, path: str) -> bool:
         if path in ("", self.tag) or path == layout.tag_path(self.tag, layout.DONE_MARKER):

@@ -179,3 +179,100 @@ def _unreachable_peer_job(ckpt: str, mem: str) -> None:
 def test_unreachable_peer_fails_the_save_on_every_rank(tmp_path):
     kwargs = dict(ckpt=str(tmp_path / "ckpt"), mem=str(tmp_path / "mem"))
     run_on_ranks(_unreachable_peer_job, 4, kwargs, ranks_per_node=2)
+
+
+RESTORE_STEPS = 7
+"""World-wide coordinator steps of a restore from node memory on a fresh manager (tier set-up included)."""
+
+
+def _counted_restore_job(ckpt: str, mem: str) -> None:
+    """Issue 27: a restore's fixed cost is its world-wide steps. Set-up is one step (addresses, the job's token
+    and the host names together), the restore reuses the layout it agreed on, and a plain tag makes no replica
+    groups (only xser files share reads between replicas)."""
+    from nxd_ckpt.dist.coordinator import Coordinator
+
+    rank = dist.get_rank()
+    os.environ["NXD_CKPT_MEMORY_TIER_HOST"] = "127.0.0.1"
+    tier = nxd.MemoryTier(dir=os.path.join(mem, "node{node}"), replicas=1, durable_every=1, bind="127.0.0.1")
+    model = {"w": torch.full((1024,), float(rank + 1)), "b": torch.arange(8.0)}
+    nxd.save_checkpoint(ckpt, "s1", model=model, async_save=True, memory_tier=tier).wait()
+    nxd.finalize_checkpoint()
+    nxd.reset_manager()
+    steps: list[str] = []
+    arrive = Coordinator._arrive_and_wait
+
+    def counting(self: Coordinator, phase: str) -> None:
+        steps.append(phase)
+        arrive(self, phase)
+
+    Coordinator._arrive_and_wait = counting  # type: ignore[method-assign]
+    try:
+        manager = CheckpointManager()
+        target = {"w": torch.zeros(1024), "b": torch.zeros(8)}
+        manager.load(ckpt, model=target, memory_tier=tier)
+    finally:
+        Coordinator._arrive_and_wait = arrive  # type: ignore[method-assign]
+    assert manager.last_restore is not None and manager.last_restore.tiers == ["memory", "memory"]
+    assert torch.equal(target["w"], torch.full((1024,), 1.0)) and torch.equal(target["b"], torch.arange(8.0))
+    set_up = [p for p in steps if "memory tier: exchanging" in p or "host names" in p or "token" in p]
+    assert set_up == ["memory tier: exchanging the file servers' addresses"], steps
+    assert manager.coordinator()._subgroups == {}, "a plain tag's load made replica groups"
+    assert len(steps) <= RESTORE_STEPS, steps
+    manager.finalize()
+
+    # From the peer (node 0's memory lost): no file crosses the network twice (manifests and metadata are
+    # read on several steps; the view keeps the small ones it fetched).
+    from nxd_ckpt.tier.transport import FileClient
+
+    dist.barrier()
+    if rank == 0:
+        os.rename(os.path.join(mem, "node0"), os.path.join(mem, "node0.lost"))
+    dist.barrier()
+    fetched: list[str] = []
+    get, stream = FileClient.get, FileClient.open_stream
+
+    def counting_get(self, address, path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        fetched.append(path)
+        return get(self, address, path, *args, **kwargs)
+
+    def counting_stream(self, address, path):  # type: ignore[no-untyped-def]
+        fetched.append(path)
+        return stream(self, address, path)
+
+    FileClient.get, FileClient.open_stream = counting_get, counting_stream  # type: ignore[method-assign]
+    try:
+        manager = CheckpointManager()
+        target = {"w": torch.zeros(1024), "b": torch.zeros(8)}
+        manager.load(ckpt, model=target, memory_tier=tier)
+    finally:
+        FileClient.get, FileClient.open_stream = get, stream  # type: ignore[method-assign]
+    assert manager.last_restore is not None and manager.last_restore.tiers == ["peer", "memory"]
+    assert torch.equal(target["w"], torch.full((1024,), 1.0))
+    if rank == 0:
+        assert fetched and len(fetched) == len(set(fetched)), fetched
+    manager.finalize()
+
+
+def test_a_restore_from_memory_takes_few_world_wide_steps(tmp_path):
+    kwargs = dict(ckpt=str(tmp_path / "ckpt"), mem=str(tmp_path / "mem"))
+    run_on_ranks(_counted_restore_job, 2, kwargs, ranks_per_node=1)
+
+
+def _gather_and_master_job() -> None:
+    """One step carries every rank's object and rank 0's result, or rank 0's error raised on every rank."""
+    from nxd_ckpt.dist.coordinator import Coordinator
+
+    coord = Coordinator()
+    rank = coord.rank
+    assert coord.gather_and_master_computes(rank * 10, lambda: "from rank 0", "both") == ([0, 10], "from rank 0")
+
+    def broken() -> None:
+        raise nxd.FormatError("rank 0 could not list")
+
+    with pytest.raises(nxd.FormatError, match="rank 0 could not list"):
+        coord.gather_and_master_computes(rank, broken, "both")
+    assert coord.all_gather_object(rank, phase="still in step") == [0, 1]
+
+
+def test_gather_and_master_computes_in_one_step():
+    run_on_ranks(_gather_and_master_job, 2)

@@ -187,6 +187,9 @@ def test_a_world_of_one_runs_steps_locally():
         coord.master_computes(lambda: (_ for _ in ()).throw(nxd.FormatError("broken")), "computing")
     coord.barrier("nothing to wait for")
     assert coord.all_gather_object(5) == [5]
+    assert coord.gather_and_master_computes("mine", lambda: 7, "both") == (["mine"], 7)
+    with pytest.raises(nxd.FormatError, match="broken"):
+        coord.gather_and_master_computes(1, lambda: (_ for _ in ()).throw(nxd.FormatError("broken")), "both")
 
 
 # ------------------------------------------------------------------------------------------ the watchdog

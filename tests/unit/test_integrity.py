@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -12,7 +13,7 @@ import torch
 
 import nxd_ckpt as nxd
 from nxd_ckpt.errors import FormatError, IntegrityError
-from nxd_ckpt.format import integrity, layout
+from nxd_ckpt.format import hashing, integrity, layout
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_steps
 from nxd_ckpt.tools import verification
@@ -294,3 +295,61 @@ def test_nxd_tag_with_a_deleted_model_file_fails_in_python_and_cli(tmp_path):
     assert not report.ok and any(layout.state_file_name(0, 0, 0) in p for p in report.problems), report.summary()
     assert cli.main(["verify", str(tmp_path / "ckpt")]) == 1
     assert cli.main(["verify", str(tmp_path / "ckpt"), "--quick"]) == 1
+
+
+class _Spying(LocalStorage):
+    """Local storage whose sequential streams log each copy into the caller's buffer in ``events``."""
+
+    def __init__(self, root: str, events: list) -> None:
+        super().__init__(root)
+        self.events = events
+
+    @contextlib.contextmanager
+    def open_sequential(self, path: str, direct: bool = False):
+        with super().open_sequential(path, direct) as f:
+            events = self.events
+
+            class Spy(io.RawIOBase):
+                def readinto(self, b):
+                    n = f.readinto(b)
+                    events.append(("copy", n))
+                    return n
+
+            yield Spy()
+
+
+def test_verified_sequential_reads_hash_each_piece_right_after_copying_it(tmp_path, monkeypatch):
+    """Issue 27: a verified read into live memory (memory-tier restores) copies at most 1 MiB at a time and
+    hashes each piece before the next copy, while it is still in the CPU cache (one pass over memory, not a
+    copy and then a second hashing pass); a flipped byte is still found."""
+    payload = bytearray(os.urandom((7 << 19) + 5))  # 3.5 MiB + 5: three whole pieces and two short ones
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "f.bin").write_bytes(payload)
+    record = integrity.FileRecord(*integrity.hash_bytes(bytes(payload)), 0)
+    events: list = []
+
+    class SpyHasher:
+        def __init__(self) -> None:
+            self.inner = hashing.Hasher()
+
+        def update(self, data) -> None:
+            events.append(("hash", memoryview(data).nbytes))
+            self.inner.update(data)
+
+        def hexdigest(self) -> str:
+            return self.inner.hexdigest()
+
+    monkeypatch.setattr(integrity, "new_hasher", SpyHasher)
+    storage = integrity.VerifyingStorage(_Spying(str(tmp_path), events), "t", {"f.bin": record})
+    target = bytearray(len(payload))
+    with storage.open_sequential("t/f.bin") as f:
+        assert f.readinto(memoryview(target)) == len(payload)
+    assert target == payload
+    piece = 1 << 20
+    expected = [e for n in (piece, piece, piece, (1 << 19) + 5) for e in (("copy", n), ("hash", n))]
+    assert events[: len(expected)] == expected, events
+
+    payload[(5 << 19) + 1] ^= 0x01  # one bit, in the fourth piece
+    (tmp_path / "t" / "f.bin").write_bytes(payload)
+    with pytest.raises(IntegrityError, match="f.bin"), storage.open_sequential("t/f.bin") as f:
+        f.readinto(memoryview(target))

@@ -217,3 +217,74 @@ def test_the_durable_copy_of_a_tier_save_is_not_hashed_again_and_verifies(tmp_pa
         target = _model(0)
         nxd.load_checkpoint(ckpt, tag, model=target)  # durable, verified against the recorded checksums
         assert_state_equal(target, _model(step))
+
+
+def test_transport_sends_a_mapped_file_in_one_call_and_fills_whole_pieces(tmp_path, monkeypatch):
+    """Issue 27: the server sends a file in one blocking call from one populated mapping of it (not one
+    ``sendfile`` splice of 64 KiB, and a wake-up of a busy process, per socket buffer), and the receiver's
+    buffers are filled whole (one system call per piece)."""
+    import mmap
+
+    from nxd_ckpt.tier import transport
+
+    payload = os.urandom(12 << 20)  # three times the largest socket send buffer Linux grants by default
+    (tmp_path / "peer" / "node_00001").mkdir(parents=True)
+    (tmp_path / "peer" / "node_00001" / "f.bin").write_bytes(payload)
+    mapped: list[tuple[int, int]] = []
+
+    class Recording(mmap.mmap):
+        def __new__(cls, fileno: int, length: int, **kwargs: int) -> mmap.mmap:
+            mapped.append((length, kwargs.get("flags", 0)))
+            return super().__new__(cls, fileno, length, **kwargs)
+
+    monkeypatch.setattr(transport.mmap, "mmap", Recording)
+    monkeypatch.setattr(os, "sendfile", None)  # not used any more
+    server = FileServer(str(tmp_path / "peer"), token="t", timeout_s=10, bind="127.0.0.1")
+    try:
+        client = FileClient("t", timeout_s=10)
+        target, got = bytearray(len(payload)), []
+        with client.open_stream(f"127.0.0.1:{server.port}", "node_00001/f.bin") as stream:
+            view = memoryview(target)
+            for start in range(0, len(payload), 1 << 20):
+                got.append(stream.readinto(view[start : start + (1 << 20)]))
+        assert bytes(target) == payload
+        assert got == [1 << 20] * 12
+        assert mapped == [(len(payload), mmap.MAP_SHARED | mmap.MAP_POPULATE)]
+    finally:
+        server.close()
+
+
+def test_transport_gives_up_on_a_peer_that_stops_sending(tmp_path):
+    """A peer that stalls mid-file fails the fetch after the deadline (no receive waits forever)."""
+    import json
+    import socket
+    import threading
+
+    from nxd_ckpt.errors import CheckpointTimeoutError
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    release = threading.Event()
+
+    def stalling_peer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(4096)
+            conn.sendall(json.dumps({"ok": True, "size": 100}).encode() + b"\n" + b"x" * 10)
+            release.wait(10)
+
+    thread = threading.Thread(target=stalling_peer, daemon=True)
+    thread.start()
+    try:
+        client = FileClient("t", timeout_s=0.5)
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        with (
+            pytest.raises(CheckpointTimeoutError, match="sent nothing for 0.5 s"),
+            client.open_stream(address, "node_00001/f.bin") as stream,
+        ):
+            buf = bytearray(100)
+            while stream.readinto(memoryview(buf)):
+                pass
+    finally:
+        release.set()
+        thread.join(5)
+        listener.close()
