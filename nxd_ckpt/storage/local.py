@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from nxd_ckpt.errors import StorageError
 from nxd_ckpt.storage import direct
@@ -131,7 +131,7 @@ class LocalStorage(Storage):
     def open_sequential(self, path: str, direct: bool = False) -> Iterator[BinaryIO]:
         if not direct or not direct_io.enabled():
             with self.open_read(path) as f:
-                yield f
+                yield _ReadAhead(f)  # type: ignore[misc]
             return
         full = self._abs(path)
         try:
@@ -296,3 +296,36 @@ def _check_is_directory_path(root: str) -> None:
             f"checkpoint directory {root} cannot exist: {existing} is a regular file, not a directory; "
             "choose another path"
         )
+
+
+class _ReadAhead:
+    """A local file read front to back through the page cache, with the kernel asked to read ``WINDOW`` bytes
+    ahead of the reader (``POSIX_FADV_WILLNEED``, which only queues the reads): the disk keeps large requests in
+    flight while the caller copies (and hashes) small pieces out of the cache. The default read-ahead (often
+    128 KiB) leaves a cold disk idle between such pieces."""
+
+    WINDOW = 32 << 20
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self._fd = f.fileno()
+        self._advised = 0
+
+    def _ahead(self) -> None:
+        pos = self._f.tell()
+        if pos + self.WINDOW // 2 >= self._advised:
+            start = max(pos, self._advised)
+            with contextlib.suppress(OSError, AttributeError):  # advice only: systems without it read as before
+                os.posix_fadvise(self._fd, start, pos + self.WINDOW - start, os.POSIX_FADV_WILLNEED)
+            self._advised = pos + self.WINDOW
+
+    def readinto(self, b: Any) -> int:
+        self._ahead()
+        return self._f.readinto(b)  # type: ignore[attr-defined]
+
+    def read(self, n: int = -1) -> bytes:
+        self._ahead()
+        return self._f.read(n)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)

@@ -4,6 +4,7 @@ copy of the state, the same parameter and optimizer-state memory before and afte
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import subprocess
 import sys
@@ -274,3 +275,29 @@ def test_peak_extra_host_memory_of_a_live_load_is_a_few_buffers_not_a_copy(tmp_p
     fresh = _peak(ckpt, "fresh")
     assert fresh["extra"] >= 0.9 * fresh["state"]  # the control: the measure sees a copy of the state
     assert live["extra"] <= 0.15 * live["state"], live  # 64 MiB state: under ~10 MiB of extra memory
+
+
+def test_page_cache_reads_ask_the_kernel_to_read_ahead_of_the_reader(tmp_path, monkeypatch):
+    """Sequential reads through the page cache keep a window of reads queued ahead (POSIX_FADV_WILLNEED), so a
+    cold disk gets large requests while the reader copies and hashes 1 MiB pieces; the bytes are unchanged."""
+    data = os.urandom(40 << 20)
+    (tmp_path / "f").write_bytes(data)
+    advised: list[tuple[int, int]] = []
+    real = os.posix_fadvise
+
+    def recording(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_WILLNEED:
+            advised.append((offset, length))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", recording)
+    out = bytearray(len(data))
+    with LocalStorage(str(tmp_path)).open_sequential("f", direct=False) as f:
+        view, done = memoryview(out), 0
+        while done < len(data):
+            n = f.readinto(view[done : done + (1 << 20)])
+            assert advised and advised[-1][0] + advised[-1][1] >= done + (16 << 20)  # well ahead of the reader
+            done += n
+    assert bytes(out) == data
+    covered = sorted(advised)
+    assert covered[0][0] == 0 and all(a + n == b for (a, n), (b, _) in itertools.pairwise(covered))  # contiguous
