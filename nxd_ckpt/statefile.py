@@ -28,7 +28,6 @@ from nxd_ckpt.save import plan
 from nxd_ckpt.serialization import plain, readinto, torchzip, xser
 from nxd_ckpt.serialization.inmemory import BufferReader, allocate
 from nxd_ckpt.storage import Storage
-from nxd_ckpt.storage.direct import lined_up_empty
 from nxd_ckpt.tree import map_tensors, tensor_bytes
 
 
@@ -162,17 +161,15 @@ def _safe_unpickler(data: Any) -> Any:
     return weights_only.Unpickler(data, encoding="utf-8")
 
 
-def read_plain(
-    storage: Storage, path: str, *, trusted: bool = False, target: LoadTarget | None = None, direct: bool = True
-) -> Any:
+def read_plain(storage: Storage, path: str, *, trusted: bool = False, target: LoadTarget | None = None) -> Any:
     """Read a ``torch.save`` state file in one sequential pass (hashed as it is read when verified), its tensor
-    data straight into ``target``'s tensors where given, else into fresh memory lined up for O_DIRECT reads.
-    Files on storage without a local page cache (S3) are read whole into one buffer and parsed there.
-    ``direct=False`` keeps the reads in the page cache (other replicas on this host read the same file)."""
+    data straight into ``target``'s tensors where given (O_DIRECT where they line up), else into fresh memory.
+    Files on storage without a local page cache (S3) are read whole into one buffer and parsed there."""
     what = f"{storage.url}/{path}"
     if not trusted and (target is not None or storage.host_page_cache):  # trusted: torch.load's own unpickler
-        target = target if target is not None else LoadTarget({})  # fresh dicts: lined-up fresh memory
-        with storage.open_sequential(path, direct=direct and target.direct) as f:
+        fresh = target is None  # fresh dicts: through the page cache, read ahead (O_DIRECT into fresh memory
+        target = target if target is not None else LoadTarget({})  # had to fault it in first: slower here)
+        with storage.open_sequential(path, direct=target.direct and not fresh) as f:
             try:
                 with torchzip.safe_globals():
                     return readinto.load_into(
@@ -181,7 +178,6 @@ def read_plain(
                         make_unpickler=_safe_unpickler,
                         choose=target.chooser(),
                         filled=target.filled,
-                        allocate=lined_up_empty,
                     )
             except readinto.Fallback as e:
                 buffer = readinto.as_array(e.data)
@@ -303,14 +299,8 @@ def read_state_file(
     """Read one state file in whichever encoding it has; xser reads are shared across ``group`` if given.
     With ``target``, tensors are read straight into the target's existing tensors where they fit."""
     if not is_xser_file(storage, path):
-        direct = not _replicas_share_page_cache(group, storage)  # all replicas here read the whole file
-        return read_plain(storage, path, trusted=trusted, target=target, direct=direct)
+        return read_plain(storage, path, trusted=trusted, target=target)
     return read_xser(storage, path, trusted=trusted, group=group, threads=threads, target=target)
-
-
-def _replicas_share_page_cache(group: ReplicaGroup | None, storage: Storage) -> bool:
-    """Whether other replicas on this host read the same files through this host's page cache."""
-    return group is not None and group.peers_on_host > 1 and storage.host_page_cache and replica_reads_mode() == "auto"
 
 
 @dataclass(frozen=True)
@@ -474,7 +464,8 @@ def _read_tensors(
             chosen.append(dest)
             return {id(meta): dest}
 
-        with storage.open_sequential(tensor_path, direct=direct) as f:
+        into_existing = where is not None and target is not None and where in target.tensors
+        with storage.open_sequential(tensor_path, direct=direct and into_existing) as f:
             try:
                 result = readinto.load_into(
                     f,
@@ -482,7 +473,6 @@ def _read_tensors(
                     make_unpickler=xser.tensor_unpickler,
                     choose=choose,
                     filled=target.filled if target is not None else None,
-                    allocate=lined_up_empty,
                 )
             except readinto.Fallback as e:
                 buffer = readinto.as_array(e.data)

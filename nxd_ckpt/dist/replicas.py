@@ -28,23 +28,13 @@ class ReplicaGroup:
     device collective could take its place on Neuron hardware). Every replica must make the same calls.
     """
 
-    def __init__(
-        self,
-        coordinator: Coordinator,
-        ranks: Sequence[int],
-        group: Any,
-        same_host: bool = False,
-        peers_on_host: int | None = None,
-    ) -> None:
+    def __init__(self, coordinator: Coordinator, ranks: Sequence[int], group: Any, same_host: bool = False) -> None:
         self.coordinator = coordinator
         self.ranks = tuple(ranks)
         self.group = group
         self.index = self.ranks.index(coordinator.rank)
         self.same_host = same_host
         """Whether every replica runs on this host (they can then share reads through the page cache)."""
-        self.peers_on_host = peers_on_host if peers_on_host is not None else (len(self.ranks) if same_host else 1)
-        """Replicas on this rank's host, itself included: when several read a whole file, one page-cache read
-        serves them all, so none should read it around the cache."""
 
     @property
     def size(self) -> int:
@@ -154,8 +144,7 @@ def replica_groups(coordinator: Coordinator, topo: Topology) -> ReplicaGroup | N
     for ranks in groups:
         group = coordinator.subgroup(ranks)
         if coordinator.rank in ranks:
-            here = sum(hosts[r] == hosts[coordinator.rank] for r in ranks)
-            mine = ReplicaGroup(coordinator, ranks, group, same_host=here == len(ranks), peers_on_host=here)
+            mine = ReplicaGroup(coordinator, ranks, group, same_host=len({hosts[r] for r in ranks}) == 1)
     return mine
 
 

@@ -49,8 +49,6 @@ PIECE_BYTES = 16 << 20
 
 Chooser = Callable[[Any], dict[int, torch.Tensor]]
 """Given the unpickled structure with ``meta`` tensors, returns {id(meta tensor): destination tensor}."""
-Allocator = Callable[[int, int], torch.Tensor]
-"""Fresh memory for a record without a destination: (bytes, the record's file offset) -> a uint8 tensor."""
 Filled = Callable[[torch.Tensor], None]
 """Called with each destination once all of its bytes have been read (e.g. to send it on to a device)."""
 
@@ -194,7 +192,7 @@ def load_into(
     make_unpickler: Callable[[io.BytesIO], Any],
     choose: Chooser,
     filled: Filled | None = None,
-    allocate: Allocator | None = None,
+    allocate: Callable[[int], torch.Tensor] | None = None,
     stats: ReadStats | None = None,
 ) -> Any:
     """Read the ``torch.save`` zip streamed by ``f`` (from its start, to its end, once) and unpickle it, with
@@ -229,7 +227,7 @@ class _StreamingLoad:
         make_unpickler: Callable[[io.BytesIO], Any],
         choose: Chooser,
         filled: Filled | None,
-        allocate: Allocator | None,
+        allocate: Callable[[int], torch.Tensor] | None,
         stats: ReadStats | None,
     ) -> None:
         self.seq = _Sequential(f)
@@ -237,7 +235,7 @@ class _StreamingLoad:
         self.make_unpickler = make_unpickler
         self.choose = choose
         self.filled = filled
-        self.allocate = allocate or (lambda n, _position: torch.empty(n, dtype=torch.uint8))
+        self.allocate = allocate or (lambda n: torch.empty(n, dtype=torch.uint8))
         self.stats = stats if stats is not None else ReadStats()
         self.pickled: bytes | None = None
         self.byteorder: str | None = None
@@ -302,7 +300,7 @@ class _StreamingLoad:
         if record.csize and record.csize != nbytes:
             raise FormatError(f"{what}: record {name} holds {record.csize} bytes, its tensor needs {nbytes}")
         dest = self.destinations.get(key)
-        target = _bytes_of(dest) if dest is not None else self.allocate(nbytes, seq.pos)
+        target = _bytes_of(dest) if dest is not None else self.allocate(nbytes)
         _read_exactly(seq, target, what, name)
         if record.flags & _HAS_DESCRIPTOR and nbytes:
             desc = seq.take(_DESCRIPTOR.size)

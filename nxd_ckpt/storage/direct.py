@@ -21,7 +21,6 @@ how a resumed model's parameters are allocated too.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import mmap
@@ -47,28 +46,6 @@ _POOL_LIMIT = 16
 
 def enabled() -> bool:
     return knobs.direct_io()
-
-
-_MADV_POPULATE_WRITE = 23
-"""Linux 5.14+: fault in a range's pages for writing in one call."""
-
-
-def lined_up_empty(nbytes: int, position: int) -> Any:
-    """Fresh host memory (uint8) for ``nbytes`` that a load reads from file offset ``position``.
-
-    Large buffers start at an address congruent to ``position`` modulo the block size, so ``DirectReader``
-    fills them with O_DIRECT like a live parameter, and are faulted in with one ``madvise`` call first: an
-    O_DIRECT read or a page-cache copy into untouched memory takes one fault per page, 3-5x slower here.
-    The tensor owns its own mapping (returned to the system when the tensor is freed)."""
-    import torch  # not at module level: listing and inspecting checkpoints work without torch
-
-    if nbytes < IN_PLACE_MIN_BYTES or not enabled():
-        return torch.empty(nbytes, dtype=torch.uint8)
-    offset = position % BLOCK_BYTES
-    region = mmap.mmap(-1, offset + nbytes)
-    with contextlib.suppress(OSError, ValueError, AttributeError):  # older kernels: the read takes the faults
-        region.madvise(_MADV_POPULATE_WRITE)
-    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset)
 
 
 class _BufferPool:

@@ -17,7 +17,6 @@ from nxd_ckpt.dist.coordinator import Coordinator
 from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.errors import FormatError
 from nxd_ckpt.storage import LocalStorage
-from nxd_ckpt.storage import direct as direct_io
 from nxd_ckpt.testing.counting import ReadCountingStorage
 from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_steps
 from nxd_ckpt.testing.multiprocess import run_with_ranks
@@ -165,39 +164,6 @@ def test_dp2_on_one_host_share_reads_through_the_page_cache(tmp_path):
         pytest.skip("the kernel does not account block-device reads per process here (/proc/self/io)")
     assert sum(device) < 1.5 * on_disk, (device, on_disk)
     assert sum(device) > 0.5 * on_disk, (device, on_disk)  # the eviction worked: this was a cold read
-
-
-@run_with_ranks(2)
-def test_dp2_on_one_host_read_a_plain_model_file_through_the_page_cache(tmp_path):
-    """Plain files are read whole by every replica: replicas on one host read them through the page cache (one
-    device read serves both). Large tensors loaded into fresh dicts are otherwise read around the cache, into
-    memory lined up with the file, by O_DIRECT, as the same read on one rank shows."""
-    coord = Coordinator()
-    gen = torch.Generator().manual_seed(7)
-    model = {f"big{i}": torch.randn(512, 1024, generator=gen) for i in range(4)}  # 2 MiB: O_DIRECT-sized
-    ckpt = str(tmp_path / "ckpt")
-    nxd.save_checkpoint(ckpt, "step_1", model=model, use_xser=False)
-    group = replicas.replica_groups(coord, Topology(dp_size=2, rank=coord.rank, local_rank=coord.rank))
-    assert group is not None and group.peers_on_host == 2
-    around_cache: list[int] = []
-    real_close = direct_io.DirectReader.close
-
-    def counting_close(self: direct_io.DirectReader) -> None:
-        around_cache.append(self.direct_bytes)
-        real_close(self)
-
-    direct_io.DirectReader.close = counting_close  # this rank's process only
-    try:
-        target: dict = {}
-        nxd.load_checkpoint(ckpt, model=target, verify=True)
-        assert_state_equal(model, target)
-        assert sum(around_cache) == 0, around_cache
-        if coord.rank == 0:  # alone (no replica group), the same read goes around the cache
-            alone = statefile.read_state_file(LocalStorage(ckpt), "step_1/model/dp_rank_00_tp_rank_00_pp_rank_00.pt")
-            assert_state_equal(model, alone)
-            assert sum(around_cache) > 4 << 20, around_cache
-    finally:
-        direct_io.DirectReader.close = real_close
 
 
 @run_with_ranks(2)
