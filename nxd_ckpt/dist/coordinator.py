@@ -7,11 +7,11 @@ learn whether anyone failed" is ``Coordinator.run_all``. Without a process group
 
 Deadlines: before a step's collective, every rank checks in on the c10d store and waits there for the others,
 in a blocking ``wait`` on a connection of its own (``wait_for_key``), so its store operations per step are a
-handful however long it waits. That wait has a deadline (``NXD_CKPT_TIMEOUT_S`` or the ``timeout=`` of the call): while it runs
-the master logs which ranks have not arrived and in which phase, and past it every waiting rank raises
-``CheckpointTimeoutError`` naming the phase and the missing ranks, instead of sitting in a collective until
-the process group's own timeout (30 minutes by default) with nothing logged. The collective itself only starts
-once every rank is there. ``commit.py`` uses the same store waits for the commit.
+handful however long it waits. That wait has a deadline (``NXD_CKPT_TIMEOUT_S`` or the ``timeout=`` of the
+call): while it runs the master logs which ranks have not arrived and in which phase, and past it every
+waiting rank raises ``CheckpointTimeoutError`` naming the phase and the missing ranks, instead of sitting in
+a collective until the process group's own timeout (30 minutes by default) with nothing logged. The
+collective itself only starts once every rank is there. ``commit.py`` uses the same store waits.
 
 XLA collectives do not work across processes on XLA:CPU and gloo must never see XLA tensors, so every
 exchange here is of Python objects or CPU tensors over a gloo group. When the default group is not gloo
@@ -527,11 +527,15 @@ class Coordinator:
             raise_failures(failures, local, self.rank)
         return result  # type: ignore[no-any-return]
 
-    def in_waves(self, limit: int, local_rank: int, local_world_size: int, fn: Callable[[], T], what: str) -> T:
+    def in_waves(
+        self, limit: int, local_rank: int, local_world_size: int, fn: Callable[[], T], what: str, check: bool = True
+    ) -> T:
         """Run ``fn`` with at most ``limit`` ranks of one host at a time (bounds host memory), then check errors.
 
         The waves are a concern of each host, so between waves only the ranks of one host wait for each other
-        (``_node_barrier``); one world-wide step at the end carries the failures."""
+        (``_node_barrier``; none after the last wave). One world-wide step at the end carries the failures;
+        ``check=False`` leaves that to the caller's next cross-rank step (a save's commit carries them), and
+        raises only this rank's own error."""
         limit = max(1, int(limit))
         waves = -(-local_world_size // limit)
         my_wave = local_rank // limit
@@ -543,7 +547,7 @@ class Coordinator:
                     result = fn()
                 except BaseException as e:
                     error = e
-            if self.distributed and waves > 1:
+            if self.distributed and wave < waves - 1:
                 self._node_barrier(local_rank, local_world_size, f"{what} (wave {wave + 1} of {waves})")
 
         def _report() -> Any:
@@ -551,7 +555,7 @@ class Coordinator:
                 raise error
             return result
 
-        return self.run_all(_report, what)
+        return self.run_all(_report, what) if check else _report()  # type: ignore[no-any-return]
 
     def _node_barrier(self, local_rank: int, local_world_size: int, phase: str) -> None:
         """Wait (deadline, logs on the host's first rank) until every rank of this host reached this point. Hosts

@@ -97,3 +97,28 @@ def test_missing_ranks_are_found_by_bisection_in_few_operations():
     before = store.tally.total()
     assert missing_ranks(store, "p", 1000) == [3]
     assert store.tally.total() - before <= 2 * 10 + 1  # one missing rank of 1,000: about 2·log2(N)
+
+
+def test_waves_without_check_make_no_world_wide_step_and_no_barrier_after_the_last_wave():
+    """A save's write waves leave the failure check to its commit: no world-wide step, and the node waits only
+    between waves (2 waves: one node barrier, not two); each rank raises only its own error."""
+    world = ThreadWorld(4)
+    steps: dict[int, tuple[int, int]] = {}
+
+    def rank_main(rank: int) -> str:
+        coord = world.coordinator(rank)
+
+        def work() -> None:
+            if rank == 3:
+                raise ValueError("rank 3 failed")
+
+        try:
+            coord.in_waves(1, local_rank=rank % 2, local_world_size=2, fn=work, what="writing", check=False)
+            outcome = "ok"
+        except ValueError as e:
+            outcome = str(e)
+        steps[rank] = (coord._step, coord._node_steps)
+        return outcome
+
+    assert world.run(rank_main) == ["ok", "ok", "ok", "rank 3 failed"]
+    assert steps == {r: (0, 1) for r in range(4)}
