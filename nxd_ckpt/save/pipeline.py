@@ -206,6 +206,7 @@ class SavePipeline:
             sharding=record,
             resave_of=storage if resave else None,
             durable=durable,
+            root=storage,
         )
         return SaveContext(options, commit_target, seq, coord, self.services.session)
 
