@@ -92,8 +92,8 @@ def latest_tag(storage: Storage) -> str | None:
     give every tag's name and, for those nxd_ckpt committed, its creation time; tags the index does not know
     (written by NxD, copied in, interrupted) are read as ``list_tags`` does. Candidates are then checked newest
     first (``done``, metadata) until one is complete with the time the index says: a stale or missing index
-    costs requests, never a half-written answer. (A tag deleted and re-created under the same name by something
-    other than nxd_ckpt keeps the index's older time in the order until nxd_ckpt's next commit re-reads it.)"""
+    costs requests, never a half-written answer. (A tag the index knows that something other than nxd_ckpt
+    deleted and re-created under the same name is ordered by the index's time unless it is the first candidate.)"""
     names = [n for n in storage.list_dir("") if _is_tag_name(n)]
     index = read_tag_index(storage)
     candidates: dict[str, tuple[tuple, bool]] = {}  # name -> (sort key, verified)
