@@ -20,6 +20,7 @@ from nxd_ckpt.dist.coordinator import (
     RankFailure,
     all_arrived_key,
     arrive,
+    forget_step,
     missing_ranks,
     resolve_timeout,
     wait_for_key,
@@ -67,8 +68,8 @@ class CommitBarrier:
         if failure is not None:
             self.store.set(f"{self.prefix}/error/{self.rank}", pickle.dumps(failure))
             self.store.add(f"{self.prefix}/errors", 1)
+        self._forget_own(self.seq - 2)  # before arriving: off the path of the ranks that wait
         arrive(self.store, self.prefix, self.rank, self.world_size)
-        self._forget_own(self.seq - 2)
 
     def wait_all_arrived(self) -> dict[int, RankFailure]:
         """Rank 0: wait for every rank (deadline, logs who is missing); return the failures reported, by rank."""
@@ -132,22 +133,23 @@ class CommitBarrier:
         if seq < 0 or self.store is None:
             return
         prefix = f"{_PREFIX}/{self.session}/{seq}"
-        for key in (f"{prefix}/n", all_arrived_key(prefix), f"{prefix}/errors", f"{prefix}/outcome"):
+        for key in (f"{prefix}/errors", f"{prefix}/outcome"):
             try:
                 self.store.delete_key(key)
             except Exception:
                 return
 
     def _forget_own(self, seq: int) -> None:
-        """Delete this rank's keys of save ``seq`` (two saves back: every rank is done with it)."""
+        """Delete the keys of save ``seq`` this rank owns (two saves back: every rank is done with it): its
+        arrival group's or the shared ones (``forget_step``), and its failure report."""
         if seq < 0 or self.store is None:
             return
         prefix = f"{_PREFIX}/{self.session}/{seq}"
-        for key in (f"{prefix}/r/{self.rank}", f"{prefix}/error/{self.rank}"):
-            try:
-                self.store.delete_key(key)
-            except Exception:
-                return
+        forget_step(self.store, prefix, self.rank)
+        try:
+            self.store.delete_key(f"{prefix}/error/{self.rank}")
+        except Exception:
+            return
 
 
 def _load_failure(data: bytes, rank: int, phase: str) -> RankFailure:
