@@ -5,9 +5,10 @@ until all ranks arrived, writes ``done`` only if none failed, and publishes the 
 it (a synchronous save) wait for that outcome. Both waits have the save's deadline (``NXD_CKPT_TIMEOUT_S`` or
 ``timeout=``, counted from this rank's arrival): while waiting, rank 0 logs which ranks have not arrived, and
 past it the waiting rank raises CheckpointTimeoutError naming them. A failure travels as a ``RankFailure``, so
-every rank raises the same exception type. Keys are namespaced per save and removed two saves later, each
-rank its own (so no rank's store operations per save grow with the number of ranks, or with the wait: the
-waits are blocking ``wait_for_key`` calls).
+every rank raises the same exception type. Arrivals are the coordinator's (``arrive``: one ``add`` per rank,
+by arrival groups). Keys are namespaced per save and removed two saves later by their owners (a rank its
+failure report, a group's first rank the group's keys, rank 0 the shared ones), so no rank's store operations
+per save grow with the number of ranks, or with the wait (the waits are blocking ``wait_for_key`` calls).
 """
 
 from __future__ import annotations
