@@ -23,9 +23,10 @@ Reported per operation and world size (a row each):
 ``--processes P`` also runs the save on P real gloo processes (``testing.multiprocess``) to check the store
 figures against real torch.distributed.
 
-    python scripts/bench_scale.py --quick              # 16..256 ranks, 8 layers: a smoke run (minutes)
-    python scripts/bench_scale.py                      # 16..4,096 ranks, 80 layers (an idle machine; long)
-    python scripts/bench_scale.py --ranks 1024 4096 --layers 16 --json out.json
+    python scripts/bench_scale.py --quick              # 16..256 ranks: a smoke run (minutes)
+    python scripts/bench_scale.py --json scale.json    # 16..4,096 ranks, 8 layers (one per PP stage at >= 256
+                                                       # ranks): the rows of docs/scale.md (an idle machine)
+    python scripts/bench_scale.py --ranks 1024 --layers 80   # 70B's file count per rank (long: files dominate)
 """
 
 from __future__ import annotations
@@ -426,7 +427,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 256, 1024, 4096])
-    parser.add_argument("--layers", type=int, default=80, help="transformer layers of the model (70B: 80)")
+    parser.add_argument(
+        "--layers", type=int, default=8, help="transformer layers of the model (70B: 80; 8 = one per PP stage)"
+    )
     parser.add_argument("--elems", type=int, default=16, help="elements of every (tiny) tensor")
     parser.add_argument("--num-workers", type=int, default=8, help="ranks of a node writing at once (NxD's)")
     parser.add_argument("--ops", nargs="+", default=["save", "async", "load", "latest"])

@@ -7,11 +7,11 @@ learn whether anyone failed" is ``Coordinator.run_all``. Without a process group
 
 Deadlines: before a step's collective, every rank checks in on the c10d store and waits there for the others,
 in a blocking ``wait`` on a connection of its own (``wait_for_key``), so its store operations per step are a
-handful however long it waits. That wait has a deadline (``NXD_CKPT_TIMEOUT_S`` or the ``timeout=`` of the call): while it runs
-the master logs which ranks have not arrived and in which phase, and past it every waiting rank raises
-``CheckpointTimeoutError`` naming the phase and the missing ranks, instead of sitting in a collective until
-the process group's own timeout (30 minutes by default) with nothing logged. The collective itself only starts
-once every rank is there. ``commit.py`` uses the same store waits for the commit.
+handful however long it waits. That wait has a deadline (``NXD_CKPT_TIMEOUT_S`` or the ``timeout=`` of the
+call): while it runs the master logs which ranks have not arrived and in which phase, and past it every
+waiting rank raises ``CheckpointTimeoutError`` naming the phase and the missing ranks, instead of sitting in
+a collective until the process group's own timeout (30 minutes by default) with nothing logged. The
+collective itself only starts once every rank is there. ``commit.py`` uses the same store waits.
 
 XLA collectives do not work across processes on XLA:CPU and gloo must never see XLA tensors, so every
 exchange here is of Python objects or CPU tensors over a gloo group. When the default group is not gloo
@@ -133,40 +133,84 @@ def _ranks_text(ranks: list[int] | tuple[int, ...]) -> str:
     return "[" + ", ".join(map(str, ranks)) + "]"
 
 
+ARRIVAL_GROUP = 32
+"""Ranks that share one arrival key (a node's worth): each sets its own bit with one ``add``, and only the last
+of a group counts the group in at the step's shared counter, so a step costs the store about one operation per
+rank for the arrivals, and its shared keys see one operation per group, not per rank."""
+GAVE_UP = 1 << 40
+"""Added to a step's counters by the rank that gave up waiting: a late rank's own ``add`` then tells it so, with
+no extra store operation on the way of the ranks that are on time."""
+
+
+def _group_size(group: int, world: int) -> int:
+    return min(ARRIVAL_GROUP, world - group * ARRIVAL_GROUP)
+
+
+def arrive(store: Any, prefix: str, rank: int, world: int) -> bool:
+    """Check in at ``prefix`` on the store: one ``add`` of this rank's bit to its group's key; the group's last
+    rank marks the group complete and counts it in, and the last group sets ``all_arrived_key(prefix)``, which
+    the others wait for. True if a rank already gave up waiting at this step (this one is too late)."""
+    group, bit = divmod(rank, ARRIVAL_GROUP)
+    mask = int(store.add(f"{prefix}/g/{group}", 1 << bit))
+    if mask >= GAVE_UP:
+        return True
+    if mask == (1 << _group_size(group, world)) - 1:
+        store.set(f"{prefix}/c/{group}", b"1")
+        complete = int(store.add(f"{prefix}/n", 1))
+        if complete >= GAVE_UP:
+            return True
+        if complete == -(-world // ARRIVAL_GROUP):
+            store.set(all_arrived_key(prefix), b"1")
+    return False
+
+
 def missing_ranks(store: Any, prefix: str, world: int, limit: int | None = None) -> list[int]:
-    """Ranks without an arrival key under ``prefix`` (see ``arrive``), lowest first, at most ``limit`` of them,
-    found by bisection: ``check`` of many keys answers whether all exist, so k missing ranks of N cost about
-    2k·log2(N/k) store operations, not N."""
+    """Ranks that have not arrived at ``prefix`` (see ``arrive``), lowest first, at most ``limit`` of them. The
+    incomplete groups are found by bisection (``check`` of many keys answers whether all exist), then one read
+    of each one's bits: k missing ranks in g incomplete groups cost about 2g·log2(G/g) + g operations, not N."""
     found: list[int] = []
 
     def absent(lo: int, hi: int) -> None:
-        if (limit is not None and len(found) >= limit) or store.check([f"{prefix}/r/{r}" for r in range(lo, hi)]):
+        if (limit is not None and len(found) >= limit) or store.check([f"{prefix}/c/{g}" for g in range(lo, hi)]):
             return
         if hi - lo == 1:
-            found.append(lo)
+            mask = int(store.add(f"{prefix}/g/{lo}", 0)) % GAVE_UP
+            first = lo * ARRIVAL_GROUP
+            found.extend(first + b for b in range(_group_size(lo, world)) if not (mask >> b) & 1)
             return
         mid = (lo + hi) // 2
         absent(lo, mid)
         absent(mid, hi)
 
     if world > 0:
-        absent(0, world)
-    return found
+        absent(0, -(-world // ARRIVAL_GROUP))
+    return found if limit is None else found[:limit]
 
 
-def arrive(store: Any, prefix: str, rank: int, world: int) -> int:
-    """Check in at ``prefix`` on the store; returns how many ranks have arrived, this one included. The last
-    rank to arrive sets ``all_arrived_key(prefix)``, which the others wait for."""
-    store.set(f"{prefix}/r/{rank}", b"1")
-    arrived = int(store.add(f"{prefix}/n", 1))
-    if world <= arrived < GAVE_UP:
-        store.set(all_arrived_key(prefix), b"1")
-    return arrived
+def give_up(store: Any, prefix: str, rank: int, missing: list[int] | tuple[int, ...]) -> None:
+    """After a deadline at ``prefix``: the first rank to give up tells the late ranks (their own ``add`` at
+    arrival returns past ``GAVE_UP``) and names itself in ``<prefix>/gave_up``."""
+    if store.add(f"{prefix}/gave_up_by", 1) != 1:
+        return
+    store.set(f"{prefix}/gave_up", str(rank).encode())
+    store.add(f"{prefix}/n", GAVE_UP)
+    for group in sorted({r // ARRIVAL_GROUP for r in missing}):
+        store.add(f"{prefix}/g/{group}", GAVE_UP)
 
 
-GAVE_UP = 1 << 40
-"""Added to a step's arrival count by a rank that gave up waiting: a late rank's own ``add`` then tells it so,
-with no extra store operation on the way of the ranks that are on time."""
+def forget_step(store: Any, prefix: str, rank: int) -> None:
+    """Delete the keys of a finished step that ``rank`` owns: its group's (the group's first rank) and the
+    shared ones (rank 0); so no rank's deletions grow with the number of ranks. (A step at which a rank gave
+    up keeps its two ``gave_up`` keys: rare, and so nobody deletes two keys per step that almost never exist.)"""
+    keys = []
+    if rank % ARRIVAL_GROUP == 0:
+        group = rank // ARRIVAL_GROUP
+        keys += [f"{prefix}/g/{group}", f"{prefix}/c/{group}"]
+    if rank == 0:
+        keys += [f"{prefix}/n", all_arrived_key(prefix)]
+    with contextlib.suppress(Exception):
+        for key in keys:
+            store.delete_key(key)
 
 
 def all_arrived_key(prefix: str) -> str:
@@ -447,8 +491,10 @@ class Coordinator:
         if store is None:
             return
         self._step += 1
+        if self._step > 2:  # every rank has left the step before the last one: its keys go, before this wait
+            forget_step(store, f"{_PREFIX}/{self.session}/{self._step - 2}", self.rank)
         prefix = f"{_PREFIX}/{self.session}/{self._step}"
-        if arrive(store, prefix, self.rank, self.world_size) > GAVE_UP:
+        if arrive(store, prefix, self.rank, self.world_size):
             gave_up = int(store.get(f"{prefix}/gave_up"))
             raise CheckpointTimeoutError(
                 f"rank {self.rank} reached phase '{phase}' after rank {gave_up} had given up waiting for it "
@@ -466,23 +512,9 @@ class Coordinator:
                 log=self.rank == 0,
             )
         except CheckpointTimeoutError as e:
-            if store.add(f"{prefix}/gave_up_by", 1) == 1:  # the first to give up tells the late ranks
-                store.set(f"{prefix}/gave_up", str(self.rank).encode())
-                store.add(f"{prefix}/n", GAVE_UP)
+            give_up(store, prefix, self.rank, e.missing_ranks)
             e.origin_rank = self.rank
             raise
-        self._forget(self._step - 2)
-
-    def _forget(self, step: int) -> None:
-        """Delete this rank's keys of an old step (every rank has left it: it arrived at a later one)."""
-        if step < 1 or self.store is None:
-            return
-        prefix = f"{_PREFIX}/{self.session}/{step}"
-        with contextlib.suppress(Exception):
-            self.store.delete_key(f"{prefix}/r/{self.rank}")
-            if self.rank == 0:
-                for key in (f"{prefix}/n", all_arrived_key(prefix), f"{prefix}/gave_up", f"{prefix}/gave_up_by"):
-                    self.store.delete_key(key)
 
     # ------------------------------------------------------------------ steps that carry errors
     def master_computes(self, fn: Callable[[], T], phase: str) -> T:
@@ -547,11 +579,15 @@ class Coordinator:
             raise_failures(failures, local, self.rank)
         return result  # type: ignore[no-any-return]
 
-    def in_waves(self, limit: int, local_rank: int, local_world_size: int, fn: Callable[[], T], what: str) -> T:
+    def in_waves(
+        self, limit: int, local_rank: int, local_world_size: int, fn: Callable[[], T], what: str, check: bool = True
+    ) -> T:
         """Run ``fn`` with at most ``limit`` ranks of one host at a time (bounds host memory), then check errors.
 
         The waves are a concern of each host, so between waves only the ranks of one host wait for each other
-        (``_node_barrier``); one world-wide step at the end carries the failures."""
+        (``_node_barrier``; none after the last wave). One world-wide step at the end carries the failures;
+        ``check=False`` leaves that to the caller's next cross-rank step (a save's commit carries them), and
+        raises only this rank's own error."""
         limit = max(1, int(limit))
         waves = -(-local_world_size // limit)
         my_wave = local_rank // limit
@@ -563,7 +599,7 @@ class Coordinator:
                     result = fn()
                 except BaseException as e:
                     error = e
-            if self.distributed and waves > 1:
+            if self.distributed and wave < waves - 1:
                 self._node_barrier(local_rank, local_world_size, f"{what} (wave {wave + 1} of {waves})")
 
         def _report() -> Any:
@@ -571,7 +607,7 @@ class Coordinator:
                 raise error
             return result
 
-        return self.run_all(_report, what)
+        return self.run_all(_report, what) if check else _report()  # type: ignore[no-any-return]
 
     def _node_barrier(self, local_rank: int, local_world_size: int, phase: str) -> None:
         """Wait (deadline, logs on the host's first rank) until every rank of this host reached this point. Hosts
@@ -596,13 +632,8 @@ class Coordinator:
         except CheckpointTimeoutError as e:
             e.origin_rank = self.rank
             raise
-        old = f"{_PREFIX}/{self.session}/node{node}/{self._node_steps - 2}"
         if self._node_steps > 2:
-            with contextlib.suppress(Exception):
-                store.delete_key(f"{old}/r/{local_rank}")
-                if local_rank == 0:
-                    store.delete_key(f"{old}/n")
-                    store.delete_key(all_arrived_key(old))
+            forget_step(store, f"{_PREFIX}/{self.session}/node{node}/{self._node_steps - 2}", local_rank)
 
     # ------------------------------------------------------------------ plain exchanges (deadline-guarded)
     def barrier(self, phase: str = "barrier") -> None:

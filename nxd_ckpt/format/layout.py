@@ -52,6 +52,10 @@ def validate_tag(tag: object) -> str:
     return tag
 
 
+TAG_INDEX_FILE = ".nxd-tags.json"
+"""Hidden file at the checkpoint root naming the tags nxd_ckpt committed and their creation times, so ``latest``
+needs a few requests, not a few per tag (``tags.latest_tag``). A hint only: NxD neither writes nor reads it (its
+loader globs ``*/done``), and a stale or missing one costs requests, never a wrong answer."""
 RESAVE_PREFIX = ".nxd-resave."
 """Hidden directory beside a complete tag that is being saved again (NxD's glob and tag listings skip it)."""
 REPLACED_PREFIX = ".nxd-replaced."

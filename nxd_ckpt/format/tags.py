@@ -9,6 +9,7 @@ that looks complete.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -85,9 +86,71 @@ def list_tags(storage: Storage, include_incomplete: bool = False) -> list[TagInf
 
 
 def latest_tag(storage: Storage) -> str | None:
-    """The newest complete tag, or None if there is none."""
-    tags = list_tags(storage)
-    return tags[-1].name if tags else None
+    """The newest complete tag, or None if there is none, in a few requests however many tags there are.
+
+    One listing of the root (1 LIST per 1,000 names) and the root's tag index (``layout.TAG_INDEX_FILE``, 1 GET)
+    give every tag's name and, for those nxd_ckpt committed, its creation time; tags the index does not know
+    (written by NxD, copied in, interrupted) are read as ``list_tags`` does. Candidates are then checked newest
+    first (``done``, metadata) until one is complete with the time the index says: a stale or missing index
+    costs requests, never a half-written answer. (A tag the index knows that something other than nxd_ckpt
+    deleted and re-created under the same name is ordered by the index's time unless it is the first candidate.)"""
+    names = [n for n in storage.list_dir("") if _is_tag_name(n)]
+    index = read_tag_index(storage)
+    candidates: dict[str, tuple[tuple, bool]] = {}  # name -> (sort key, verified)
+    for name in names:
+        if name in index:
+            candidates[name] = ((index[name], _natural_key(name)), False)
+        elif (info := _tag_info(storage, name)) is not None and info.complete:
+            candidates[name] = (info.sort_key, True)
+    while candidates:
+        name = max(candidates, key=lambda n: candidates[n][0])
+        _, verified = candidates.pop(name)
+        if verified:
+            return name
+        info = _tag_info(storage, name)
+        if info is None or not info.complete:
+            continue  # deleted since the index was written, or being deleted
+        if info.order_time == index[name]:
+            return name
+        candidates[name] = (info.sort_key, True)  # re-saved or re-created since: in its place by its real time
+    return None
+
+
+def _is_tag_name(name: str) -> bool:
+    try:
+        layout.validate_tag(name)
+        return True
+    except ValueError:
+        return False
+
+
+def read_tag_index(storage: Storage) -> dict[str, float]:
+    """The root's tag index: tag -> creation time of the tags nxd_ckpt committed ({} if missing or unreadable)."""
+    try:
+        data = json.loads(storage.read_bytes(layout.TAG_INDEX_FILE))
+        entries = data["tags"]
+        return {str(k): float(v) for k, v in entries.items() if _is_tag_name(str(k))}
+    except Exception as e:  # missing (the storages say "file not found") or damaged: latest_tag reads every tag
+        if isinstance(e, FileNotFoundError) or str(e).startswith("file not found"):
+            return {}
+        logger.warning("ignoring unreadable %s in %s: %s", layout.TAG_INDEX_FILE, storage.url, e)
+        return {}
+
+
+def record_committed(storage: Storage, tag: str, created_at: float) -> None:
+    """Rank 0, after ``tag``'s ``done``: add it to the root's tag index, dropping tags no longer listed (the
+    first time, the index starts from every complete tag). Never fails the save: a failure is logged."""
+    try:
+        listed = {n for n in storage.list_dir("") if _is_tag_name(n)}
+        index = read_tag_index(storage)
+        if not index:
+            index = {t.name: t.order_time for t in list_tags(storage) if t.metadata is not None}
+        index = {n: t for n, t in index.items() if n in listed}
+        index[layout.validate_tag(tag)] = created_at
+        storage.write_bytes(layout.TAG_INDEX_FILE, json.dumps({"version": 1, "tags": index}).encode())
+    except Exception as e:
+        logger.warning("could not update %s in %s (latest_tag reads every tag instead): %s",
+                       layout.TAG_INDEX_FILE, storage.url, e)  # fmt: skip
 
 
 def resolve_tag(storage: Storage, tag: str | None) -> str:

@@ -5,9 +5,10 @@ until all ranks arrived, writes ``done`` only if none failed, and publishes the 
 it (a synchronous save) wait for that outcome. Both waits have the save's deadline (``NXD_CKPT_TIMEOUT_S`` or
 ``timeout=``, counted from this rank's arrival): while waiting, rank 0 logs which ranks have not arrived, and
 past it the waiting rank raises CheckpointTimeoutError naming them. A failure travels as a ``RankFailure``, so
-every rank raises the same exception type. Keys are namespaced per save and removed two saves later, each
-rank its own (so no rank's store operations per save grow with the number of ranks, or with the wait: the
-waits are blocking ``wait_for_key`` calls).
+every rank raises the same exception type. Arrivals are the coordinator's (``arrive``: one ``add`` per rank,
+by arrival groups). Keys are namespaced per save and removed two saves later by their owners (a rank its
+failure report, a group's first rank the group's keys, rank 0 the shared ones), so no rank's store operations
+per save grow with the number of ranks, or with the wait (the waits are blocking ``wait_for_key`` calls).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from nxd_ckpt.dist.coordinator import (
     RankFailure,
     all_arrived_key,
     arrive,
+    forget_step,
     missing_ranks,
     resolve_timeout,
     wait_for_key,
@@ -67,8 +69,8 @@ class CommitBarrier:
         if failure is not None:
             self.store.set(f"{self.prefix}/error/{self.rank}", pickle.dumps(failure))
             self.store.add(f"{self.prefix}/errors", 1)
+        self._forget_own(self.seq - 2)  # before arriving: off the path of the ranks that wait
         arrive(self.store, self.prefix, self.rank, self.world_size)
-        self._forget_own(self.seq - 2)
 
     def wait_all_arrived(self) -> dict[int, RankFailure]:
         """Rank 0: wait for every rank (deadline, logs who is missing); return the failures reported, by rank."""
@@ -132,22 +134,23 @@ class CommitBarrier:
         if seq < 0 or self.store is None:
             return
         prefix = f"{_PREFIX}/{self.session}/{seq}"
-        for key in (f"{prefix}/n", all_arrived_key(prefix), f"{prefix}/errors", f"{prefix}/outcome"):
+        for key in (f"{prefix}/errors", f"{prefix}/outcome"):
             try:
                 self.store.delete_key(key)
             except Exception:
                 return
 
     def _forget_own(self, seq: int) -> None:
-        """Delete this rank's keys of save ``seq`` (two saves back: every rank is done with it)."""
+        """Delete the keys of save ``seq`` this rank owns (two saves back: every rank is done with it): its
+        arrival group's or the shared ones (``forget_step``), and its failure report."""
         if seq < 0 or self.store is None:
             return
         prefix = f"{_PREFIX}/{self.session}/{seq}"
-        for key in (f"{prefix}/r/{self.rank}", f"{prefix}/error/{self.rank}"):
-            try:
-                self.store.delete_key(key)
-            except Exception:
-                return
+        forget_step(self.store, prefix, self.rank)
+        try:
+            self.store.delete_key(f"{prefix}/error/{self.rank}")
+        except Exception:
+            return
 
 
 def _load_failure(data: bytes, rank: int, phase: str) -> RankFailure:

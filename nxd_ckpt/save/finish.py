@@ -46,6 +46,8 @@ class CommitTarget:
     """Set when the tag already held a complete checkpoint: the storage in which the re-save is swapped in."""
     durable: bool = True
     """False for a save to the memory tier only: the checkpoint directory gets no ``done``."""
+    root: Storage | None = None
+    """The checkpoint directory itself (unwrapped): where ``done`` is recorded in the root's tag index."""
 
     def metadata(self) -> TagMetadata:
         """The tag's ``nxd_ckpt.json``: layout, encoding, contents and sharding of this save."""
@@ -78,6 +80,8 @@ def write_done(target: CommitTarget) -> None:
     storage.sync_dirs([target.tag])  # 'done' is durable before retention deletes older tags
     if target.resave_of is not None:  # the complete re-save takes the tag's name from the old checkpoint
         tags.swap_in_resave(target.resave_of, target.tag)
+    if target.root is not None:  # after 'done': the index never names a tag before it is complete
+        tags.record_committed(target.root, target.tag, target.created_at)
 
 
 def arrive(barrier: CommitBarrier, error: BaseException | None, rank: int) -> None:

@@ -206,6 +206,7 @@ class SavePipeline:
             sharding=record,
             resave_of=storage if resave else None,
             durable=durable,
+            root=storage,
         )
         return SaveContext(options, commit_target, seq, coord, self.services.session)
 
@@ -267,8 +268,9 @@ class SavePipeline:
         try:
             if waves is not None and coord.distributed and waves < topo.local_world_size:
                 what = f"writing {ctx.tag!r}"
-                coord.in_waves(waves, topo.local_rank, topo.local_world_size, lambda: self.write(ctx, staged, report),
-                               what)  # fmt: skip
+                write = lambda: self.write(ctx, staged, report)  # noqa: E731
+                # no world-wide step after the waves: the commit right after carries the failures
+                coord.in_waves(waves, topo.local_rank, topo.local_world_size, write, what, check=False)
             else:
                 self.write(ctx, staged, report)
         except BaseException as e:

@@ -37,6 +37,7 @@ class ThreadWorld:
         self.count = count
         self._cond = threading.Condition()
         self._slots: dict[int, dict[int, Any]] = {}
+        self._met: dict[int, _Meeting] = {}
         self._calls = [0] * size
         self._exited: set[int] = set()
         self._workers: list[_RankThread] = []
@@ -50,14 +51,13 @@ class ThreadWorld:
         """The store client rank ``rank`` uses (a counting one with ``count=True``)."""
         return self._rank_stores[rank] if self.count else self.store
 
-    def _account(self, rank: int, kind: str, src: int, sizes: list[int]) -> None:
-        """Record one collective of ``rank``: [calls, bytes received] under ``kind``."""
-        others = [n for r, n in enumerate(sizes) if r != rank]
+    def _account(self, rank: int, kind: str, src: int, met: _Meeting) -> None:
+        """Record one collective of ``rank``: [calls, bytes received] under ``kind`` (O(1) per rank)."""
         received = {
-            "all_gather": (self.size - 1) * max(sizes, default=0),
-            "broadcast": 0 if rank == src else sizes[src],
-            "gather": sum(others) if rank == src else 0,
-            "scatter": 0 if rank == src else sizes[src] // self.size,  # its share of the list
+            "all_gather": (self.size - 1) * met.largest,
+            "broadcast": 0 if rank == src else met.sizes[src],
+            "gather": met.total - met.sizes[src] if rank == src else 0,
+            "scatter": 0 if rank == src else met.sizes[src] // self.size,  # its share of the list
             "all_reduce": 4,
         }[kind]
         entry = self.collectives[rank].setdefault(kind, [0, 0])
@@ -113,28 +113,55 @@ class ThreadWorld:
     def exchange(self, rank: int, obj: Any, kind: str = "all_gather", src: int = 0) -> list[Any]:
         """Every rank's ``obj`` in rank order (the one primitive every collective here is built on): the n-th
         exchange of each rank meets the n-th of the others. ``kind`` and ``src`` say which collective it stands
-        for (for ``count=True``)."""
+        for (for ``count=True``). The list is built once, by the last arrival, and shared: callers must not
+        change it (an O(N) copy per rank would make the simulation, not the library, O(N²) per exchange)."""
+        return self._meet(rank, obj, kind, src).objects
+
+    def flag(self, rank: int, value: bool) -> bool:
+        """Whether ``value`` holds on any rank: a one-number all-reduce (computed once, by the last arrival)."""
+        return self._meet(rank, value, "all_reduce", 0).any_true
+
+    def _meet(self, rank: int, obj: Any, kind: str, src: int) -> _Meeting:
+        """The n-th exchange of ``rank``, once every rank has reached its n-th."""
         size = len(pickle.dumps(obj)) if self.count and kind != "all_reduce" else 0
         with self._cond:
             call = self._calls[rank]
             self._calls[rank] += 1
             slot = self._slots.setdefault(call, {})
             slot[rank] = (obj, size)
-            if len(slot) == self.size:  # only the last arrival wakes the others (not N wake-ups per arrival)
+            if len(slot) == self.size:  # the last arrival builds the result and wakes the others
+                objects, sizes = [slot[r][0] for r in range(self.size)], [slot[r][1] for r in range(self.size)]
+                self._met[call] = _Meeting(objects, sizes, reduce=kind == "all_reduce")
+                del self._slots[call]
                 self._cond.notify_all()
 
             def settled() -> bool:
-                return len(slot) == self.size or any(self._calls[r] <= call for r in self._exited)
+                return call in self._met or any(self._calls[r] <= call for r in self._exited)
 
             if not self._cond.wait_for(settled, self.timeout_s):
                 raise TimeoutError(f"rank {rank}: collective #{call} timed out after {self.timeout_s} s")
-            if len(slot) < self.size:
+            met = self._met.get(call)
+            if met is None:
                 gone = sorted(r for r in self._exited if self._calls[r] <= call)
                 raise _PeerExited(f"rank {rank}: rank(s) {gone} finished before collective #{call}")
-            entries = [slot[r] for r in range(self.size)]
+            met.readers += 1
+            if met.readers == self.size:
+                del self._met[call]
         if self.count:
-            self._account(rank, kind, src, [n for _, n in entries])
-        return [o for o, _ in entries]
+            self._account(rank, kind, src, met)
+        return met
+
+
+class _Meeting:
+    """The outcome of one exchange, built once by its last arrival: the objects and their pickled sizes."""
+
+    def __init__(self, objects: list[Any], sizes: list[int], reduce: bool) -> None:
+        self.objects = objects
+        self.sizes = sizes
+        self.largest = max(sizes, default=0)
+        self.total = sum(sizes)
+        self.any_true = reduce and any(objects)
+        self.readers = 0
 
 
 class _RankThread(threading.Thread):
@@ -175,7 +202,7 @@ class ThreadCoordinator(Coordinator):
     def gather_object(self, obj: T, dst: int = 0, phase: str = "gathering") -> list[T] | None:
         self._arrive_and_wait(phase)
         out = self.world.exchange(self.rank, obj, "gather", dst)
-        return out if self.rank == dst else None
+        return list(out) if self.rank == dst else None
 
     def scatter_object(self, objs: list[T] | None, src: int = 0, phase: str = "scattering") -> T:
         self._arrive_and_wait(phase)
@@ -193,10 +220,10 @@ class ThreadCoordinator(Coordinator):
 
     def _all_gather(self, obj: Any, group: Any | None) -> list[Any]:
         self._whole_world(group)
-        return self.world.exchange(self.rank, obj)
+        return list(self.world.exchange(self.rank, obj))  # the caller's own list (a copy in C: cheap)
 
     def _any_failed(self, failed: bool) -> bool:
-        return any(self.world.exchange(self.rank, failed, "all_reduce"))
+        return self.world.flag(self.rank, failed)
 
     @staticmethod
     def _whole_world(group: Any | None) -> None:

@@ -83,7 +83,7 @@ def test_async_saves_snapshot_commit_by_themselves_and_keep_newest_n(tmp_path):
     _wait_for(lambda: not os.path.exists(os.path.join(ckpt, "step_2")), "retention of step_2")
     nxd.finalize_checkpoint()
     assert nxd.list_checkpoint_tags(ckpt) == ["step_3", "step_4"]
-    assert sorted(os.listdir(ckpt)) == ["step_3", "step_4"]
+    assert sorted(os.listdir(ckpt)) == [".nxd-tags.json", "step_3", "step_4"]  # + the tag index of latest
     for tag in ("step_3", "step_4"):
         loaded_model, loaded_opt, _ = make_training(seed=42)
         nxd.load_checkpoint(ckpt, tag, model=loaded_model, optimizer=loaded_opt)

@@ -35,7 +35,11 @@ def _load(ckpt: str, tag: str | None = None) -> int:
 
 
 def _hidden(ckpt: str) -> list[str]:
-    return sorted(n for n in os.listdir(ckpt) if n.startswith("."))
+    """What a re-save left at the root (the index of ``latest`` belongs there; a kill while it was being written
+    can leave its temporary file, which readers skip: see docs/scale.md)."""
+    index = layout.TAG_INDEX_FILE
+    ours = (index, f".{index}.tmp-")
+    return sorted(n for n in os.listdir(ckpt) if n.startswith(".") and not n.startswith(ours))
 
 
 @pytest.mark.slow

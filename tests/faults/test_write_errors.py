@@ -14,6 +14,7 @@ import pytest
 import torch.distributed as dist
 
 import nxd_ckpt as nxd
+from nxd_ckpt.format import layout
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.crashloop import model_state, optimizer_state
 from nxd_ckpt.testing.fakes import assert_state_equal
@@ -36,6 +37,8 @@ class FailingStorage(LocalStorage):
         self._lock = threading.Lock()
 
     def count_write(self, path: str) -> None:
+        if path == layout.TAG_INDEX_FILE:  # written after 'done': see test_a_failed_index_write_...
+            return
         with self._lock:
             n = self.writes
             self.writes += 1
@@ -115,6 +118,24 @@ def test_write_errors_mid_save(tmp_path, use_xser, async_save):
     _save(LocalStorage(root), 2, **options)  # the directory is still usable
     assert nxd.list_checkpoint_tags(root) == ["step_2"] and nxd.verify(root).ok
     print(f"\n[write errors] xser={use_xser} async={async_save}: {tried} injected errors over {total} writes")
+
+
+class _IndexFails(LocalStorage):
+    """Local storage on which only the root's tag index cannot be written."""
+
+    def write_bytes(self, path: str, data: Any) -> None:
+        if path == layout.TAG_INDEX_FILE:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        super().write_bytes(path, data)
+
+
+def test_a_failed_index_write_leaves_the_committed_save_and_latest_correct(tmp_path, caplog):
+    """The tag index is written after 'done': failing to write it is logged, the save stands, latest reads tags."""
+    root = str(tmp_path / "ckpt")
+    _save(LocalStorage(root), 1)
+    _save(_IndexFails(root), 2)
+    assert "could not update .nxd-tags.json" in caplog.text
+    assert nxd.latest_checkpoint_tag(root) == "step_2" and nxd.verify(root).ok
 
 
 def _rank1_fails(tmp_path) -> None:

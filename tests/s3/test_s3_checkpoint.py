@@ -59,7 +59,7 @@ def test_latest_and_retention(s3_url):
     storage.write_bytes("step_5/checkpoint", b"1")  # an interrupted save newer than the latest complete one
     assert nxd.list_checkpoint_tags(s3_url) == ["step_3", "step_4"]
     assert nxd.latest_checkpoint_tag(s3_url) == "step_4" and nxd.has_checkpoint(s3_url)
-    assert storage.list_dir() == ["step_3", "step_4", "step_5"]
+    assert storage.list_dir() == [".nxd-tags.json", "step_3", "step_4", "step_5"]  # + the index of latest
     restored = make_training(seed=9)[0]
     assert nxd.load_checkpoint(s3_url, model=restored) == 4
     assert torch.all(restored.fc1.bias == 4)
@@ -119,7 +119,7 @@ def test_two_rank_zero1_save_load_with_retention_and_async(s3_url):
     nxd.finalize_checkpoint()
     dist.barrier()
     storage = S3Storage(s3_url)
-    assert storage.list_dir() == ["step_2"]  # retention (rank 0 only) removed step_1
+    assert storage.list_dir() == [".nxd-tags.json", "step_2"]  # retention (rank 0 only) removed step_1
     optim_files = storage.list_dir("step_2/optim")
     assert optim_files == ["dp_rank_00_tp_rank_00_pp_rank_00.pt", "dp_rank_01_tp_rank_00_pp_rank_00.pt"]
     m2, o2, _ = make_training(seed=5)
@@ -205,8 +205,8 @@ def test_save_completes_through_a_slowdown_storm(s3_url, s3_server, monkeypatch)
 
 
 def test_requests_of_one_save_are_counted(s3_url, s3_server, monkeypatch):
-    """One PUT per object of the tag (no object written twice, no multipart for small files), and a handful of
-    other requests for the whole save, counted at the wire."""
+    """One PUT per object of the tag (no object written twice, no multipart for small files) and one for the
+    root's tag index, and a handful of other requests for the whole save, counted at the wire."""
     model, opt, sched = _trained()
     nxd.save_checkpoint(s3_url, "step_1", model=model, optimizer=opt, scheduler=sched, use_xser=True)
     with ThrottlingProxy(s3_server.port, throttle_first=0) as proxy:
@@ -216,7 +216,7 @@ def test_requests_of_one_save_are_counted(s3_url, s3_server, monkeypatch):
         counts = dict(proxy.by_method)
     objects = S3Storage(s3_url, endpoint_url=s3_server.endpoint_url).walk_files("step_2")
     deleted = counts.get("DELETE", 0)
-    assert counts.get("PUT") == len(objects) + deleted and deleted <= 1, (counts, len(objects))
+    assert counts.get("PUT") == len(objects) + 1 + deleted and deleted <= 1, (counts, len(objects))
     others = sum(n for kind, n in counts.items() if kind not in ("PUT", "DELETE"))
-    assert others <= 6, counts  # measured: 3 LIST, 1 HEAD
+    assert others <= 8, counts  # measured: 3 LIST, 1 HEAD; and the index: 1 LIST, 1 GET
     assert counts.get("POST", 0) == 0, counts  # no multipart upload for files below the part size

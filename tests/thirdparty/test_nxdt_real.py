@@ -53,7 +53,7 @@ def test_nlp_checkpoint_io_saves_removes_and_loads_through_nxd_ckpt(
     io.teardown()  # nxd.finalize_checkpoint()
 
     assert nxd.list_checkpoint_tags(ckpt_dir) == ["step=4.ckpt"]
-    assert sorted(os.listdir(ckpt_dir)) == ["step=4.ckpt"]
+    assert sorted(os.listdir(ckpt_dir)) == [".nxd-tags.json", "step=4.ckpt"]  # + the tag index of latest
     assert nxd.verify(ckpt_dir, "step=4.ckpt").ok
 
     loaded = io.load_checkpoint(f"{ckpt_dir}/step=4.ckpt", load_type_xser=True)

@@ -49,7 +49,7 @@ def test_retention_and_order(tmp_path):
     for step in range(1, 6):
         nxd.save_checkpoint(tmp_path, f"step_{step}", model=model, num_kept_ckpts=2)
     assert nxd.list_checkpoint_tags(tmp_path) == ["step_4", "step_5"]
-    assert sorted(os.listdir(tmp_path)) == ["step_4", "step_5"]
+    assert sorted(os.listdir(tmp_path)) == [".nxd-tags.json", "step_4", "step_5"]  # + the index of `latest`
 
 
 def test_resaving_a_tag_replaces_it(tmp_path):

@@ -66,7 +66,7 @@ def test_submit_remove_waits_behind_saves_in_flight(installed, tmp_path):
     assert os.path.exists(tmp_path / "step_1" / "done")  # queued behind step_2, not run yet
     gate.set()
     installed.g_iostate.wait_save(async_remove=True)
-    assert sorted(os.listdir(tmp_path)) == []  # step_2 completed first, then both went, 'done' first
+    assert sorted(os.listdir(tmp_path)) == [".nxd-tags.json"]  # step_2 completed first, then both went, 'done' first
     installed.save_checkpoint(storage, "step_3", model=state, async_save=True)
     installed.finalize_checkpoint()
     assert nxd.list_checkpoint_tags(str(tmp_path)) == ["step_3"] and nxd.verify(str(tmp_path), "step_3").ok
@@ -80,10 +80,10 @@ def test_submit_remove_by_count_and_sync(installed, tmp_path):
     (tmp_path / "step_0" / "checkpoint").write_text("1")
     os.utime(tmp_path / "step_0" / "checkpoint", (1, 1))
     installed.g_iostate.submit_remove(None, False)  # keep all complete: only the leftover goes
-    assert sorted(os.listdir(tmp_path)) == ["step_1", "step_2", "step_3", "step_4"]
+    assert sorted(os.listdir(tmp_path)) == [".nxd-tags.json", "step_1", "step_2", "step_3", "step_4"]
     installed.g_iostate.submit_remove(2, False)
     assert nxd.list_checkpoint_tags(str(tmp_path)) == ["step_3", "step_4"]
-    assert sorted(os.listdir(tmp_path)) == ["step_3", "step_4"]
+    assert sorted(os.listdir(tmp_path)) == [".nxd-tags.json", "step_3", "step_4"]
 
 
 def test_submit_remove_before_any_save_says_what_to_do(installed):

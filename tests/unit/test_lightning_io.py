@@ -188,7 +188,7 @@ def test_a_removal_waits_for_the_async_save_of_its_tag(tmp_path):
     io.save_checkpoint(state, str(tmp_path / "b.ckpt"))
     io.teardown()
     assert nxd.list_checkpoint_tags(str(tmp_path)) == ["b.ckpt"]
-    assert sorted(os.listdir(tmp_path)) == ["b.ckpt"]
+    assert sorted(os.listdir(tmp_path)) == [".nxd-tags.json", "b.ckpt"]
 
 
 def test_a_tag_removed_and_saved_again_is_complete(tmp_path):
@@ -220,7 +220,8 @@ def test_removing_a_linked_last_removes_the_link_only(tmp_path):
     assert io.load_checkpoint(str(tmp_path / "last.ckpt"))["state_dict"]["w"].item() == 1.0
     io.remove_checkpoint(str(tmp_path / "last.ckpt"))
     nxd.list_checkpoint_tags(str(tmp_path))  # waits for the queued removal
-    assert sorted(os.listdir(tmp_path)) == ["step=2.ckpt"] and (tmp_path / "step=2.ckpt" / "done").exists()
+    assert sorted(os.listdir(tmp_path)) == [".nxd-tags.json", "step=2.ckpt"]
+    assert (tmp_path / "step=2.ckpt" / "done").exists()
 
 
 def test_without_lightning_the_error_says_what_to_install(monkeypatch):

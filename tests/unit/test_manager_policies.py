@@ -131,7 +131,7 @@ def test_retention_is_applied_by_rank0_only(tmp_path):
 
     world.run(save_three)
     managers[0].wait_retention()  # rank 0's deletions run on its writer thread, after the commit
-    assert sorted(os.listdir(tmp_path)) == ["s1", "s2"]
+    assert sorted(os.listdir(tmp_path)) == [".nxd-tags.json", "s1", "s2"]
     tags_deleted = {r: [p for p in paths if "/" not in p] for r, paths in deleted.items()}  # not stale xser dirs
     assert tags_deleted == {0: ["s0"], 1: []}
 

@@ -200,7 +200,7 @@ def test_manager_takes_options_or_arguments_not_both(tmp_path):
     manager.save(SaveOptions(ckpt, "a", model=model))
     manager.save(ckpt, "b", model=model, num_kept_ckpts=1)
     manager.wait_retention()  # deletions run on the writer thread, after the commit
-    assert sorted(os.listdir(ckpt)) == ["b"]
+    assert sorted(os.listdir(ckpt)) == [".nxd-tags.json", "b"]
     with pytest.raises(TypeError, match="either a SaveOptions or the save's arguments"):
         manager.save(SaveOptions(ckpt, "c"), use_xser=True)
     with pytest.raises(TypeError, match="unexpected keyword argument 'use_xsr'"):

@@ -35,7 +35,7 @@ def test_sync_save_deletes_old_tags_on_the_writer_thread_after_the_new_tag_is_co
     assert os.path.exists(tmp_path / "step_2")  # not deleted yet: the deletion waits on the writer thread
     release.set()
     assert nxd.list_checkpoint_tags(tmp_path) == ["step_3", "step_4"]  # listing waits for queued deletions
-    assert sorted(os.listdir(tmp_path)) == ["step_3", "step_4"]
+    assert sorted(os.listdir(tmp_path)) == [".nxd-tags.json", "step_3", "step_4"]
     assert [d[0] for d in deletions] == ["step_1", "step_2"]
     assert {d[1] for d in deletions} == {writer.THREAD_NAME}
     assert all(complete for _, _, complete in deletions)  # the newest tag had 'done' before any deletion
