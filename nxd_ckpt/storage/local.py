@@ -304,7 +304,9 @@ class _ReadAhead:
     flight while the caller copies (and hashes) small pieces out of the cache. The default read-ahead (often
     128 KiB) leaves a cold disk idle between such pieces."""
 
-    WINDOW = 32 << 20
+    WINDOW = 128 << 20
+    """Measured on this VM's disk (cold 800 MiB plain file, verified fresh-dict load): 32 MiB ahead took 0.60-1.3 s,
+    128 MiB 0.51-0.68 s, torch.load 0.76-2.4 s in the same runs."""
 
     def __init__(self, f: BinaryIO) -> None:
         self._f = f
