@@ -522,14 +522,7 @@ class Coordinator:
 
         One broadcast carries the result or the failure.
         """
-        value: Any = None
-        failure: RankFailure | None = None
-        local: BaseException | None = None
-        if self.rank == 0:
-            try:
-                value = fn()
-            except BaseException as e:
-                local, failure = e, RankFailure.of(e, 0, phase)
+        value, failure, local = self._on_master(fn, phase)
         if not self.distributed:
             if local is not None:
                 raise local
@@ -542,14 +535,7 @@ class Coordinator:
     def gather_and_master_computes(self, obj: T, fn: Callable[[], Any], phase: str) -> tuple[list[T], Any]:
         """``all_gather_object(obj)`` and ``master_computes(fn)`` in one step: rank 0's result of ``fn`` (or its
         exception, raised on every rank as in ``master_computes``) travels with its ``obj``."""
-        value: Any = None
-        failure: RankFailure | None = None
-        local: BaseException | None = None
-        if self.rank == 0:
-            try:
-                value = fn()
-            except BaseException as e:
-                local, failure = e, RankFailure.of(e, 0, phase)
+        value, failure, local = self._on_master(fn, phase)
         if not self.distributed:
             if local is not None:
                 raise local
@@ -558,6 +544,18 @@ class Coordinator:
         _, failure, value = gathered[0]
         raise_failures([failure], local, self.rank)
         return [mine for mine, _, _ in gathered], value
+
+    def _on_master(
+        self, fn: Callable[[], Any], phase: str
+    ) -> tuple[Any, RankFailure | None, BaseException | None]:
+        """Rank 0: (``fn``'s result, None, None), or (None, its failure to send, the exception itself); other
+        ranks: (None, None, None)."""
+        if self.rank != 0:
+            return None, None, None
+        try:
+            return fn(), None, None
+        except BaseException as e:
+            return None, RankFailure.of(e, 0, phase), e
 
     def run_all(self, fn: Callable[[], T], phase: str) -> T:
         """Every rank runs ``fn``; if it fails anywhere, every rank raises the (lowest) failing rank's exception
