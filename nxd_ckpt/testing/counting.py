@@ -70,11 +70,6 @@ class ReadCountingStorage(LocalStorage):
             finally:
                 self._count(path, counting.count)
 
-    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
-        data = super().read_bytes(path, offset, length)
-        self._count(path, len(data))
-        return data
-
 
 class StoreTally:
     """Store operations counted by ``CountingStore`` clients (thread-safe): ``ops[(client, op)]``, where client is
