@@ -167,9 +167,10 @@ def read_plain(storage: Storage, path: str, *, trusted: bool = False, target: Lo
     Files on storage without a local page cache (S3) are read whole into one buffer and parsed there."""
     what = f"{storage.url}/{path}"
     if not trusted and (target is not None or storage.host_page_cache):  # trusted: torch.load's own unpickler
-        fresh = target is None  # fresh dicts: through the page cache, read ahead (O_DIRECT into fresh memory
-        target = target if target is not None else LoadTarget({})  # had to fault it in first: slower here)
-        with storage.open_sequential(path, direct=target.direct and not fresh) as f:
+        # Fresh dicts read through the page cache, read ahead: O_DIRECT into fresh memory measured slower here.
+        direct = target is not None and target.direct
+        target = target if target is not None else LoadTarget({})
+        with storage.open_sequential(path, direct=direct) as f:
             try:
                 with torchzip.safe_globals():
                     return readinto.load_into(
@@ -452,20 +453,23 @@ def _read_tensors(
     paths: dict[int, Path] | None = None,
     direct: bool = True,
 ) -> dict[int, torch.Tensor]:
-    def read_into(tid: int, tensor_path: str, what: str) -> torch.Tensor:
+    def read_into(tid: int, tensor_path: str, what: str, into_target: bool) -> torch.Tensor:
         """One tensor file in one pass: into the target's tensor where there is one, else fresh memory."""
-        where = paths.get(tid) if target is not None and paths is not None else None
+        where = paths[tid] if into_target and paths is not None else None
         chosen: list[torch.Tensor] = []
 
         def choose(meta: Any) -> dict[int, torch.Tensor]:
-            dest = target.dest(where, meta) if where is not None and isinstance(meta, torch.Tensor) else None
+            dest = (
+                target.dest(where, meta)
+                if target is not None and where is not None and isinstance(meta, torch.Tensor)
+                else None
+            )
             if dest is None:
                 return {}
             chosen.append(dest)
             return {id(meta): dest}
 
-        into_existing = where is not None and target is not None and where in target.tensors
-        with storage.open_sequential(tensor_path, direct=direct and into_existing) as f:
+        with storage.open_sequential(tensor_path, direct=direct and into_target) as f:
             try:
                 result = readinto.load_into(
                     f,
@@ -486,7 +490,7 @@ def _read_tensors(
         try:
             into_target = target is not None and paths is not None and paths.get(tid) in target.tensors
             if into_target or storage.host_page_cache:
-                tensor = read_into(tid, tensor_path, what)
+                tensor = read_into(tid, tensor_path, what, into_target)
                 if not isinstance(tensor, torch.Tensor):
                     raise FormatError(f"{what} does not hold a tensor (found {type(tensor).__name__})")
             elif storage.whole_file_reads:
