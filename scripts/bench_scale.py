@@ -121,24 +121,30 @@ class _Clock:
         with self._lock:
             self.commit.setdefault((seq, rank), {})[event] = time.perf_counter()
 
-    def coordination_s(self) -> tuple[float, int]:
-        """(seconds from each step's last arrival to its last departure, summed, plus the commit's; steps)."""
+    def coordination_s(self) -> tuple[float, float, int]:
+        """(seconds from each step's last arrival to its last departure, summed with the commit's; the same to
+        each step's first departure, the critical path; steps).
+
+        The first is what the simulation shows; the second leaves out the time the simulated ranks wait for one
+        another on this machine's cores and GIL once they are released (a job's ranks resume in parallel)."""
         steps = min(len(a) for a in self.arrive) if self.arrive else 0
-        total = 0.0
+        total = critical = 0.0
         for k in range(steps):
             last_in = max(a[k] for a in self.arrive)
-            last_out = max(lv[k] for lv in self.leave)
-            total += max(0.0, last_out - last_in)
+            total += max(0.0, max(lv[k] for lv in self.leave) - last_in)
+            critical += max(0.0, min(lv[k] for lv in self.leave) - last_in)
         for seq in sorted({s for s, _ in self.commit}):
             marks = {r: m for (s, r), m in self.commit.items() if s == seq}
             arrived = [m["arrived"] for m in marks.values() if "arrived" in m]
             master = marks.get(0, {})
             if arrived and "all_arrived" in master:
-                total += max(0.0, master["all_arrived"] - max(arrived))
+                gathered = max(0.0, master["all_arrived"] - max(arrived))
+                total, critical = total + gathered, critical + gathered
             outcome = [m["outcome"] for m in marks.values() if "outcome" in m]
             if outcome and "published" in master:
                 total += max(0.0, max(outcome) - master["published"])
-        return total, steps
+                critical += max(0.0, min(outcome) - master["published"])
+        return total, critical, steps
 
 
 class TimedCoordinator(ThreadCoordinator):
@@ -246,13 +252,14 @@ class World:
         for now, before in zip(self.world.collectives, coll_before, strict=True):
             calls.append(sum(v[0] - before.get(k, [0, 0])[0] for k, v in now.items()))
             received.append(sum(v[1] - before.get(k, [0, 0])[1] for k, v in now.items()))
-        coordination, steps = self.clock.coordination_s()
+        coordination, critical, steps = self.clock.coordination_s()
         return {
             "op": what,
             "ranks": self.n,
             "layout": f"TP{self.tp} PP{self.pp} DP{self.dp}",
             "wall_s": wall,
             "coordination_s": coordination,
+            "critical_s": critical,
             "steps": steps,
             "store_ops_mean": statistics.fmean(ops),
             "store_ops_max": max(ops),
@@ -287,8 +294,15 @@ def _requests(storage: RequestCountingStorage) -> dict[str, Any]:
 def run_world(n: int, layers: int, elems: int, ops: list[str], root: str, num_workers: int) -> list[dict[str, Any]]:
     clock = _Clock(n)
     _instrument_commit(clock)
+    start = time.perf_counter()
     world = World(n, os.path.join(root, f"w{n}"), layers, elems, clock)
+    print(f"  {n} ranks: world set up in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     rows: list[dict[str, Any]] = []
+
+    def record(row: dict[str, Any]) -> None:
+        print_row(row)
+        rows.append(row)
+
     managers, states = world.managers, world.states
     directory = os.path.join(root, f"w{n}")
 
@@ -303,12 +317,12 @@ def run_world(n: int, layers: int, elems: int, ops: list[str], root: str, num_wo
 
         return fn
 
-    rows.append(world.measure("first save", save("s0", False)))  # + one-time setup: sessions, wait connections
+    record(world.measure("first save", save("s0", False)))  # + one-time setup: sessions, wait connections
     if "save" in ops:
-        rows.append(world.measure("save", save("s1", False)))
+        record(world.measure("save", save("s1", False)))
     if "async" in ops:
         world.measure("first async save", save("a0", True))  # the writer threads' one-time setup
-        rows.append(world.measure("async save", save("s2", True)))
+        record(world.measure("async save", save("s2", True)))
     if "load" in ops:
 
         def load(rank: int) -> None:
@@ -316,11 +330,11 @@ def run_world(n: int, layers: int, elems: int, ops: list[str], root: str, num_wo
             managers[rank].load(directory, None, model=model, optimizer=optimizer, num_workers=num_workers)
 
         try:
-            rows.append(world.measure("load", load))
+            record(world.measure("load", load))
         except NotImplementedError as e:
             print(f"  load at {n} ranks not simulated: {e}", file=sys.stderr)
     if "latest" in ops:
-        rows.append(world.measure("latest", lambda rank: tags.latest_tag(world.storage) if rank == 0 else None))
+        record(world.measure("latest", lambda rank: tags.latest_tag(world.storage) if rank == 0 else None))
     world.world.close()
     shutil.rmtree(directory, ignore_errors=True)
     return rows
@@ -388,6 +402,7 @@ COLUMNS = [
     ("ranks", "{:>5}"),
     ("layout", "{:<14}"),
     ("coordination_s", "{:>7.3f}"),
+    ("critical_s", "{:>7.3f}"),
     ("steps", "{:>3}"),
     ("store_ops_mean", "{:>6.1f}"),
     ("store_ops_max", "{:>5}"),
@@ -402,6 +417,7 @@ COLUMNS = [
 ]
 HEADERS = {
     "coordination_s": "coord s",
+    "critical_s": "crit s",
     "steps": "stp",
     "store_ops_mean": "st.ops",
     "store_ops_max": "max",
@@ -415,10 +431,16 @@ HEADERS = {
 }
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
-    print(" | ".join(HEADERS.get(k, k) for k, _ in COLUMNS))
-    for row in rows:
-        print(" | ".join(fmt.format(row[k]) for k, fmt in COLUMNS))
+def print_header() -> None:
+    print(" | ".join(HEADERS.get(k, k) for k, _ in COLUMNS), flush=True)
+
+
+def print_row(row: dict[str, Any]) -> None:
+    """One row, as soon as it is measured (a long run stopped part-way keeps what it measured)."""
+    print(" | ".join(fmt.format(row[k]) for k, fmt in COLUMNS), flush=True)
+
+
+def print_requests(rows: list[dict[str, Any]]) -> None:
     print("\nrequests by kind (per operation):")
     for row in rows:
         print(f"  {row['op']:<10} {row['ranks']:>5} ranks: {row['requests']}  busiest prefix {row['busiest_prefix']}")
@@ -449,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     load1, load5, _ = os.getloadavg()
     print(f"load average before: {load1:.2f} {load5:.2f}; {os.cpu_count()} CPUs; layers={args.layers}")
+    print_header()
     try:
         for n in args.ranks:
             start = time.perf_counter()
@@ -459,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     load1, load5, _ = os.getloadavg()
-    print_table(rows)
+    print_requests(rows)
     for p in processes:
         print(
             f"\n{p['ranks']} gloo processes: store operations per rank {p['store_ops_mean']:.1f} mean, "

@@ -94,10 +94,31 @@ def group_identity() -> tuple[bool, int | None]:
 
 
 def local_store(timeout_s: float) -> Any:
-    """A c10d TCPStore served by this process on 127.0.0.1 (any free port): for tests that run ranks as threads."""
+    """A c10d TCPStore served by this process on 127.0.0.1 (a port the kernel picks): for ranks as threads.
+
+    The server listens on an IPv4 socket made here. Left to itself, c10d listens on a dual-stack IPv6 socket,
+    sees each client as ``::ffff:127.0.0.1``, and resolves that name (for a log line) on its one event-loop
+    thread: ``/etc/hosts`` has no entry for it, so the resolver asks DNS, and where DNS drops a query (on a
+    machine without a reachable name server, about one in 25 here) the whole store stalls 5 s per connection,
+    so a world of 1,024 thread ranks took minutes to connect."""
+    import socket
+
     import torch.distributed as dist
 
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=timeout_s))
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4096)
+        port = listener.getsockname()[1]
+        store = dist.TCPStore(
+            "127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+            master_listen_fd=listener.fileno(), use_libuv=True,
+        )  # fmt: skip
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store's server owns the descriptor now
+    return store
 
 
 # ----------------------------------------------------------------------------------------------- deadlines
