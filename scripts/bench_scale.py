@@ -32,6 +32,7 @@ figures against real torch.distributed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -110,12 +111,19 @@ class _Clock:
         self.arrive: list[list[float]] = [[] for _ in range(size)]
         self.leave: list[list[float]] = [[] for _ in range(size)]
         self.commit: dict[tuple[int, int], dict[str, float]] = {}
+        self.world_steps = 0
+        """Store-gated steps of the whole world (rank 0 counts them): each ends with the store releasing N ranks."""
         self._lock = threading.Lock()
 
     def reset(self) -> None:
         for lst in (*self.arrive, *self.leave):
             lst.clear()
         self.commit.clear()
+        self.world_steps = 0
+
+    def releases(self) -> int:
+        """Times the store released every rank: the world-wide steps and each commit's outcome."""
+        return self.world_steps + len({seq for seq, _ in self.commit})
 
     def mark(self, seq: int, rank: int, event: str) -> None:
         with self._lock:
@@ -154,6 +162,8 @@ class TimedCoordinator(ThreadCoordinator):
 
     def _arrive_and_wait(self, phase: str) -> None:
         self.clock.arrive[self.rank].append(time.perf_counter())
+        if self.rank == 0:
+            self.clock.world_steps += 1
         super()._arrive_and_wait(phase)
 
     def _node_barrier(self, local_rank: int, local_world_size: int, phase: str) -> None:
@@ -260,6 +270,7 @@ class World:
             "wall_s": wall,
             "coordination_s": coordination,
             "critical_s": critical,
+            "releases": self.clock.releases(),
             "steps": steps,
             "store_ops_mean": statistics.fmean(ops),
             "store_ops_max": max(ops),
@@ -291,7 +302,10 @@ def _requests(storage: RequestCountingStorage) -> dict[str, Any]:
     }
 
 
-def run_world(n: int, layers: int, elems: int, ops: list[str], root: str, num_workers: int) -> list[dict[str, Any]]:
+def run_world(
+    n: int, layers: int, elems: int, ops: list[str], root: str, num_workers: int, release_s: float
+) -> list[dict[str, Any]]:
+    """Every operation of ``ops`` on an ``n``-rank world: a row each (``release_s``: ``store_release_s(n)``)."""
     clock = _Clock(n)
     _instrument_commit(clock)
     start = time.perf_counter()
@@ -300,6 +314,8 @@ def run_world(n: int, layers: int, elems: int, ops: list[str], root: str, num_wo
     rows: list[dict[str, Any]] = []
 
     def record(row: dict[str, Any]) -> None:
+        row["release_s"] = release_s
+        row["projected_s"] = row["critical_s"] + row["releases"] * release_s
         print_row(row)
         rows.append(row)
 
@@ -396,6 +412,69 @@ def run_processes(n: int, layers: int, elems: int, root: str) -> dict[str, Any]:
     }
 
 
+# --------------------------------------------------------------------------------------------- store release
+def release_waiters(port: int, n: int, rounds: int) -> None:
+    """The child of ``store_release_s``: ``n`` connections, each waiting on a thread for each round's key."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from nxd_ckpt.testing.threadworld import connect
+
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, {os.cpu_count() - 1})  # the other core: the server keeps its own
+    base = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=600))
+    clients = connect(base, n)
+    for k in range(rounds):
+
+        def wait(client: Any, k: int = k) -> None:
+            client.add(f"ready/{k}", 1)
+            client.wait([f"go/{k}"], datetime.timedelta(seconds=600))
+
+        threads = [threading.Thread(target=wait, args=(c,)) for c in clients]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
+def store_release_s(n: int, rounds: int = 3) -> float:
+    """Seconds the store takes to release ``n`` waiting ranks (median of ``rounds``): from the ``set`` of the key
+    they wait for until the reply to the setter's next request, which the store's one event loop serves after
+    it has sent every waiter its wake-up. The waiters are threads of a child process on the other core, so the
+    server's work is timed, not the waiters' (a job's ranks wake on their own nodes)."""
+    import subprocess
+
+    from nxd_ckpt.dist.coordinator import local_store
+
+    cpus = os.sched_getaffinity(0)
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, {0})  # the store's server thread, made now, inherits this core
+    try:
+        store = local_store(600.0)
+    finally:
+        os.sched_setaffinity(0, cpus)
+    child = subprocess.Popen([sys.executable, __file__, "--release-waiters", str(store.port), str(n), str(rounds)])
+    times = []
+    try:
+        for k in range(rounds):
+            deadline = time.monotonic() + 600
+            while int(store.add(f"ready/{k}", 0)) < n:
+                if child.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the {n} waiting connections did not come up (child exit {child.poll()})")
+                time.sleep(0.05)
+            time.sleep(0.5)  # every waiter is inside its wait
+            start = time.perf_counter()
+            store.set(f"go/{k}", b"1")
+            store.add("probe", 0)
+            times.append(time.perf_counter() - start)
+        child.wait(timeout=600)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    return statistics.median(times)
+
+
 # --------------------------------------------------------------------------------------------- output
 COLUMNS = [
     ("op", "{:<10}"),
@@ -403,6 +482,8 @@ COLUMNS = [
     ("layout", "{:<14}"),
     ("coordination_s", "{:>7.3f}"),
     ("critical_s", "{:>7.3f}"),
+    ("releases", "{:>3}"),
+    ("projected_s", "{:>7.3f}"),
     ("steps", "{:>3}"),
     ("store_ops_mean", "{:>6.1f}"),
     ("store_ops_max", "{:>5}"),
@@ -418,6 +499,8 @@ COLUMNS = [
 HEADERS = {
     "coordination_s": "coord s",
     "critical_s": "crit s",
+    "releases": "rel",
+    "projected_s": "proj s",
     "steps": "stp",
     "store_ops_mean": "st.ops",
     "store_ops_max": "max",
@@ -447,6 +530,10 @@ def print_requests(rows: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--release-waiters"]:  # the child process of store_release_s
+        release_waiters(*map(int, argv[1:4]))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 256, 1024, 4096])
     parser.add_argument(
@@ -467,6 +554,9 @@ def main(argv: list[str] | None = None) -> int:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     os.environ.setdefault("NXD_CKPT_LOG_LEVEL", "WARNING")
     os.environ["NXD_CKPT_XSER_INLINE_BYTES"] = str(inline_bytes(args.elems))
+    # Each rank writes its tiny files on its own thread: a real rank's I/O pool overlaps large files, which these
+    # are not, and 4 pool threads per rank would put 4 x N threads of one process on the GIL at once.
+    os.environ.setdefault("NXD_CKPT_IO_THREADS", "1")
     root = tempfile.mkdtemp(prefix="nxd_bench_scale_", dir=args.dir)
     rows: list[dict[str, Any]] = []
     load1, load5, _ = os.getloadavg()
@@ -475,7 +565,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for n in args.ranks:
             start = time.perf_counter()
-            rows += run_world(n, args.layers, args.elems, args.ops, root, args.num_workers)
+            release = store_release_s(n)
+            print(f"  {n} ranks: the store releases {n} waiters in {release * 1e3:.1f} ms", file=sys.stderr)
+            rows += run_world(n, args.layers, args.elems, args.ops, root, args.num_workers, release)
             print(f"  {n} ranks done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
         processes = [run_processes(n, args.layers, args.elems, root) for n in args.processes]
     finally:

@@ -28,7 +28,7 @@ from nxd_ckpt.testing.counting import CountingStore, StoreTally
 T = TypeVar("T")
 
 
-def _connect(store: Any, count: int) -> list[Any]:
+def connect(store: Any, count: int) -> list[Any]:
     """``count`` new connections to ``store``, made 64 at a time: a client resolves the store's address for a
     log line as it connects, and where DNS drops that query (no reachable name server) the connection waits 5 s
     for it; one after another, 1,024 of them took minutes."""
@@ -56,7 +56,7 @@ class ThreadWorld:
         self.store = nxd_dist.local_store(timeout_s)
         self.tallies = [StoreTally() for _ in range(size)] if count else []
         # with count=True every rank has its own connection, as a process has (not one client's lock for all)
-        clients = _connect(self.store, len(self.tallies))
+        clients = connect(self.store, len(self.tallies))
         self._rank_stores = [CountingStore(c, t) for c, t in zip(clients, self.tallies, strict=True)]
         self.collectives: list[dict[str, list[int]]] = [{} for _ in range(size)] if count else []
 

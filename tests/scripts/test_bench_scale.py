@@ -1,0 +1,44 @@
+"""The scale benchmark runs end to end on a small world and its figures hang together (not its speed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_scale.py"
+
+
+@pytest.fixture(scope="module")
+def bench_scale():
+    spec = importlib.util.spec_from_file_location("bench_scale", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_scale"] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("bench_scale", None)
+
+
+def test_a_small_world_reports_every_figure_of_each_operation(bench_scale, tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    assert bench_scale.main(["--ranks", "8", "--ops", "save", "load", "latest", "--dir", str(tmp_path),
+                             "--json", str(out)]) == 0  # fmt: skip
+    rows = {row["op"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"first save", "save", "load", "latest"}
+    save = rows["save"]
+    assert save["files"] > 0 and save["requests"]["PUT"] == save["files"]
+    assert 0 < save["store_ops_mean"] <= 30  # a constant per save, whatever the world (docs/scale.md)
+    assert save["releases"] >= 2  # at least one world-wide step and the commit's outcome
+    assert 0 <= save["critical_s"] <= save["coordination_s"]
+    assert save["release_s"] > 0
+    assert save["projected_s"] == pytest.approx(save["critical_s"] + save["releases"] * save["release_s"])
+    assert rows["latest"]["requests"].get("LIST", 0) <= 1
+    printed = capsys.readouterr().out
+    assert printed.count("\n") > 5 and "proj s" in printed  # every row printed as it was measured
+
+
+def test_the_store_release_is_timed_with_real_waiting_connections(bench_scale):
+    assert 0 < bench_scale.store_release_s(16, rounds=1) < 30
