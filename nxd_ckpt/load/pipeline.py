@@ -156,44 +156,35 @@ class LoadPipeline:
     def resolve(
         self, storage: Storage, tag: str | None, verify: bool, topo: Topology, targets: bool = True
     ) -> tuple[str, TagDescription, integrity.IndexShare | None]:
-        """Rank 0 finds the tag to load and describes it; every rank learns both in one step (a description is
-        small: it does not grow with the world). With ``verify``, rank 0 also reads and merges every manifest,
-        once, and a second step hands each rank its share (``split_index``): the records of the files it may
-        read (``files_read``), not the whole index, which has a record per file of the tag: sent to every rank it
-        cost O(world) bytes per rank, O(world²) in all. A load at another TP/PP size (``targets``: a model or
-        optimizer to re-shard) reads parts of many ranks' files (``load.reshard``); there every rank receives the
-        whole index, in one broadcast."""
+        """Rank 0 finds the tag to load and describes it, and with ``verify`` reads and merges every manifest,
+        once; one step tells every rank the tag and its description (small: it does not grow with the world) and
+        hands each rank its share of the manifests (``split_index``): the records of the files it may read
+        (``files_read``), not the whole index, which has a record per file of the tag (sent to every rank, it
+        cost O(world) bytes per rank, O(world²) in all). A load at another TP/PP size (``targets``: a model or
+        optimizer to re-shard) reads parts of many ranks' files (``load.reshard``): there every rank receives
+        the whole index, with the description."""
         coord = self.coord
-        shares: list[integrity.IndexShare] = []  # filled on rank 0
 
-        def resolve() -> tuple[str, TagDescription, bool]:
+        def resolve() -> tuple[tuple[str, TagDescription, integrity.IndexShare | None], list[Any] | None]:
             tags.recover_resaves(storage, finish_only=True)  # a crash mid-swap: the complete copy gets its name
             resolved = tags.resolve_tag(storage, tag)
             info = describe(storage, resolved)
             if not verify:
-                return resolved, info, False
+                return (resolved, info, None), None
             index = integrity.read_index(storage, resolved)
-            whole = not index or (targets and changes_layout(info, topo))
-            if whole:
-                shares.append(integrity.IndexShare(index))
-            else:
-                wanted = [
-                    [path[len(resolved) + 1 :] for path in files_read(resolved, info, topo, rank)]
-                    for rank in range(coord.world_size)
-                ]
-                shares.extend(integrity.split_index(index, wanted))
-            return resolved, info, whole
+            if not index or (targets and changes_layout(info, topo)):
+                return (resolved, info, integrity.IndexShare(index)), None
+            wanted = [
+                [path[len(resolved) + 1 :] for path in files_read(resolved, info, topo, rank)]
+                for rank in range(coord.world_size)
+            ]
+            return (resolved, info, None), list(integrity.split_index(index, wanted))
 
         what = " and reading its manifests" if verify else ""
-        resolved, info, whole = coord.master_computes(
+        (resolved, info, whole), share = coord.master_computes_and_scatters(
             resolve, f"resolving the checkpoint to load from {storage.url}{what}"
         )
-        if not verify:
-            return resolved, info, None
-        phase = f"handing out the manifest records of {storage.url}/{resolved}"
-        if whole:
-            return resolved, info, coord.broadcast_object(shares[0] if shares else None, phase=phase)
-        return resolved, info, coord.scatter_object(shares if coord.rank == 0 else None, phase=phase)
+        return resolved, info, whole if whole is not None else share
 
     def choose(self, storage: Storage, tag: str, info: TagDescription, topo: Topology, options: LoadOptions) -> TagRead:
         """The read plan: re-sharded when the TP/PP size changed, else this rank's own files (DP replicas

@@ -214,9 +214,8 @@ class ThreadCoordinator(Coordinator):
         out = self.world.exchange(self.rank, obj, "gather", dst)
         return list(out) if self.rank == dst else None
 
-    def scatter_object(self, objs: list[T] | None, src: int = 0, phase: str = "scattering") -> T:
-        self._arrive_and_wait(phase)
-        return self.world.exchange(self.rank, objs, "scatter", src)[src][self.rank]  # type: ignore[no-any-return]
+    def _scatter(self, objs: list[Any] | None, src: int) -> Any:
+        return self.world.exchange(self.rank, objs if self.rank == src else None, "scatter", src)[src][self.rank]
 
     def subgroup(self, ranks: list[int]) -> Any:
         raise NotImplementedError("ThreadWorld does not model DP replica subgroups: use a layout without them")

@@ -6,6 +6,7 @@ when re-sharded."""
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -219,3 +220,30 @@ def test_a_resharded_load_verifies_with_the_whole_index(tmp_path):
             manager.load(tmp_path, "s1", model={"w": torch.zeros(16)}, sharding={"w": 0})
     finally:
         loader.close()
+
+
+def test_master_computes_and_scatters_hands_each_rank_its_part_or_rank_0s_error():
+    world = ThreadWorld(3, count=True)
+    try:
+
+        def parts(rank: int) -> tuple[Any, Any]:
+            coord = world.coordinator(rank)
+            return coord.master_computes_and_scatters(lambda: ("common", [f"part {r}" for r in range(3)]), "parts")
+
+        assert world.run(parts) == [("common", f"part {r}") for r in range(3)]
+        assert world.collectives[1]["scatter"] == [1, len(pickle.dumps("part 0"))]
+
+        def failing(rank: int) -> str:
+            def broken() -> tuple[str, list[str]]:
+                raise IntegrityError("rank 0 found a damaged manifest")
+
+            try:
+                world.coordinator(rank).master_computes_and_scatters(broken, "parts")
+            except IntegrityError as e:
+                return str(e)
+            return "no error"
+
+        messages = world.run(failing)
+        assert all("rank 0 found a damaged manifest" in m for m in messages), messages
+    finally:
+        world.close()
