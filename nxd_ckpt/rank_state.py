@@ -144,6 +144,13 @@ def validate_mode(mode: str) -> None:
         raise ValueError(f"rank_state_mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
 
 
+def files_read(tag: str, rank: int) -> list[str]:
+    """The per-rank state files ``restore`` may read on ``rank``: its own file, and on the master (which probes
+    which pattern the tag used) the gathered file too; the other ranks get theirs from it by a scatter."""
+    own = [layout.rank_state_file(tag, rank)]
+    return [*own, layout.gathered_rank_states_file(tag)] if rank == 0 else own
+
+
 def restore(
     coord: Coordinator,
     storage: Storage,

@@ -186,7 +186,10 @@ def _timed_leave(name: str) -> Callable[..., Any]:
     return method
 
 
-for _name in ("master_computes", "run_all", "barrier", "all_gather_object", "broadcast_object", "gather_object"):
+for _name in (
+    "master_computes", "master_computes_and_scatters", "run_all", "barrier", "all_gather_object", "broadcast_object",
+    "gather_object", "scatter_object",
+):  # fmt: skip
     setattr(TimedCoordinator, _name, _timed_leave(_name))
 
 

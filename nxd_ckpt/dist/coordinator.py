@@ -553,6 +553,31 @@ class Coordinator:
         raise_failures([failure], local, self.rank)
         return value  # type: ignore[no-any-return]
 
+    def master_computes_and_scatters(
+        self, fn: Callable[[], tuple[T, list[Any] | None]], phase: str
+    ) -> tuple[T, Any | None]:
+        """Rank 0 runs ``fn`` for ``(common, parts)``; every rank receives ``common`` and its own ``parts[rank]``
+        (None when ``parts`` is None), or raises rank 0's exception, as in ``master_computes``. One step: the
+        broadcast (with the failure) and the scatter follow one arrival, as nothing runs between them; a rank
+        receives ``common`` plus its own part, not everyone's."""
+
+        def checked() -> tuple[T, list[Any] | None]:
+            common, parts = fn()
+            if parts is not None and len(parts) != self.world_size:
+                raise ValueError(f"{phase}: {len(parts)} parts for a world of {self.world_size} ranks")
+            return common, parts
+
+        value, failure, local = self._on_master(checked, phase)
+        if not self.distributed:
+            if local is not None:
+                raise local
+            return value[0], None if value[1] is None else value[1][0]  # type: ignore[index]
+        self._arrive_and_wait(phase)
+        common, parts = value if value is not None else (None, None)
+        failure, common, scattered = self._broadcast((failure, common, parts is not None), 0, None)
+        raise_failures([failure], local, self.rank)
+        return common, self._scatter(parts, 0) if scattered else None
+
     def gather_and_master_computes(self, obj: T, fn: Callable[[], Any], phase: str) -> tuple[list[T], Any]:
         """``all_gather_object(obj)`` and ``master_computes(fn)`` in one step: rank 0's result of ``fn`` (or its
         exception, raised on every rank as in ``master_computes``) travels with its ``obj``."""
@@ -692,12 +717,8 @@ class Coordinator:
             if objs is None or len(objs) != 1:
                 raise ValueError("scatter_object in a world of one needs a list of exactly one object")
             return objs[0]
-        import torch.distributed as dist
-
         self._arrive_and_wait(phase)
-        box: list[Any] = [None]
-        dist.scatter_object_list(box, objs if self.rank == src else None, src=src, group=self.group)
-        return box[0]  # type: ignore[no-any-return]
+        return self._scatter(objs, src)  # type: ignore[no-any-return]
 
     def host_names(self) -> list[str]:
         """Every rank's host name, by rank (gathered once)."""
@@ -740,6 +761,14 @@ class Coordinator:
 
         box = [obj if self.rank == src else None]
         dist.broadcast_object_list(box, src=src, group=group if group is not None else self.group)
+        return box[0]
+
+    def _scatter(self, objs: list[Any] | None, src: int) -> Any:
+        """``objs[rank]`` from ``src`` (read there only), over the whole world."""
+        import torch.distributed as dist
+
+        box: list[Any] = [None]
+        dist.scatter_object_list(box, objs if self.rank == src else None, src=src, group=self.group)
         return box[0]
 
     def _any_failed(self, failed: bool) -> bool:

@@ -370,7 +370,11 @@ class Topology:
     @property
     def file_ep_rank(self) -> int | None:
         """The EP rank as NxD's file names carry it: only with expert parallelism."""
-        return self.ep_rank if self.ep_size > 1 else None
+        return self.file_ep_rank_of(self.rank)
+
+    def file_ep_rank_of(self, rank: int) -> int | None:
+        """``file_ep_rank`` of any rank (a load's master works out which files each rank reads)."""
+        return self._position["ep"][rank] if self.ep_size > 1 else None
 
     @property
     def is_master(self) -> bool:
@@ -452,7 +456,11 @@ class Topology:
     @property
     def zero1_rank(self) -> int:
         """This rank's shard index in its ZeRO-1 group (the DP rank without context parallelism)."""
-        return self.zero1_group_ranks().index(self.rank)
+        return self.zero1_rank_of(self.rank)
+
+    def zero1_rank_of(self, rank: int) -> int:
+        """``zero1_rank`` of any rank."""
+        return self.zero1_group_ranks(rank).index(rank)
 
     def describe(self) -> str:
         extra = (f" CP={self.cp_size}" if self.cp_size > 1 else "") + (

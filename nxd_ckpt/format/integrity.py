@@ -9,12 +9,14 @@ plus a checksum of the manifest itself. ``done`` comes after every manifest, so 
 Loading: ``VerifyingStorage`` wraps the load's storage for one tag; ``read_buffer`` of a listed file hashes the
 whole-file buffer the loader then parses (each byte read once), ``open_read`` hashes the stream to the end and
 seeks back; both compare size and digest with the manifest and raise IntegrityError naming the file on a mismatch.
+A load hands each rank only the records of the files it reads (``IndexShare``), not every rank's manifests.
 Tags without manifests (written by NxD, or by nxd_ckpt before manifests existed) are read unverified.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator
 from typing import Any, BinaryIO
@@ -30,6 +32,7 @@ from nxd_ckpt.format.manifests import (
     MANIFEST_PREFIX,
     MANIFEST_VERSION,
     FileRecord,
+    IndexShare,
     check_record,
     hash_stream,
     manifest_bytes,
@@ -38,10 +41,13 @@ from nxd_ckpt.format.manifests import (
     parse_manifest,
     read_index,
     read_manifests,
+    split_index,
 )
 from nxd_ckpt.storage import DelegatingStorage, Storage
 from nxd_ckpt.storage.base import Allocator, ForwardWriter, read_whole
 from nxd_ckpt.storage.direct import DirectReader
+
+logger = logging.getLogger("nxd_ckpt")
 
 # The manifest format (records, sealing, parsing, the one reader) lives in format/manifests.py; these names are
 # re-exported for callers of this module.
@@ -52,6 +58,7 @@ __all__ = [
     "MANIFEST_VERSION",
     "ChecksummingStorage",
     "FileRecord",
+    "IndexShare",
     "VerifyingStorage",
     "check_record",
     "hash_stream",
@@ -62,6 +69,7 @@ __all__ = [
     "read_index",
     "read_manifests",
     "remove_manifests",
+    "split_index",
 ]
 
 
@@ -257,21 +265,28 @@ class ChecksummingStorage(DelegatingStorage):
 class VerifyingStorage(DelegatingStorage):
     """Read access to one tag that checks every file listed in the tag's manifests against its record.
 
-    ``index`` is the merged manifests (``read_index``), read lazily on first use when not given, so one rank
-    can read them and hand them to the others.
+    ``index`` is the merged manifests (``read_index``), or this rank's share of them (``IndexShare``: what a
+    load hands each rank), or None: then the whole index is read lazily on first use. A file outside the share
+    is never read unchecked: the whole index is read then (every manifest, once; logged as a WARNING, and
+    counted in ``index_fallbacks``, since it means the load's read plan missed a file).
     """
 
     whole_file_reads = True  # loaders call read_buffer: each file is read once, hashed and parsed in memory
 
-    def __init__(self, inner: Storage, tag: str, index: dict[str, FileRecord] | None = None) -> None:
+    def __init__(self, inner: Storage, tag: str, index: dict[str, FileRecord] | IndexShare | None = None) -> None:
         super().__init__(inner)
         self.tag = layout.validate_tag(tag)
-        self._index = index
+        share = IndexShare(index) if isinstance(index, dict) else index
+        self._share = share
+        self._index = share.records if share is not None and share.files is None else None
         self._lock = threading.Lock()
         self.files_verified = 0
         self.bytes_verified = 0
+        self.index_fallbacks: list[str] = []
+        """Paths outside the share this storage was given, for which it read the whole index."""
 
     def index(self) -> dict[str, FileRecord]:
+        """The whole merged index (read from the manifests here, once, unless it was given)."""
         with self._lock:
             if self._index is None:
                 self._index = read_index(self.inner, self.tag)
@@ -280,7 +295,23 @@ class VerifyingStorage(DelegatingStorage):
     def record_for(self, path: str) -> FileRecord | None:
         if not path.startswith(self.tag + "/"):
             return None
-        return self.index().get(path[len(self.tag) + 1 :])
+        rel = path[len(self.tag) + 1 :]
+        share = self._share
+        if share is not None and share.covers(rel):
+            return share.records.get(rel)
+        if share is not None and share.files is not None:
+            self._outside_share(path)
+        return self.index().get(rel)
+
+    def _outside_share(self, path: str) -> None:
+        with self._lock:
+            first = not self.index_fallbacks
+            self.index_fallbacks.append(path)
+        if first:
+            logger.warning(
+                "%s/%s is outside this rank's share of the manifests; reading every manifest of %s to check it "
+                "(the load's read plan missed this file: please report it)", self.url, path, self.tag,
+            )  # fmt: skip
 
     def local_path(self, path: str) -> str | None:
         """None for files this storage checks: reading them directly would skip the check."""

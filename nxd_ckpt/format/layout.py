@@ -148,6 +148,15 @@ def xser_info_file(path: str) -> str:
     return path + XSER_INFO_SUFFIX
 
 
+def state_file_of(path: str) -> str:
+    """The state file whose part ``path`` is: ``X`` for ``X``, for its xser info file ``X.info.pt`` and for its
+    tensor files ``X.tensors/tensor_N.pt``; any other path is its own (works on paths within a tag too)."""
+    head, sep, _ = path.partition(XSER_TENSORS_SUFFIX + "/")
+    if sep:
+        return head
+    return path.removesuffix(XSER_INFO_SUFFIX) if path.endswith(".pt" + XSER_INFO_SUFFIX) else path
+
+
 def manifest_file(tag: str, rank: int) -> str:
     return tag_path(tag, EXTRAS_DIR, f"manifest_rank_{rank:05d}.json")
 

@@ -3,12 +3,13 @@
 The only module that writes, parses or finds manifests. ``read_manifests`` is the one reader: it merges every
 rank's manifest, checks each one's own seal, and checks that every rank the metadata names has one. Callers
 choose what to do with the problems: the load path (``read_index``) raises the first, ``verify`` lists them all.
+``split_index`` cuts the merged index into per-rank shares (``IndexShare``) for loads.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -193,6 +194,43 @@ def read_manifests(storage: Storage, tag: str, *, check_metadata: bool = True) -
 def read_index(storage: Storage, tag: str) -> dict[str, FileRecord]:
     """Every manifest of ``tag`` merged (empty without manifests); raises IntegrityError at the first problem."""
     return read_manifests(storage, tag).raise_first().index
+
+
+@dataclass(frozen=True)
+class IndexShare:
+    """The part of a tag's merged manifests (``read_index``) one rank's load needs, so that a load need not send
+    every rank the whole index (one record per file of the tag: O(world) records per rank, O(world²) in all).
+
+    ``files`` are the state files (paths within the tag) the rank may read; each stands for itself and its xser
+    parts (``layout.state_file_of``), and ``records`` holds every record of them the manifests have, so a path
+    ``covers`` is exactly as verified as with the whole index. ``files`` None: ``records`` is the whole index.
+    """
+
+    records: dict[str, FileRecord]
+    files: frozenset[str] | None = None
+
+    def covers(self, rel: str) -> bool:
+        """Whether this share answers for ``rel`` (a path within the tag): its record, or that it has none."""
+        return self.files is None or layout.state_file_of(rel) in self.files
+
+
+def split_index(index: dict[str, FileRecord], wanted: Sequence[Iterable[str]]) -> list[IndexShare]:
+    """One share of ``index`` per rank: ``wanted[r]`` the files (paths within the tag) rank ``r`` may read. One
+    pass over the index, then each share costs the records of its own files. A tag without manifests (empty
+    index) gives every rank the whole (empty) index: nothing to check, nothing to fetch."""
+    if not index:
+        return [IndexShare({}) for _ in wanted]
+    by_file: dict[str, dict[str, FileRecord]] = {}
+    for rel, rec in index.items():
+        by_file.setdefault(layout.state_file_of(rel), {})[rel] = rec
+    shares = []
+    for files in wanted:
+        keys = frozenset(files)
+        records: dict[str, FileRecord] = {}
+        for key in keys:
+            records.update(by_file.get(key, {}))
+        shares.append(IndexShare(records, keys))
+    return shares
 
 
 def write_manifest(storage: Storage, tag: str, rank: int, records: dict[str, FileRecord]) -> str:

@@ -4,7 +4,7 @@ restore.
   resolve    rank 0 finds the tag (the latest complete one by default; a re-save a crash interrupted is
              finished first) and every rank learns it;
   describe   the tag's layout (``format.describe``) and, with ``verify``, its manifests: every file read below is
-             checked against the checksums written with it;
+             checked against the checksums written with it (each rank receives the records of its own files);
   choose     the read plan: the same TP/PP layout (each rank reads its own files, DP replicas share reads), or
              re-sharded (``load.reshard``: each rank reads only the parts it holds now); and, around a whole
              load, the memory tier (this node, then peers, then the checkpoint directory) or
@@ -35,6 +35,7 @@ from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.errors import FormatError, IntegrityError, LayoutMismatchError, RemoteRankError
 from nxd_ckpt.format import integrity, layout, tags
 from nxd_ckpt.format.describe import TagDescription, describe
+from nxd_ckpt.format.metadata import metadata_path
 from nxd_ckpt.load import reshard, zero1_io
 from nxd_ckpt.load.report import RestoreReport
 from nxd_ckpt.log import format_bytes, format_rate
@@ -133,9 +134,10 @@ class LoadPipeline:
         if topo is None:
             topo = coord.run_all(self.services.topology, "reading the parallel layout")
         storage = source if isinstance(source, TierView) else self.services.storage_for(source)
-        resolved, info, index = self.resolve(storage, tag, options.verify)
-        if index is not None:  # every file read below is checked against the manifests written with it
-            storage = integrity.VerifyingStorage(storage, resolved, index)
+        targets = options.model is not None or options.optimizer is not None
+        resolved, info, share = self.resolve(storage, tag, options.verify, topo, targets)
+        if share is not None:  # every file read below is checked against the manifests written with it
+            storage = integrity.VerifyingStorage(storage, resolved, share)
         read = self.choose(storage, resolved, info, topo, options)
         start = time.perf_counter()
         result = coord.in_waves(
@@ -152,19 +154,37 @@ class LoadPipeline:
         return result
 
     def resolve(
-        self, storage: Storage, tag: str | None, verify: bool = False
-    ) -> tuple[str, TagDescription, dict[str, integrity.FileRecord] | None]:
-        """Rank 0: the tag to load, its layout and (``verify``) its merged manifests, told to every rank in one
-        step."""
+        self, storage: Storage, tag: str | None, verify: bool, topo: Topology, targets: bool = True
+    ) -> tuple[str, TagDescription, integrity.IndexShare | None]:
+        """Rank 0 finds the tag to load and describes it, and with ``verify`` reads and merges every manifest,
+        once; one step tells every rank the tag and its description (small: it does not grow with the world) and
+        hands each rank its share of the manifests (``split_index``): the records of the files it may read
+        (``files_read``), not the whole index, which has a record per file of the tag (sent to every rank, it
+        cost O(world) bytes per rank, O(world²) in all). A load at another TP/PP size (``targets``: a model or
+        optimizer to re-shard) reads parts of many ranks' files (``load.reshard``): there every rank receives
+        the whole index, with the description."""
+        coord = self.coord
 
-        def resolve() -> tuple[str, TagDescription, dict[str, integrity.FileRecord] | None]:
+        def resolve() -> tuple[tuple[str, TagDescription, integrity.IndexShare | None], list[Any] | None]:
             tags.recover_resaves(storage, finish_only=True)  # a crash mid-swap: the complete copy gets its name
             resolved = tags.resolve_tag(storage, tag)
             info = describe(storage, resolved)
-            return resolved, info, integrity.read_index(storage, resolved) if verify else None
+            if not verify:
+                return (resolved, info, None), None
+            index = integrity.read_index(storage, resolved)
+            if not index or (targets and changes_layout(info, topo)):
+                return (resolved, info, integrity.IndexShare(index)), None
+            wanted = [
+                [path[len(resolved) + 1 :] for path in files_read(resolved, info, topo, rank)]
+                for rank in range(coord.world_size)
+            ]
+            return (resolved, info, None), list(integrity.split_index(index, wanted))
 
         what = " and reading its manifests" if verify else ""
-        return self.coord.master_computes(resolve, f"resolving the checkpoint to load from {storage.url}{what}")
+        (resolved, info, whole), share = coord.master_computes_and_scatters(
+            resolve, f"resolving the checkpoint to load from {storage.url}{what}"
+        )
+        return resolved, info, whole if whole is not None else share
 
     def choose(self, storage: Storage, tag: str, info: TagDescription, topo: Topology, options: LoadOptions) -> TagRead:
         """The read plan: re-sharded when the TP/PP size changed, else this rank's own files (DP replicas
@@ -356,7 +376,7 @@ class TagRead:
         if self.resharded is not None:
             return self.resharded.model_state(), f"{self.storage.url}/{self.tag}"
         topo, o = self.topo, self.options
-        path = layout.model_file(self.tag, topo.tp_rank, topo.pp_rank, topo.file_ep_rank)
+        path = model_path(self.tag, topo, topo.rank)
         source = f"{self.storage.url}/{path}"
         target = adapters.load_target(o.model, "model", strict=o.strict, source=source)
         return self.read(path, self.replicas, target), source
@@ -367,10 +387,7 @@ class TagRead:
         if self.resharded is not None:
             return self.resharded.optimizer_state(), f"{self.storage.url}/{self.tag}"
         info, topo, o = self.info, self.topo, self.options
-        if info.zero1:
-            path = layout.optim_file(self.tag, topo.zero1_rank, topo.tp_rank, topo.pp_rank)
-        else:
-            path = layout.optim_file(self.tag, 0, topo.tp_rank, topo.pp_rank, topo.file_ep_rank)
+        path = optimizer_path(self.tag, info, topo, topo.rank)
         source = f"{self.storage.url}/{path}"
         recut, saved_dp = zero1_io.reshard_source(info, topo)
         if recut and topo.expert_parallel:
@@ -396,6 +413,55 @@ class TagRead:
             storage, path, trusted=self.options.allow_pickle, group=replicas, target=target
         )
         return target.finish(state) if target is not None else state
+
+
+def model_path(tag: str, topo: Topology, rank: int) -> str:
+    """The model file ``rank`` reads at the saved TP/PP layout: its (TP, PP[, EP]) coordinate's."""
+    c = topo.coordinates(rank)
+    return layout.model_file(tag, c.tp, c.pp, topo.file_ep_rank_of(rank))
+
+
+def optimizer_path(tag: str, info: TagDescription, topo: Topology, rank: int) -> str:
+    """The optimizer file of ``rank`` at the saved TP/PP layout: its ZeRO-1 shard, or the replicated state of
+    its (TP, PP[, EP]) coordinate."""
+    c = topo.coordinates(rank)
+    if info.zero1:
+        return layout.optim_file(tag, topo.zero1_rank_of(rank), c.tp, c.pp)
+    return layout.optim_file(tag, 0, c.tp, c.pp, topo.file_ep_rank_of(rank))
+
+
+def files_read(tag: str, info: TagDescription, topo: Topology, rank: int) -> list[str]:
+    """Every file ``rank`` may read in a load of ``tag`` at the saved TP/PP layout (``TagRead``); the master
+    works these out for every rank to hand each its share of the manifests (``LoadPipeline.resolve``). Each
+    path stands for its xser parts too (``layout.state_file_of``).
+
+    The model file; the optimizer file, or with ZeRO-1 at another DP size (or merged full files) every ZeRO-1
+    file of its (TP, PP) coordinate (``zero1_io.source_paths``: a superset of those holding its rows, which
+    depend on each tensor's length); scheduler, user content, metadata; its per-rank state
+    (``rank_state.files_read``); with expert parallelism the ``ep_rank_00`` files, whose folders hold the
+    non-expert tensors of xser files (``layout.shared_tensors_file``). DP replicas sharing the reads of an xser
+    file (``dist.replicas``) read parts of their own model file: covered."""
+    c = topo.coordinates(rank)
+    recut, saved_dp = zero1_io.reshard_source(info, topo)
+    optim = zero1_io.source_paths(tag, c.tp, c.pp, saved_dp) if recut else [optimizer_path(tag, info, topo, rank)]
+    files = [
+        model_path(tag, topo, rank),
+        *optim,
+        layout.tag_path(tag, layout.SCHEDULER_FILE),
+        layout.tag_path(tag, layout.USER_CONTENT_FILE),
+        metadata_path(tag),
+        *rank_states.files_read(tag, rank),
+    ]
+    return list(dict.fromkeys(files + [layout.shared_tensors_file(path) for path in files]))
+
+
+def changes_layout(info: TagDescription, topo: Topology) -> bool:
+    """Whether a load of ``info`` at ``topo`` is re-sharded (``check_layout``); False for a layout it refuses
+    (every rank raises that in ``LoadPipeline.choose``)."""
+    try:
+        return check_layout(info, topo, "", info.tag)
+    except LayoutMismatchError:
+        return False
 
 
 def missing_file_error(storage: Storage, path: str) -> FormatError:

@@ -9,7 +9,7 @@ DP replica subgroups are not modelled: use layouts without DP replicas for loads
 ``count=True`` instruments the world for the scale benchmark and the store-operation tests: each rank's store
 is a ``testing.counting.CountingStore`` over a connection of its own (``tallies[rank]``), and
 ``collectives[rank]`` counts that rank's collectives by kind with the bytes gloo would make it receive (objects
-pickled; an all-gather pads every object to the largest, as ``all_gather_object`` does).
+pickled; an all-gather pads every object to the largest, as ``all_gather_object`` does, and so does a scatter).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class ThreadWorld:
             "all_gather": (self.size - 1) * met.largest,
             "broadcast": 0 if rank == src else met.sizes[src],
             "gather": met.total - met.sizes[src] if rank == src else 0,
-            "scatter": 0 if rank == src else met.sizes[src] // self.size,  # its share of the list
+            "scatter": 0 if rank == src else met.sizes[src],  # the largest object: each is padded to it
             "all_reduce": 4,
         }[kind]
         entry = self.collectives[rank].setdefault(kind, [0, 0])
@@ -130,13 +130,23 @@ class ThreadWorld:
         change it (an O(N) copy per rank would make the simulation, not the library, O(N²) per exchange)."""
         return self._meet(rank, obj, kind, src).objects
 
+    @staticmethod
+    def _pickled_size(obj: Any, kind: str) -> int:
+        """The bytes gloo carries for ``obj``: pickled; for the source of a scatter the largest of its objects
+        (``scatter_object_list`` pads every rank's object to it; the other ranks pass None)."""
+        if kind == "all_reduce":
+            return 0
+        if kind == "scatter":
+            return max((len(pickle.dumps(o)) for o in obj), default=0) if obj is not None else 0
+        return len(pickle.dumps(obj))
+
     def flag(self, rank: int, value: bool) -> bool:
         """Whether ``value`` holds on any rank: a one-number all-reduce (computed once, by the last arrival)."""
         return self._meet(rank, value, "all_reduce", 0).any_true
 
     def _meet(self, rank: int, obj: Any, kind: str, src: int) -> _Meeting:
         """The n-th exchange of ``rank``, once every rank has reached its n-th."""
-        size = len(pickle.dumps(obj)) if self.count and kind != "all_reduce" else 0
+        size = self._pickled_size(obj, kind) if self.count else 0
         with self._cond:
             call = self._calls[rank]
             self._calls[rank] += 1
@@ -217,9 +227,8 @@ class ThreadCoordinator(Coordinator):
         out = self.world.exchange(self.rank, obj, "gather", dst)
         return list(out) if self.rank == dst else None
 
-    def scatter_object(self, objs: list[T] | None, src: int = 0, phase: str = "scattering") -> T:
-        self._arrive_and_wait(phase)
-        return self.world.exchange(self.rank, objs, "scatter", src)[src][self.rank]  # type: ignore[no-any-return]
+    def _scatter(self, objs: list[Any] | None, src: int) -> Any:
+        return self.world.exchange(self.rank, objs if self.rank == src else None, "scatter", src)[src][self.rank]
 
     def subgroup(self, ranks: list[int]) -> Any:
         raise NotImplementedError("ThreadWorld does not model DP replica subgroups: use a layout without them")
