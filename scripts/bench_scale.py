@@ -187,7 +187,8 @@ def _timed_leave(name: str) -> Callable[..., Any]:
 
 
 for _name in (
-    "master_computes", "master_computes_and_scatters", "run_all", "barrier", "all_gather_object", "broadcast_object",
+    "master_computes", "master_computes_and_scatters", "gather_to_master_and_master_computes",
+    "gather_and_master_computes", "run_all", "barrier", "all_gather_object", "broadcast_object",
     "gather_object", "scatter_object",
 ):  # fmt: skip
     setattr(TimedCoordinator, _name, _timed_leave(_name))
@@ -220,10 +221,10 @@ def _instrument_commit(clock: _Clock) -> None:
 class World:
     """``n`` thread ranks, their managers and the counting storage of one checkpoint directory."""
 
-    def __init__(self, n: int, root: str, layers: int, elems: int, clock: _Clock) -> None:
+    def __init__(self, n: int, root: str, layers: int, elems: int, clock: _Clock, store: Any) -> None:
         self.n = n
         self.tp, self.pp, self.dp = layout_for(n)
-        self.world = ThreadWorld(n, timeout_s=1800.0, count=True)
+        self.world = ThreadWorld(n, timeout_s=1800.0, count=True, store=store)
         self.clock = clock
         self.storage = RequestCountingStorage(LocalStorage(root))
         shared = Topology(tp_size=self.tp, pp_size=self.pp, dp_size=self.dp)  # groups built once, for every rank
@@ -311,8 +312,16 @@ def run_world(
     """Every operation of ``ops`` on an ``n``-rank world: a row each (``release_s``: ``store_release_s(n)``)."""
     clock = _Clock(n)
     _instrument_commit(clock)
+    with StoreProcess() as store:
+        return _run_world(n, layers, elems, ops, root, num_workers, release_s, clock, store)
+
+
+def _run_world(
+    n: int, layers: int, elems: int, ops: list[str], root: str, num_workers: int, release_s: float, clock: _Clock,
+    store: Any,
+) -> list[dict[str, Any]]:  # fmt: skip
     start = time.perf_counter()
-    world = World(n, os.path.join(root, f"w{n}"), layers, elems, clock)
+    world = World(n, os.path.join(root, f"w{n}"), layers, elems, clock, store)
     print(f"  {n} ranks: world set up in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     rows: list[dict[str, Any]] = []
 
@@ -478,6 +487,44 @@ def store_release_s(n: int, rounds: int = 3) -> float:
     return statistics.median(times)
 
 
+def serve_store() -> None:
+    """The child of ``StoreProcess``: a TCPStore server; prints its port, serves until its stdin closes."""
+    from nxd_ckpt.dist.coordinator import local_store
+
+    store = local_store(1800.0)
+    print(store.port, flush=True)
+    sys.stdin.read()
+
+
+class StoreProcess:
+    """A TCPStore served by a child process (a job's store runs on one node, not inside every rank), and a
+    client of it: at 4,096 thread ranks, three connections per rank (its own, its waiting one, its writer's)
+    are 12,288 sockets here, and the server's ends would double that past the open-file limit."""
+
+    def __enter__(self) -> Any:
+        import datetime
+        import subprocess
+
+        import torch.distributed as dist
+
+        self.child = subprocess.Popen(
+            [sys.executable, __file__, "--serve-store"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        line = self.child.stdout.readline() if self.child.stdout else ""
+        if not line.strip().isdigit():
+            self.child.kill()
+            raise RuntimeError(f"the store process did not start (it printed {line!r})")
+        return dist.TCPStore("127.0.0.1", int(line), is_master=False, timeout=datetime.timedelta(seconds=1800))
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.child.stdin:
+            self.child.stdin.close()
+        try:
+            self.child.wait(timeout=30)
+        except Exception:
+            self.child.kill()
+
+
 # --------------------------------------------------------------------------------------------- output
 COLUMNS = [
     ("op", "{:<10}"),
@@ -536,6 +583,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--release-waiters"]:  # the child process of store_release_s
         release_waiters(*map(int, argv[1:4]))
+        return 0
+    if argv[:1] == ["--serve-store"]:  # the child process of StoreProcess
+        serve_store()
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 256, 1024, 4096])

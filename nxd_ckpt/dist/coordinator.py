@@ -578,6 +578,23 @@ class Coordinator:
         raise_failures([failure], local, self.rank)
         return common, self._scatter(parts, 0) if scattered else None
 
+    def gather_to_master_and_master_computes(
+        self, obj: T, fn: Callable[[], Any], phase: str
+    ) -> tuple[list[T] | None, Any]:
+        """``gather_object(obj)`` to rank 0 and ``master_computes(fn)`` in one step: rank 0 receives every rank's
+        ``obj`` (the others None) and every rank rank 0's result of ``fn`` (or its exception, raised everywhere as
+        in ``master_computes``). Only rank 0 receives O(N) bytes; ``obj`` must hold CPU tensors only."""
+        value, failure, local = self._on_master(fn, phase)
+        if not self.distributed:
+            if local is not None:
+                raise local
+            return [obj], value
+        self._arrive_and_wait(phase)
+        out = self._gather(obj, 0)
+        failure, value = self._broadcast((failure, value) if self.rank == 0 else None, 0, None)
+        raise_failures([failure], local, self.rank)
+        return out, value
+
     def gather_and_master_computes(self, obj: T, fn: Callable[[], Any], phase: str) -> tuple[list[T], Any]:
         """``all_gather_object(obj)`` and ``master_computes(fn)`` in one step: rank 0's result of ``fn`` (or its
         exception, raised on every rank as in ``master_computes``) travels with its ``obj``."""
@@ -704,12 +721,8 @@ class Coordinator:
         """Every rank's ``obj`` as a list on rank ``dst`` (None elsewhere); objects must hold CPU tensors only."""
         if not self.distributed:
             return [obj]
-        import torch.distributed as dist
-
         self._arrive_and_wait(phase)
-        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
-        dist.gather_object(obj, out, dst=dst, group=self.group)
-        return out
+        return self._gather(obj, dst)
 
     def scatter_object(self, objs: list[T] | None, src: int = 0, phase: str = "scattering") -> T:
         """Rank ``r`` receives ``objs[r]`` from rank ``src`` (``objs`` is read on ``src`` only)."""
@@ -762,6 +775,14 @@ class Coordinator:
         box = [obj if self.rank == src else None]
         dist.broadcast_object_list(box, src=src, group=group if group is not None else self.group)
         return box[0]
+
+    def _gather(self, obj: Any, dst: int) -> list[Any] | None:
+        """Every rank's ``obj`` as a list on ``dst`` (None elsewhere), over the whole world."""
+        import torch.distributed as dist
+
+        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+        dist.gather_object(obj, out, dst=dst, group=self.group)
+        return out
 
     def _scatter(self, objs: list[Any] | None, src: int) -> Any:
         """``objs[rank]`` from ``src`` (read there only), over the whole world."""

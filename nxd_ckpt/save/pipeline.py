@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeAlias
 
 from nxd_ckpt import adapters, knobs, statefile, tree
 from nxd_ckpt import rank_state as rank_states
@@ -150,10 +150,10 @@ class SavePipeline:
             copy_state=options.async_save,
         )  # fmt: skip
         model_sd = adapters.model_state(options.model) if options.model is not None else None
-        record = record_sharding(coord, topo, options, model_sd) if options.model is not None else None
+        share = sharding_share(coord, topo, options, model_sd) if options.model is not None else None
         runtime = self.services.tier_runtime(options.memory_tier, storage.url, topo) if options.memory_tier else None
         durable = runtime.count_save() if runtime is not None else True
-        ctx = self.begin(options, storage, topo, record, durable)
+        ctx = self.begin(options, storage, topo, share, durable)
         report.checkpoint_dir = storage.url
         stage_start = time.perf_counter()
         writes = plan_writes(ctx, model_sd)
@@ -180,15 +180,18 @@ class SavePipeline:
 
     # ------------------------------------------------------------------ begin
     def begin(
-        self, options: SaveOptions, storage: Storage, topo: Topology, record: ShardingRecord | None, durable: bool
+        self, options: SaveOptions, storage: Storage, topo: Topology, share: ShardingShare, durable: bool
     ) -> SaveContext:
-        """Rank 0 marks the tag as being saved (a complete one is re-saved beside it); all ranks agree on the
-        save. A save to the memory tier only (``durable`` False) leaves the checkpoint directory alone."""
+        """Rank 0 marks the tag as being saved (a complete one is re-saved beside it) and receives every rank's
+        ``share`` of the sharding record; all ranks agree on the save: one world-wide step. A save to the memory
+        tier only (``durable`` False) leaves the checkpoint directory alone."""
         coord, tag = self.coord, options.tag
-        created_at, resave = coord.master_computes(
+        shares, (created_at, resave) = coord.gather_to_master_and_master_computes(
+            share,
             lambda: prepare_tag(storage, tag, durable) if coord.rank == 0 else (0.0, False),
             f"starting checkpoint {tag!r}",
         )
+        record = merge_sharding(shares) if shares is not None and options.model is not None else None
         seq = self.services.next_seq()
         target = tags.ResaveStorage(storage, tag) if resave else storage
         monitor = StorageMonitor(f"writing {tag!r} on rank {coord.rank}", options.timeout_s, url=storage.url)
@@ -394,24 +397,31 @@ def write_files(target: Storage, staged: Staged, rank: int, report: SaveReport) 
     return written
 
 
-def record_sharding(coord: Coordinator, topo: Topology, options: SaveOptions, model_sd: Any) -> ShardingRecord | None:
-    """Rank 0: how every model tensor of every PP stage is sharded (each stage's first replica of TP rank 0
-    describes its stage; a collective). None, with a warning, when it cannot be recorded (the checkpoint is
-    then still saved, only not re-shardable without a sharding spec)."""
-    local: ShardingRecord | str | None = None
-    if topo.tp_rank == 0 and topo.replica_rank == 0:
-        try:
-            local = sharding.record_for_save(options.model, model_sd, options.optimizer, topo.tp_size, topo.pp_rank)
-        except Exception as e:  # never fail (or hang) a save over the record: every rank reaches the gather
-            local = f"rank {coord.rank}: {e}"
-    gathered = coord.gather_object(local, phase="recording how the model is sharded")
-    if gathered is None:
+ShardingShare: TypeAlias = "ShardingRecord | str | None"
+"""What one rank contributes to the sharding record: its stage's record, the error that kept it from one (as
+text), or None (ranks other than each stage's first replica of TP rank 0)."""
+
+
+def sharding_share(coord: Coordinator, topo: Topology, options: SaveOptions, model_sd: Any) -> ShardingShare:
+    """This rank's share of the sharding record: each stage's first replica of TP rank 0 describes its stage.
+    Never raises: a save must not fail (or leave the others waiting) over the record."""
+    if topo.tp_rank != 0 or topo.replica_rank != 0:
         return None
-    problems = [g for g in gathered if isinstance(g, str)]
+    try:
+        return sharding.record_for_save(options.model, model_sd, options.optimizer, topo.tp_size, topo.pp_rank)
+    except Exception as e:
+        return f"rank {coord.rank}: {e}"
+
+
+def merge_sharding(shares: list[ShardingShare]) -> ShardingRecord | None:
+    """Rank 0: how every model tensor of every PP stage is sharded, from every rank's share. None, with a
+    warning, when it cannot be recorded (the checkpoint is then still saved, only not re-shardable without a
+    sharding spec)."""
+    problems = [g for g in shares if isinstance(g, str)]
     try:
         if problems:
             raise ValueError("; ".join(problems))
-        merged = ShardingRecord.merge(g for g in gathered if isinstance(g, ShardingRecord))
+        merged = ShardingRecord.merge(g for g in shares if isinstance(g, ShardingRecord))
         return merged if merged.tensors else None  # e.g. a dict at TP > 1: nothing known, nothing recorded
     except Exception as e:
         logger.warning(

@@ -43,7 +43,10 @@ def connect(store: Any, count: int) -> list[Any]:
 class ThreadWorld:
     """``size`` ranks as threads exchanging objects in lockstep, sharing one TCPStore."""
 
-    def __init__(self, size: int, timeout_s: float = 120.0, count: bool = False) -> None:
+    def __init__(self, size: int, timeout_s: float = 120.0, count: bool = False, store: Any | None = None) -> None:
+        """``store``: a client of a TCPStore served elsewhere (default: one served by this process). The scale
+        benchmark serves it from another process: thousands of ranks' connections then count once, not twice
+        (client and server socket), against this process's open files."""
         self.size = size
         self.timeout_s = timeout_s
         self.count = count
@@ -53,7 +56,7 @@ class ThreadWorld:
         self._calls = [0] * size
         self._exited: set[int] = set()
         self._workers: list[_RankThread] = []
-        self.store = nxd_dist.local_store(timeout_s)
+        self.store = store if store is not None else nxd_dist.local_store(timeout_s)
         self.tallies = [StoreTally() for _ in range(size)] if count else []
         # with count=True every rank has its own connection, as a process has (not one client's lock for all)
         clients = connect(self.store, len(self.tallies))
@@ -222,8 +225,7 @@ class ThreadCoordinator(Coordinator):
     def host_names(self) -> list[str]:
         return ["localhost"] * self.world_size  # one host: replicas share reads through the page cache
 
-    def gather_object(self, obj: T, dst: int = 0, phase: str = "gathering") -> list[T] | None:
-        self._arrive_and_wait(phase)
+    def _gather(self, obj: Any, dst: int) -> list[Any] | None:
         out = self.world.exchange(self.rank, obj, "gather", dst)
         return list(out) if self.rank == dst else None
 

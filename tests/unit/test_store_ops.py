@@ -4,6 +4,7 @@ a late one (blocking waits on a connection of its own, not polls), nor with the 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -140,3 +141,56 @@ def test_waves_without_check_make_no_world_wide_step_and_no_barrier_after_the_la
 
     assert world.run(rank_main) == ["ok", "ok", "ok", "rank 3 failed"]
     assert steps == {r: (0, 1) for r in range(4)}
+
+
+def test_a_save_takes_two_world_wide_steps_and_its_commit(tmp_path):
+    """The start (every rank's layout, checked) and the master's preparation of the tag, which carries the
+    sharding record's gather to rank 0: two store-gated steps before the commit (each releases every rank at
+    the store, the cost that grows with the world), whatever the model."""
+    world = ThreadWorld(4)
+    coords = [world.coordinator(r) for r in range(4)]
+    managers = [CheckpointManager(coordinator=coords[r], topology=Topology(rank=r, tp_size=4)) for r in range(4)]
+
+    def steps_of_one_save(tag: str) -> list[int]:
+        before = [c._step for c in coords]
+
+        def save(rank: int) -> None:
+            managers[rank].save(tmp_path, tag, model={"w": torch.ones(4) * rank}, async_save=False)
+
+        world.run(save)
+        return [c._step - b for c, b in zip(coords, before, strict=True)]
+
+    try:
+        steps_of_one_save("warm")
+        assert steps_of_one_save("s1") == [2, 2, 2, 2]
+    finally:
+        world.close()
+
+
+def test_gather_to_master_and_master_computes_is_one_step_and_only_rank_0_receives_the_list():
+    world = ThreadWorld(3, count=True)
+    try:
+
+        def both(rank: int) -> tuple[Any, Any]:
+            coord = world.coordinator(rank)
+            gathered, value = coord.gather_to_master_and_master_computes(f"share {rank}", lambda: "prepared", "start")
+            return gathered, value, coord._step
+
+        results = world.run(both)
+        assert results[0] == (["share 0", "share 1", "share 2"], "prepared", 1)
+        assert results[1] == (None, "prepared", 1) and results[2] == (None, "prepared", 1)
+        assert world.collectives[1]["gather"][1] == 0  # a rank other than 0 receives no one's share
+
+        def failing(rank: int) -> str:
+            def broken() -> str:
+                raise OSError("rank 0 could not mark the tag")
+
+            try:
+                world.coordinator(rank).gather_to_master_and_master_computes(rank, broken, "start")
+            except OSError as e:
+                return str(e)
+            return "no error"
+
+        assert all("could not mark the tag" in m for m in world.run(failing))
+    finally:
+        world.close()
