@@ -106,7 +106,10 @@ def test_interpreter_exit_waits_for_pending_jobs(tmp_path):
 
 
 _INTERRUPTED_SAVE = """
-import os, sys, threading, time
+import os, signal, sys, threading, time
+# The child is a program in a terminal, whatever its parent ignores: a job started in the background by a
+# shell without job control inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import torch
 import nxd_ckpt as nxd
 from nxd_ckpt import statefile
