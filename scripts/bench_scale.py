@@ -110,13 +110,17 @@ class _Clock:
     def __init__(self, size: int) -> None:
         self.arrive: list[list[float]] = [[] for _ in range(size)]
         self.leave: list[list[float]] = [[] for _ in range(size)]
+        self.woke: list[list[float]] = [[] for _ in range(size)]
+        """When each rank's store wait at each step returned (node barriers: when it left them)."""
+        self.cpu: list[list[tuple[float, float]]] = [[] for _ in range(size)]
+        """Each rank's own CPU time (``time.thread_time``) at its wake-up and at its departure, per step."""
         self.commit: dict[tuple[int, int], dict[str, float]] = {}
         self.world_steps = 0
         """Store-gated steps of the whole world (rank 0 counts them): each ends with the store releasing N ranks."""
         self._lock = threading.Lock()
 
     def reset(self) -> None:
-        for lst in (*self.arrive, *self.leave):
+        for lst in (*self.arrive, *self.leave, *self.woke, *self.cpu):
             lst.clear()
         self.commit.clear()
         self.world_steps = 0
@@ -128,6 +132,33 @@ class _Clock:
     def mark(self, seq: int, rank: int, event: str) -> None:
         with self._lock:
             self.commit.setdefault((seq, rank), {})[event] = time.perf_counter()
+
+    def parallel_s(self) -> float:
+        """The critical path with the ranks' own work after each release run in parallel, as a job runs it:
+        per step, from the last arrival to the first rank's wake-up (the store's work), plus the largest CPU
+        time one rank spent between its wake-up and its departure (its own Python and the collective's), not
+        the time it queued for this process's GIL behind the other rank threads; plus the commit as in
+        ``coordination_s``."""
+        steps = min(len(c) for c in self.cpu) if self.cpu else 0
+        total = 0.0
+        for k in range(steps):
+            last_in = max(a[k] for a in self.arrive)
+            total += max(0.0, min(w[k] for w in self.woke) - last_in)
+            total += max(c[k][1] - c[k][0] for c in self.cpu)
+        return total + self._commit_critical_s()
+
+    def _commit_critical_s(self) -> float:
+        total = 0.0
+        for seq in sorted({s for s, _ in self.commit}):
+            marks = {r: m for (s, r), m in self.commit.items() if s == seq}
+            arrived = [m["arrived"] for m in marks.values() if "arrived" in m]
+            master = marks.get(0, {})
+            if arrived and "all_arrived" in master:
+                total += max(0.0, master["all_arrived"] - max(arrived))
+            outcome = [m["outcome"] for m in marks.values() if "outcome" in m]
+            if outcome and "published" in master:
+                total += max(0.0, min(outcome) - master["published"])
+        return total
 
     def coordination_s(self) -> tuple[float, float, int]:
         """(seconds from each step's last arrival to its last departure, summed with the commit's; the same to
@@ -165,12 +196,17 @@ class TimedCoordinator(ThreadCoordinator):
         if self.rank == 0:
             self.clock.world_steps += 1
         super()._arrive_and_wait(phase)
+        self.clock.woke[self.rank].append(time.perf_counter())
+        self._cpu_woke = time.thread_time()
 
     def _node_barrier(self, local_rank: int, local_world_size: int, phase: str) -> None:
         """A node's wave barrier counts as a step too (timed from the last arrival anywhere: conservative)."""
         self.clock.arrive[self.rank].append(time.perf_counter())
         super()._node_barrier(local_rank, local_world_size, phase)
-        self.clock.leave[self.rank].append(time.perf_counter())
+        now, cpu = time.perf_counter(), time.thread_time()
+        self.clock.leave[self.rank].append(now)
+        self.clock.woke[self.rank].append(now)
+        self.clock.cpu[self.rank].append((cpu, cpu))
 
 
 def _timed_leave(name: str) -> Callable[..., Any]:
@@ -182,6 +218,8 @@ def _timed_leave(name: str) -> Callable[..., Any]:
         finally:
             if self.distributed and len(self.clock.leave[self.rank]) < len(self.clock.arrive[self.rank]):
                 self.clock.leave[self.rank].append(time.perf_counter())
+                cpu = time.thread_time()
+                self.clock.cpu[self.rank].append((getattr(self, "_cpu_woke", cpu), cpu))
 
     return method
 
@@ -274,6 +312,7 @@ class World:
             "wall_s": wall,
             "coordination_s": coordination,
             "critical_s": critical,
+            "parallel_s": self.clock.parallel_s(),
             "releases": self.clock.releases(),
             "steps": steps,
             "store_ops_mean": statistics.fmean(ops),
@@ -328,6 +367,7 @@ def _run_world(
     def record(row: dict[str, Any]) -> None:
         row["release_s"] = release_s
         row["projected_s"] = row["critical_s"] + row["releases"] * release_s
+        row["parallel_projected_s"] = row["parallel_s"] + row["releases"] * release_s
         print_row(row)
         rows.append(row)
 
@@ -534,6 +574,8 @@ COLUMNS = [
     ("critical_s", "{:>7.3f}"),
     ("releases", "{:>3}"),
     ("projected_s", "{:>7.3f}"),
+    ("parallel_s", "{:>7.3f}"),
+    ("parallel_projected_s", "{:>7.3f}"),
     ("steps", "{:>3}"),
     ("store_ops_mean", "{:>6.1f}"),
     ("store_ops_max", "{:>5}"),
@@ -551,6 +593,8 @@ HEADERS = {
     "critical_s": "crit s",
     "releases": "rel",
     "projected_s": "proj s",
+    "parallel_s": "par s",
+    "parallel_projected_s": "ppar s",
     "steps": "stp",
     "store_ops_mean": "st.ops",
     "store_ops_max": "max",

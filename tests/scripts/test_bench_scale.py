@@ -40,6 +40,9 @@ def test_a_small_world_reports_every_figure_of_each_operation(bench_scale, tmp_p
     assert 0 <= save["critical_s"] <= save["coordination_s"]
     assert save["release_s"] > 0
     assert save["projected_s"] == pytest.approx(save["critical_s"] + save["releases"] * save["release_s"])
+    assert save["parallel_s"] > 0 and save["parallel_projected_s"] == pytest.approx(
+        save["parallel_s"] + save["releases"] * save["release_s"]
+    )
     assert rows["latest"]["requests"].get("LIST", 0) <= 1
     printed = capsys.readouterr().out
     assert printed.count("\n") > 5 and "proj s" in printed  # every row printed as it was measured
