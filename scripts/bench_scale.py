@@ -145,20 +145,23 @@ class _Clock:
             last_in = max(a[k] for a in self.arrive)
             total += max(0.0, min(w[k] for w in self.woke) - last_in)
             total += max(c[k][1] - c[k][0] for c in self.cpu)
-        return total + self._commit_critical_s()
+        return total + self._commit_s()[1]
 
-    def _commit_critical_s(self) -> float:
-        total = 0.0
+    def _commit_s(self) -> tuple[float, float]:
+        """The commits' coordination: (to the last rank knowing the outcome, to the first one knowing it)."""
+        total = critical = 0.0
         for seq in sorted({s for s, _ in self.commit}):
             marks = {r: m for (s, r), m in self.commit.items() if s == seq}
             arrived = [m["arrived"] for m in marks.values() if "arrived" in m]
             master = marks.get(0, {})
             if arrived and "all_arrived" in master:
-                total += max(0.0, master["all_arrived"] - max(arrived))
+                gathered = max(0.0, master["all_arrived"] - max(arrived))
+                total, critical = total + gathered, critical + gathered
             outcome = [m["outcome"] for m in marks.values() if "outcome" in m]
             if outcome and "published" in master:
-                total += max(0.0, min(outcome) - master["published"])
-        return total
+                total += max(0.0, max(outcome) - master["published"])
+                critical += max(0.0, min(outcome) - master["published"])
+        return total, critical
 
     def coordination_s(self) -> tuple[float, float, int]:
         """(seconds from each step's last arrival to its last departure, summed with the commit's; the same to
@@ -172,17 +175,8 @@ class _Clock:
             last_in = max(a[k] for a in self.arrive)
             total += max(0.0, max(lv[k] for lv in self.leave) - last_in)
             critical += max(0.0, min(lv[k] for lv in self.leave) - last_in)
-        for seq in sorted({s for s, _ in self.commit}):
-            marks = {r: m for (s, r), m in self.commit.items() if s == seq}
-            arrived = [m["arrived"] for m in marks.values() if "arrived" in m]
-            master = marks.get(0, {})
-            if arrived and "all_arrived" in master:
-                gathered = max(0.0, master["all_arrived"] - max(arrived))
-                total, critical = total + gathered, critical + gathered
-            outcome = [m["outcome"] for m in marks.values() if "outcome" in m]
-            if outcome and "published" in master:
-                total += max(0.0, max(outcome) - master["published"])
-                critical += max(0.0, min(outcome) - master["published"])
+        commit_total, commit_critical = self._commit_s()
+        total, critical = total + commit_total, critical + commit_critical
         return total, critical, steps
 
 
