@@ -27,6 +27,7 @@ from nxd_ckpt.format import layout
 from nxd_ckpt.save import plan
 from nxd_ckpt.serialization import plain, readinto, torchzip, xser
 from nxd_ckpt.serialization.inmemory import BufferReader, allocate
+from nxd_ckpt.serialization.prefault import prefaulted
 from nxd_ckpt.storage import Storage
 from nxd_ckpt.tree import map_tensors, tensor_bytes
 
@@ -453,21 +454,28 @@ def _read_tensors(
     paths: dict[int, Path] | None = None,
     direct: bool = True,
 ) -> dict[int, torch.Tensor]:
+    def into_target(tid: int) -> bool:
+        return target is not None and paths is not None and paths.get(tid) in target.tensors
+
+    # Tensors without a target get fresh memory allocated here, from the info file's dtypes and shapes, so one
+    # thread can fault in all of it ahead of the readers (a file that disagrees with its info gets its own).
+    fresh = _fresh_tensors([t for t in tids if not into_target(t)], info) if storage.host_page_cache else {}
+
     def read_into(tid: int, tensor_path: str, what: str, into_target: bool) -> torch.Tensor:
         """One tensor file in one pass: into the target's tensor where there is one, else fresh memory."""
         where = paths[tid] if into_target and paths is not None else None
         chosen: list[torch.Tensor] = []
 
         def choose(meta: Any) -> dict[int, torch.Tensor]:
-            dest = (
-                target.dest(where, meta)
-                if target is not None and where is not None and isinstance(meta, torch.Tensor)
-                else None
-            )
-            if dest is None:
+            if not isinstance(meta, torch.Tensor):
                 return {}
-            chosen.append(dest)
-            return {id(meta): dest}
+            if target is not None and where is not None:
+                dest = target.dest(where, meta)
+                if dest is not None:
+                    chosen.append(dest)
+                    return {id(meta): dest}
+                return {}
+            return {id(meta): fresh[tid]} if tid in fresh else {}
 
         with storage.open_sequential(tensor_path, direct=direct and into_target) as f:
             try:
@@ -476,7 +484,7 @@ def _read_tensors(
                     what=what,
                     make_unpickler=xser.tensor_unpickler,
                     choose=choose,
-                    filled=target.filled if target is not None else None,
+                    filled=target.filled if target is not None and into_target else None,
                 )
             except readinto.Fallback as e:
                 buffer = readinto.as_array(e.data)
@@ -488,9 +496,8 @@ def _read_tensors(
         tensor_path = _tensor_file(storage, path, tid, info)
         what = f"{storage.url}/{tensor_path}"
         try:
-            into_target = target is not None and paths is not None and paths.get(tid) in target.tensors
-            if into_target or storage.host_page_cache:
-                tensor = read_into(tid, tensor_path, what, into_target)
+            if into_target(tid) or storage.host_page_cache:
+                tensor = read_into(tid, tensor_path, what, into_target(tid))
                 if not isinstance(tensor, torch.Tensor):
                     raise FormatError(f"{what} does not hold a tensor (found {type(tensor).__name__})")
             elif storage.whole_file_reads:
@@ -504,4 +511,15 @@ def _read_tensors(
         return tensor
 
     jobs = [(str(tid), (lambda tid=tid: read_one(tid))) for tid in tids]
-    return dict(zip(tids, _run_parallel(jobs, threads, f"reading {storage.url}/{path}"), strict=True))
+    with prefaulted(list(fresh.values())):
+        return dict(zip(tids, _run_parallel(jobs, threads, f"reading {storage.url}/{path}"), strict=True))
+
+
+def _fresh_tensors(tids: list[int], info: dict[int, dict[str, Any]] | None) -> dict[int, torch.Tensor]:
+    """Fresh CPU tensors for ``tids`` as the info file describes them (none where it says nothing usable)."""
+    out: dict[int, torch.Tensor] = {}
+    for tid in tids:
+        entry = (info or {}).get(tid)
+        if isinstance(entry, dict) and isinstance(entry.get("dtype"), torch.dtype):
+            out[tid] = torch.empty(tuple(entry.get("shape") or ()), dtype=entry["dtype"])
+    return out

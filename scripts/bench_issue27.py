@@ -340,7 +340,8 @@ def report_lines(data: dict, med: dict[str, tuple[float | None, float | None]]) 
             lines.append(f"  load {what}: {r:.2f}x {theirs} (target >= 1.0): {verdict(r >= 1.0)}")
 
     load_ratio("nxd_plain_verified", "torch_save", "plain, verified, fresh dicts vs torch.load")
-    load_ratio("nxd_xser", "torch_save", "xser, verified, fresh dicts vs torch.load")
+    load_ratio("nxd_xser_fresh" if "nxd_xser_fresh" in med else "nxd_xser", "torch_save",
+               "xser, verified, fresh dicts vs torch.load")  # fmt: skip
     load_ratio("nxd_plain_live", "torch_load_live", "plain, verified, live module vs torch.load + load_state_dict")
     load_ratio("nxd_xser_live", "torch_load_live", "xser, verified, live module vs torch.load + load_state_dict")
     first = data.get("first_async")

@@ -32,6 +32,7 @@ import torch
 from nxd_ckpt import tree
 from nxd_ckpt.errors import FormatError
 from nxd_ckpt.serialization import torchzip
+from nxd_ckpt.serialization.prefault import Prefaulter
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIG = 0x04034B50
@@ -199,12 +200,15 @@ def load_into(
     tensor data read straight into the destinations ``choose`` picks. Raises ``Fallback`` (carrying the whole
     file) for layouts it does not stream, FormatError for a damaged file."""
     load = _StreamingLoad(f, what, make_unpickler, choose, filled, allocate, stats)
-    while (record := load.next_record()) is not None:
-        key = _record_key(record.name)
-        if key is None or load.pickled is None:  # data.pkl and the small records
-            load.small_record(record, key)
-        else:
-            load.data_record(record, key)
+    try:
+        while (record := load.next_record()) is not None:
+            key = _record_key(record.name)
+            if key is None or load.pickled is None:  # data.pkl and the small records
+                load.small_record(record, key)
+            else:
+                load.data_record(record, key)
+    finally:
+        load.stop_prefaulting()
     return load.finish()
 
 
@@ -241,6 +245,9 @@ class _StreamingLoad:
         self.byteorder: str | None = None
         self.storages: dict[str, tuple[torch.dtype, int]] = {}
         self.destinations: dict[str, torch.Tensor] = {}
+        self.fresh: dict[str, torch.Tensor] = {}
+        """Fresh memory for the storages without a destination, allocated once ``data.pkl`` is read."""
+        self.prefaulter: Prefaulter | None = None
         self.loaded: dict[str, torch.UntypedStorage] = {}
 
     def next_record(self) -> _Record | None:
@@ -285,6 +292,12 @@ class _StreamingLoad:
             except Fallback as e:
                 raise _fallback(seq, str(e)) from e
             self.destinations = _eligible(meta, self.choose(meta), meta_keys)
+            self.fresh = {
+                key: self.allocate(nbytes)
+                for key, (_, nbytes) in self.storages.items()
+                if key not in self.destinations and nbytes
+            }
+            self.prefaulter = Prefaulter(list(self.fresh.values()))
         elif record.name.endswith("byteorder"):
             self.byteorder = data.decode(errors="replace")
 
@@ -300,7 +313,8 @@ class _StreamingLoad:
         if record.csize and record.csize != nbytes:
             raise FormatError(f"{what}: record {name} holds {record.csize} bytes, its tensor needs {nbytes}")
         dest = self.destinations.get(key)
-        target = _bytes_of(dest) if dest is not None else self.allocate(nbytes)
+        fresh = self.fresh.get(key)
+        target = _bytes_of(dest) if dest is not None else fresh if fresh is not None else self.allocate(nbytes)
         _read_exactly(seq, target, what, name)
         if record.flags & _HAS_DESCRIPTOR and nbytes:
             desc = seq.take(_DESCRIPTOR.size)
@@ -315,6 +329,10 @@ class _StreamingLoad:
         else:
             self.loaded[key] = target.untyped_storage()
             self.stats.into_fresh += nbytes
+
+    def stop_prefaulting(self) -> None:
+        if self.prefaulter is not None:
+            self.prefaulter.close()
 
     def finish(self) -> Any:
         """The rest of the stream (read and hashed, not parsed), then the unpickled object over the storages."""
