@@ -72,7 +72,6 @@ def _run(ckpt: str, encoding: str, budget: int | None) -> dict:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc/self/clear_refs")
-@pytest.mark.device_independent  # CPU state in fresh processes; with torch 2.9 (XLA lane) plain peaked 1 MiB over
 @pytest.mark.parametrize("encoding", ["plain", "xser"])
 def test_a_quarter_of_the_state_as_budget_bounds_peak_memory_and_the_tag_loads_bit_exactly(tmp_path, encoding):
     """Fresh processes (peak RSS, not timed): without a budget the async save holds a copy of the state (the
