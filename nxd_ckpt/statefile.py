@@ -24,10 +24,10 @@ from nxd_ckpt import knobs, tree
 from nxd_ckpt.dist.replicas import ReplicaGroup
 from nxd_ckpt.errors import FormatError, StorageError
 from nxd_ckpt.format import layout
+from nxd_ckpt.pages import prefaulted
 from nxd_ckpt.save import plan
 from nxd_ckpt.serialization import plain, readinto, torchzip, xser
 from nxd_ckpt.serialization.inmemory import BufferReader, allocate
-from nxd_ckpt.serialization.prefault import prefaulted
 from nxd_ckpt.storage import Storage
 from nxd_ckpt.tree import map_tensors, tensor_bytes
 

@@ -113,17 +113,23 @@ def _memory_section(b: Any, timing: type) -> Any:
     extra: dict[str, float] = {}
     manager = nxd.CheckpointManager()  # fresh: its first async save allocates staging buffers, starts the writer
     blocked = []
-    peak = PeakRSS()
     for i in range(3):
         dist.barrier()
-        with peak if i == 0 else _nothing():
-            report = manager.save(path, f"async_{i}", async_save=True, **kw)
-            report.wait()
+        report = manager.save(path, f"async_{i}", async_save=True, **kw)
+        report.wait()
         blocked.append(max(_gather(report.blocked_s)))
-        if i == 0:
-            extra["mem_async"] = _multiple(b, peak, saved=report.bytes_written)
     manager.finalize()
     extra["first_async_blocked_s"], extra["steady_async_blocked_s"] = blocked[0], statistics.median(blocked[1:])
+    # Peak memory from one more fresh manager's first async save, untimed: PeakRSS's sampler thread (every 2 ms)
+    # and its gc.collect would otherwise sit inside the blocked time measured above.
+    measured = nxd.CheckpointManager()
+    peak = PeakRSS()
+    dist.barrier()
+    with peak:
+        report = measured.save(path, "async_peak", async_save=True, **kw)
+        report.wait()
+    measured.finalize()
+    extra["mem_async"] = _multiple(b, peak, saved=report.bytes_written)
     budget = report.bytes_written // 4  # a quarter of what this rank writes
     bounded = nxd.CheckpointManager(host_memory_budget=budget)
     peak = PeakRSS()
@@ -210,14 +216,6 @@ def first_async_save(b: Any) -> dict[str, float]:
         "steps_during_prepare": min(_gather(len(during))),
         "step_after_prepare_s": max(_gather(statistics.median(after + baseline))),
     }
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 # ----------------------------------------------------------------------------------------------- memory tier
@@ -382,8 +380,8 @@ def report_lines(data: dict, med: dict[str, tuple[float | None, float | None]]) 
         first = statistics.median(r["first_async_blocked_s"] for r in runs)
         steady = statistics.median(r["steady_async_blocked_s"] for r in runs)
         ratio = statistics.median(r["first_async_blocked_s"] / r["steady_async_blocked_s"] for r in runs)
-        lines.append(f"  first async save of a fresh manager blocks {first:.3f} s, steady {steady:.3f} s: {ratio:.2f}x "
-                     f"(target <= 1.5): {verdict(ratio <= 1.5)}")  # fmt: skip
+        lines.append(f"  without prepare_async_save, the first async save of a fresh manager blocks {first:.3f} s, steady "
+                     f"{steady:.3f} s: {ratio:.2f}x (no target: its staging memory is faulted in during the call)")  # fmt: skip
         for key, what in (
             ("mem_sync", "sync save"),
             ("mem_async", "async save"),

@@ -11,16 +11,13 @@ Used by the offline converter (``tools/convert_zero1.py``) and by ``load_checkpo
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import mmap
 import os
-import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from nxd_ckpt import statefile, tree
+from nxd_ckpt import pages, statefile, tree
 from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.errors import FormatError
 from nxd_ckpt.format import layout
@@ -31,24 +28,14 @@ from nxd_ckpt.serialization import torchzip, xser
 from nxd_ckpt.storage import Storage
 from nxd_ckpt.storage.local import publish, temp_name
 
-_PAGE = mmap.PAGESIZE
-_MADV_DONTNEED = 4
-_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-
 
 def release_pages(tensor: torch.Tensor) -> None:
-    """Drop the resident pages of a tensor that lives in a *file* mapping (re-read from the file if touched
-    again; dirty pages of a shared mapping stay in the page cache and are written back). Never call it on
+    """Drop the resident pages of a tensor that lives in a *file* mapping (``pages.drop``). Never call it on
     ordinary memory: MADV_DONTNEED zeroes anonymous pages."""
-    if _libc is None:
-        return
     storage = tensor.untyped_storage()
     addr, nbytes = storage.data_ptr(), storage.nbytes()
-    if not addr or not nbytes:
-        return
-    start = addr & ~(_PAGE - 1)
-    end = (addr + nbytes + _PAGE - 1) & ~(_PAGE - 1)
-    _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+    if addr and nbytes:
+        pages.drop(addr, addr + nbytes)
 
 
 def map_torch_file(local_path: str, *, shared: bool = False, trusted: bool = False, what: str | None = None) -> Any:

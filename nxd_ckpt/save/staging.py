@@ -15,7 +15,6 @@ into a caller's buffer), so those are used as the snapshot directly instead of b
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Collection, Sequence
@@ -24,7 +23,7 @@ from typing import Any
 
 import torch
 
-from nxd_ckpt import knobs, xla
+from nxd_ckpt import knobs, pages, xla
 from nxd_ckpt.statefile import LoadTarget
 from nxd_ckpt.tree import iter_tensors, map_tensors
 
@@ -235,61 +234,16 @@ def _copy_into(buffer_set: _BufferSet, tensors: list[torch.Tensor], staged: dict
     return sum(buffers[i].numel() * buffers[i].element_size() for i in fresh)
 
 
-def _fault_in_background(buffers: list[torch.Tensor]) -> threading.Thread | None:
-    """Fault ``buffers`` in on one low-priority daemon thread (``madvise(MADV_POPULATE_WRITE)``, GIL released):
-    the cost of first touch is paid beside the training loop, on an otherwise idle core, at nice 19."""
-    if _Populator._lib is None:
-        _Populator._lib = _libc() or False
-    if not _Populator._lib or not buffers:
-        return None
-    ranges = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in buffers]
-
-    def run() -> None:
-        with contextlib.suppress(OSError, AttributeError):  # lowering our own priority: best effort
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        for start, end in ranges:
-            for lo in range(start, end, _POPULATE_PIECE):
-                _Populator._populate(lo, min(end, lo + _POPULATE_PIECE))
-
-    thread = threading.Thread(target=run, name="nxd_ckpt_prepare_staging", daemon=True)
-    thread.start()
-    return thread
-
-
-_MADV_POPULATE_WRITE = 23
-"""Linux 5.14+: fault in a range's pages for writing in one call."""
-_POPULATE_PIECE = 32 << 20
-_POPULATE_THREADS = 4
-
-
-def _libc() -> Any:
-    import ctypes
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return None
-    lib = ctypes.CDLL(None, use_errno=True)
-    lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return lib
-
-
 class _Populator:
-    """Faults in new staging buffers on helper threads (``madvise(MADV_POPULATE_WRITE)``, which releases the
-    GIL and takes the pages in one kernel call instead of one fault per 4 KiB page), in the order the copy
-    will need them; ``wait_for`` blocks until a buffer is done. Without the call (other systems, old kernels)
-    the copy takes the faults itself, as before."""
-
-    _lib: Any = None
+    """Faults in new staging buffers on helper threads (``pages.populate``: one kernel call per piece, GIL
+    released, instead of one fault per 4 KiB page), in the order the copy will need them; ``wait_for`` blocks
+    until a buffer is done. Without the call (other systems, old kernels) the copy takes the faults itself."""
 
     def __init__(self, buffers: list[torch.Tensor]) -> None:
         self._pending: dict[int, list[Any]] = {}
         self._pool: Any = None
-        big = [b for b in buffers if b.numel() * b.element_size() >= 2 * _POPULATE_PIECE // 8]
+        big = [b for b in buffers if b.numel() * b.element_size() >= pages.MIN_BYTES]
         if not big:
-            return
-        if _Populator._lib is None:
-            _Populator._lib = _libc() or False
-        if not _Populator._lib:
             return
         from concurrent.futures import ThreadPoolExecutor
 
@@ -297,15 +251,9 @@ class _Populator:
         for b in big:
             start, end = b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()
             self._pending[id(b)] = [
-                self._pool.submit(self._populate, lo, min(end, lo + _POPULATE_PIECE))
+                self._pool.submit(pages.populate, lo, min(end, lo + _POPULATE_PIECE))
                 for lo in range(start, end, _POPULATE_PIECE)
             ]
-
-    @staticmethod
-    def _populate(start: int, end: int) -> None:
-        first, last = -(-start // 4096) * 4096, end // 4096 * 4096  # whole pages inside the range
-        if last > first:
-            _Populator._lib.madvise(first, last - first, _MADV_POPULATE_WRITE)  # failure: the copy faults instead
 
     def wait_for(self, buffer: torch.Tensor) -> None:
         for future in self._pending.pop(id(buffer), ()):
@@ -317,6 +265,10 @@ class _Populator:
     def __exit__(self, *exc: object) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+_POPULATE_PIECE = 32 << 20
+_POPULATE_THREADS = 4
 
 
 class StagingPool:
@@ -334,7 +286,7 @@ class StagingPool:
         self._free: list[_BufferSet] = []
         self._lent = 0
         self._generation = 0
-        self._prepared: threading.Thread | None = None
+        self._prepared: pages.Prefaulter | None = None
 
     @property
     def held_bytes(self) -> int:
@@ -419,15 +371,13 @@ class StagingPool:
             buffer_set.buffers = [torch.empty(t.shape, dtype=t.dtype) for t in unique.values()]
             self._free.append(buffer_set)
             self._cond.notify_all()
-        self._prepared = _fault_in_background(buffer_set.buffers)
+        # Faulted in beside the training loop, at nice 19: first touch is paid there, not in the first save.
+        self._prepared = pages.Prefaulter(buffer_set.buffers, low_priority=True)
         return buffer_set.nbytes
 
     def wait_prepared(self, timeout: float | None = None) -> bool:
         """Whether the buffers of the last ``prepare`` are faulted in (waits up to ``timeout`` s)."""
-        if self._prepared is not None:
-            self._prepared.join(timeout)
-            return not self._prepared.is_alive()
-        return True
+        return self._prepared.wait(timeout) if self._prepared is not None else True
 
     def clear(self) -> None:
         """Free every buffer; sets still lent out are dropped when they come back."""

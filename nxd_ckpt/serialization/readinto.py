@@ -31,8 +31,8 @@ import torch
 
 from nxd_ckpt import tree
 from nxd_ckpt.errors import FormatError
+from nxd_ckpt.pages import Prefaulter
 from nxd_ckpt.serialization import torchzip
-from nxd_ckpt.serialization.prefault import Prefaulter
 
 _LOCAL = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIG = 0x04034B50

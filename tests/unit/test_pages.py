@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
-from nxd_ckpt.serialization import prefault
+from nxd_ckpt import pages
 
 _PAGE = 4096
 
@@ -29,7 +29,7 @@ def _resident_fraction(t: torch.Tensor) -> float:
 
 def _populate_supported() -> bool:
     probe = torch.empty(4 << 20, dtype=torch.uint8)
-    return prefault._populate(probe.data_ptr(), probe.numel())
+    return pages.populate(probe.data_ptr(), probe.data_ptr() + probe.numel())
 
 
 def _wait_resident(t: torch.Tensor, timeout_s: float = 30.0) -> float:
@@ -45,7 +45,7 @@ def test_the_prefaulter_brings_fresh_pages_in_before_anyone_touches_them() -> No
     fresh = torch.empty(64 << 20, dtype=torch.uint8)  # large: its own mapping, no page touched yet
     if _resident_fraction(fresh) > 0.5:
         pytest.skip("the allocator handed out memory that was already touched")
-    prefaulter = prefault.Prefaulter([fresh])
+    prefaulter = pages.Prefaulter([fresh])
     try:
         assert _wait_resident(fresh) == 1.0
     finally:
@@ -57,24 +57,24 @@ def test_populating_never_changes_bytes_already_written() -> None:
     t = torch.empty(16 << 20, dtype=torch.uint8)
     t[: 8 << 20] = torch.arange(8 << 20, dtype=torch.int64).remainder(251).to(torch.uint8)
     before = t[: 8 << 20].clone()
-    with prefault.prefaulted([t]):
+    with pages.prefaulted([t]):
         pass
-    prefault._populate(t.data_ptr(), t.numel())  # all of it, whether or not the thread got there
+    pages.populate(t.data_ptr(), t.data_ptr() + t.numel())  # all of it, whether or not the thread got there
     assert torch.equal(t[: 8 << 20], before)
 
 
 def test_close_stops_the_thread_and_small_or_no_tensors_start_none() -> None:
-    assert prefault.Prefaulter([])._thread is None
-    assert prefault.Prefaulter([torch.empty(16, dtype=torch.uint8)])._thread is None
+    assert pages.Prefaulter([])._thread is None
+    assert pages.Prefaulter([torch.empty(16, dtype=torch.uint8)])._thread is None
     big = [torch.empty(32 << 20, dtype=torch.uint8) for _ in range(4)]
-    prefaulter = prefault.Prefaulter(big)
+    prefaulter = pages.Prefaulter(big)
     prefaulter.close()
     assert prefaulter._thread is None or not prefaulter._thread.is_alive()
 
 
 def test_without_kernel_support_nothing_is_started_and_loads_are_unchanged(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(prefault, "_supported", False)
-    assert prefault.Prefaulter([torch.empty(8 << 20, dtype=torch.uint8)])._thread is None
+    monkeypatch.setattr(pages, "_supported", False)
+    assert pages.Prefaulter([torch.empty(8 << 20, dtype=torch.uint8)])._thread is None
     model = {"w": torch.randn(512, 1024), "b": torch.randn(7)}
     nxd.save_checkpoint(str(tmp_path), "t", model=model)
     into: dict = {}
@@ -87,13 +87,13 @@ def test_a_fresh_dict_load_prefaults_the_tensors_it_returns(tmp_path, monkeypatc
     """Plain and xser loads into fresh dicts allocate their tensors before reading and hand every large one to
     the prefaulter; the tensors returned are exactly those (bit-exact with what was saved)."""
     handed: list[torch.Tensor] = []
-    real = prefault.Prefaulter.__init__
+    real = pages.Prefaulter.__init__
 
     def recording(self, tensors):  # type: ignore[no-untyped-def]
         handed.extend(tensors)
         real(self, tensors)
 
-    monkeypatch.setattr(prefault.Prefaulter, "__init__", recording)
+    monkeypatch.setattr(pages.Prefaulter, "__init__", recording)
     gen = torch.Generator().manual_seed(0)
     model = {f"layer{i}.weight": torch.randn(1024, 512, generator=gen) for i in range(3)}
     model["bias"] = torch.randn(3, generator=gen)
