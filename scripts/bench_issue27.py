@@ -380,8 +380,9 @@ def report_lines(data: dict, med: dict[str, tuple[float | None, float | None]]) 
         first = statistics.median(r["first_async_blocked_s"] for r in runs)
         steady = statistics.median(r["steady_async_blocked_s"] for r in runs)
         ratio = statistics.median(r["first_async_blocked_s"] / r["steady_async_blocked_s"] for r in runs)
-        lines.append(f"  without prepare_async_save, the first async save of a fresh manager blocks {first:.3f} s, steady "
-                     f"{steady:.3f} s: {ratio:.2f}x (no target: its staging memory is faulted in during the call)")  # fmt: skip
+        lines.append(f"  without prepare_async_save, the first async save of a fresh manager blocks {first:.3f} s, "
+                     f"steady {steady:.3f} s: {ratio:.2f}x (no target: its staging memory is faulted in during "
+                     "the call)")  # fmt: skip
         for key, what in (
             ("mem_sync", "sync save"),
             ("mem_async", "async save"),
