@@ -37,6 +37,7 @@ from nxd_ckpt.dist import coordinator
 from nxd_ckpt.format import layout, tags
 from nxd_ckpt.format.describe import describe
 from nxd_ckpt.options import LoadOptions, SaveOptions
+from nxd_ckpt.save.report import SaveReport
 from nxd_ckpt.storage import Storage, storage_for
 
 logger = logging.getLogger("nxd_ckpt")
@@ -213,6 +214,8 @@ class NxdCheckpointIOBase:
         self.save_options = _checked_keywords(SaveOptions, save_options, _SAVE_KEYWORDS_SET_HERE, "save_options")
         self.load_options = _checked_keywords(LoadOptions, load_options, _LOAD_KEYWORDS_SET_HERE, "load_options")
         self._every_rank = False
+        self.last_report: SaveReport | None = None
+        """The report of this CheckpointIO's last save on this rank (time blocked, bytes, staging memory)."""
         self._holder: dict[tuple[str, str], str] = {}
         """(directory, tag) -> the Lightning path whose checkpoint the tag holds now (see ``remove_checkpoint``)."""
 
@@ -250,7 +253,7 @@ class NxdCheckpointIOBase:
             zero1_optimizer=zero1,
             **self.save_options,
         )
-        api.get_manager().save(options)
+        self.last_report = api.get_manager().save(options)
         self._holder[(directory, tag)] = os.fspath(path)
 
     def save_on_every_rank(
@@ -373,6 +376,21 @@ class _SavesOnEveryRank:
             io.save_on_every_rank(checkpoint, filepath, storage_options)
         else:
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's step. After the first one (the optimizer state exists then), an async ``NxdCheckpointIO``
+        reserves the host memory of its first save (``prepare_async_save``: faulted in beside training at low
+        priority), so that the first save blocks no longer than later ones."""
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+        io = self.checkpoint_io
+        if isinstance(io, NxdCheckpointIOBase) and io.async_save and not getattr(self, "_nxd_prepared", False):
+            self._nxd_prepared = True
+            optimizers = list(self.optimizers)  # type: ignore[attr-defined]
+            api.prepare_async_save(
+                model=self.lightning_module_state_dict(),  # type: ignore[attr-defined]
+                optimizer=self.optimizer_state(optimizers[0]) if len(optimizers) == 1 else None,  # type: ignore[attr-defined]
+            )
+        return out
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """Every rank tells its CheckpointIO (which keeps the same record of tags on every rank); rank 0 deletes."""

@@ -76,8 +76,24 @@ class Stop(pl.Callback):
             raise KeyError(f"stop at step {self.at}")
 
 
+def _recording_io(async_save: bool) -> object:
+    """NxdCheckpointIO keeping the report of every save it made (``last_report`` after each)."""
+    from nxd_ckpt.lightning import NxdCheckpointIO
+
+    class Recording(NxdCheckpointIO):
+        def __init__(self) -> None:
+            super().__init__(use_xser=True, async_save=async_save)
+            self.reports: list = []
+
+        def save_checkpoint(self, *args: object, **kwargs: object) -> None:
+            super().save_checkpoint(*args, **kwargs)
+            self.reports.append(self.last_report)
+
+    return Recording()
+
+
 def _trainer(strategy_kind: str, async_save: bool, callbacks: list, checkpoints: bool) -> pl.Trainer:
-    from nxd_ckpt.lightning import NxdCheckpointIO, NxdDDPStrategy, NxdXLAStrategy
+    from nxd_ckpt.lightning import NxdDDPStrategy, NxdXLAStrategy
 
     if strategy_kind == "xla":
         hw = {"devices": 1, "num_nodes": WORLD, "strategy": NxdXLAStrategy()}
@@ -86,7 +102,7 @@ def _trainer(strategy_kind: str, async_save: bool, callbacks: list, checkpoints:
     return pl.Trainer(
         max_steps=STEPS,
         callbacks=callbacks,
-        plugins=[NxdCheckpointIO(use_xser=True, async_save=async_save)],
+        plugins=[_recording_io(async_save)],
         enable_checkpointing=checkpoints,
         logger=False,
         enable_progress_bar=False,
@@ -117,9 +133,16 @@ def _lightning_job(ckpt_dir: str, async_save: bool, strategy_kind: str) -> None:
 
     b = Tiny(per_rank_data)
     callbacks = [_checkpointing(ckpt_dir, save_last), Stop(STOP_AT)]
+    trainer_b = _trainer(strategy_kind, async_save, callbacks, checkpoints=True)
     with pytest.raises(KeyError, match="stop at step 5"):
-        _trainer(strategy_kind, async_save, callbacks, checkpoints=True).fit(b)
+        trainer_b.fit(b)
     assert sorted(b.losses) == list(range(STOP_AT))
+    reports = trainer_b.strategy.checkpoint_io.reports
+    assert reports and reports[0].tag == "epoch=0-step=2.ckpt"
+    if async_save and strategy_kind == "ddp":  # CPU state: the strategy prepared the first save's staging memory
+        state_bytes = 3 * sum(p.numel() * p.element_size() for p in b.parameters())  # weights + Adam's moments
+        first = reports[0].staging_allocated_bytes  # without the preparation: at least state_bytes
+        assert first <= 64, (first, state_bytes)  # only scalars of Lightning's callback state, new at every save
 
     c = Tiny(per_rank_data)
     trainer = _trainer(strategy_kind, async_save, [_checkpointing(ckpt_dir, save_last)], checkpoints=True)
