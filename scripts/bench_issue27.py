@@ -152,15 +152,13 @@ def _memory_section(b: Any, timing: type) -> Any:
 
     save_s = b.timed(save)
     extra["mem_sync"] = _multiple(b, peak, saved=written[0])
-    peak = PeakRSS()
     out: dict = {}
 
     def load() -> None:
-        with peak:
-            out["model"], out["optim"] = {}, {}
-            nxd.load_checkpoint(path, "sync", model=out["model"], optimizer=out["optim"])
+        out["model"], out["optim"] = {}, {}
+        nxd.load_checkpoint(path, "sync", model=out["model"], optimizer=out["optim"])
 
-    load_s = b.timed_load(load)
+    load_s, peak = b.timed_load_then_peak(load, reset=out.clear)
     extra["mem_load_fresh"] = _multiple(b, peak)  # the loaded state itself is in it: ~1.0 is no extra copy
     out.clear()
     b.clean("nxd_memory")

@@ -100,7 +100,7 @@ def test_no_import_circles():
 
 
 LAYERS = [
-    {"errors", "knobs", "lazy", "tree", "rng"},
+    {"errors", "knobs", "lazy", "tree", "rng", "pages"},
     {"storage", "serialization", "dist", "xla"},
     {"format", "log", "watchdog", "parallel_state"},
     {"save", "load", "statefile", "adapters", "rank_state", "inspect", "tier", "options"},
