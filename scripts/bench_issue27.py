@@ -120,24 +120,23 @@ def _memory_section(b: Any, timing: type) -> Any:
         blocked.append(max(_gather(report.blocked_s)))
     manager.finalize()
     extra["first_async_blocked_s"], extra["steady_async_blocked_s"] = blocked[0], statistics.median(blocked[1:])
-    # Peak memory from one more fresh manager's first async save, untimed: PeakRSS's sampler thread (every 2 ms)
-    # and its gc.collect would otherwise sit inside the blocked time measured above.
-    measured = nxd.CheckpointManager()
-    peak = PeakRSS()
-    dist.barrier()
-    with peak:
-        report = measured.save(path, "async_peak", async_save=True, **kw)
-        report.wait()
-    measured.finalize()
+
+    def first_async_save_measured(tag: str, budget: int | None = None) -> tuple[Any, PeakRSS]:
+        """A fresh manager's first async save under ``PeakRSS``, untimed (its 2 ms sampler and gc.collect would
+        sit inside a timed save's blocked time)."""
+        fresh = nxd.CheckpointManager(host_memory_budget=budget)
+        peak = PeakRSS()
+        dist.barrier()
+        with peak:
+            report = fresh.save(path, tag, async_save=True, **kw)
+            report.wait()
+        fresh.finalize()
+        return report, peak
+
+    report, peak = first_async_save_measured("async_peak")
     extra["mem_async"] = _multiple(b, peak, saved=report.bytes_written)
     budget = report.bytes_written // 4  # a quarter of what this rank writes
-    bounded = nxd.CheckpointManager(host_memory_budget=budget)
-    peak = PeakRSS()
-    dist.barrier()
-    with peak:
-        report = bounded.save(path, "async_budget", async_save=True, **kw)
-        report.wait()
-    bounded.finalize()
+    report, peak = first_async_save_measured("async_budget", budget)
     extra["mem_async_budget"] = _multiple(b, peak, saved=report.bytes_written)
     over = max(_gather(peak.extra - budget))
     extra["mem_async_budget_over_bytes"] = over  # the largest rank's peak above its budget
