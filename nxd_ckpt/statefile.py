@@ -454,12 +454,12 @@ def _read_tensors(
     paths: dict[int, Path] | None = None,
     direct: bool = True,
 ) -> dict[int, torch.Tensor]:
-    def into_target(tid: int) -> bool:
+    def has_target(tid: int) -> bool:
         return target is not None and paths is not None and paths.get(tid) in target.tensors
 
     # Tensors without a target get fresh memory allocated here, from the info file's dtypes and shapes, so one
     # thread can fault in all of it ahead of the readers (a file that disagrees with its info gets its own).
-    fresh = _fresh_tensors([t for t in tids if not into_target(t)], info) if storage.host_page_cache else {}
+    fresh = _fresh_tensors([t for t in tids if not has_target(t)], info) if storage.host_page_cache else {}
 
     def read_into(tid: int, tensor_path: str, what: str, into_target: bool) -> torch.Tensor:
         """One tensor file in one pass: into the target's tensor where there is one, else fresh memory."""
@@ -496,8 +496,8 @@ def _read_tensors(
         tensor_path = _tensor_file(storage, path, tid, info)
         what = f"{storage.url}/{tensor_path}"
         try:
-            if into_target(tid) or storage.host_page_cache:
-                tensor = read_into(tid, tensor_path, what, into_target(tid))
+            if has_target(tid) or storage.host_page_cache:
+                tensor = read_into(tid, tensor_path, what, has_target(tid))
                 if not isinstance(tensor, torch.Tensor):
                     raise FormatError(f"{what} does not hold a tensor (found {type(tensor).__name__})")
             elif storage.whole_file_reads:

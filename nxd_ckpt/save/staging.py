@@ -381,6 +381,8 @@ class StagingPool:
 
     def clear(self) -> None:
         """Free every buffer; sets still lent out are dropped when they come back."""
+        if self._prepared is not None:
+            self._prepared.close()  # stops within one piece: no populating of memory being freed
         with self._cond:
             self._free.clear()
             self._generation += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import sys
+import time
 
 import pytest
 import torch
@@ -208,3 +209,19 @@ def test_a_stage_of_part_of_the_prepared_state_takes_matching_buffers_and_drops_
     assert_state_equal(lease.trees[0], {"c": state["c"], "a": state["a"]})
     lease.release()
     assert pool.held_bytes == (64 * 32 * 4) + (16 * 8 * 8)  # the unused buffer of "b" is freed
+
+
+def test_clearing_the_pool_stops_the_preparing_thread_before_its_buffers_are_freed(monkeypatch):
+    """``clear`` (``finalize``) frees the prepared buffers: the thread faulting them in stops first. (Populating
+    freed memory fails, and a failure turns pre-faulting off for the rest of the process.)"""
+    from nxd_ckpt import pages
+
+    monkeypatch.setattr(pages, "_supported", None)
+    pool = staging.StagingPool()
+    pool.prepare([{f"w{i}": torch.empty(64 << 20, dtype=torch.uint8) for i in range(8)}])  # 512 MiB at nice 19
+    thread = pool._prepared._thread if pool._prepared is not None else None
+    pool.clear()
+    assert thread is None or not thread.is_alive()
+    assert pool.held_bytes == 0
+    time.sleep(0.2)
+    assert pages._supported is not False  # nothing populated freed memory
