@@ -65,6 +65,19 @@ def populate(start: int, end: int) -> bool:
     return True
 
 
+def known_unsupported() -> bool:
+    """Whether a ``populate`` already failed in this process (pre-faulting is then skipped)."""
+    return _supported is False
+
+
+def pieces(start: int, end: int, size: int) -> list[tuple[int, int]]:
+    """The whole pages inside [start, end) as consecutive ranges of at most ``size`` bytes (``size`` a multiple
+    of the page), so that populating them piece by piece leaves no page out at a piece's edge."""
+    first = (start + PAGE - 1) // PAGE * PAGE
+    last = end // PAGE * PAGE
+    return [(at, min(at + size, last)) for at in range(first, last, size)]
+
+
 def drop(start: int, end: int) -> None:
     """Release the pages touching [start, end) (MADV_DONTNEED). Only for *file* mappings: their pages are read
     again from the file if touched (dirty pages of a shared mapping stay in the page cache and are written back);
@@ -88,7 +101,7 @@ class Prefaulter:
         self._low_priority = low_priority
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        if self._ranges and _supported is not False and _libc_madvise():
+        if self._ranges and not known_unsupported() and _libc_madvise():
             self._thread = threading.Thread(target=self._run, name="nxd_ckpt_prefault", daemon=True)
             self._thread.start()
 
@@ -97,11 +110,9 @@ class Prefaulter:
             with contextlib.suppress(OSError, AttributeError):  # best effort
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
-            for start, length in self._ranges:
-                first = (start + PAGE - 1) // PAGE * PAGE  # whole pages: the edges are left to the writer
-                end = (start + length) // PAGE * PAGE
-                for at in range(first, end, _CHUNK):
-                    if self._stop.is_set() or not populate(at, min(at + _CHUNK, end)):
+            for start, length in self._ranges:  # whole pages: the edges are left to the writer
+                for lo, hi in pieces(start, start + length, _CHUNK):
+                    if self._stop.is_set() or not populate(lo, hi):
                         return
         except Exception:  # an optimisation only: the writer faults the pages itself
             _log.debug("pre-faulting stopped", exc_info=True)

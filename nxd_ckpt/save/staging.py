@@ -243,16 +243,16 @@ class _Populator:
         self._pending: dict[int, list[Any]] = {}
         self._pool: Any = None
         big = [b for b in buffers if b.numel() * b.element_size() >= pages.MIN_BYTES]
-        if not big:
+        if not big or pages.known_unsupported():
             return
         from concurrent.futures import ThreadPoolExecutor
 
         self._pool = ThreadPoolExecutor(max_workers=_POPULATE_THREADS, thread_name_prefix="nxd_ckpt_populate")
         for b in big:
-            start, end = b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()
+            start = b.data_ptr()
             self._pending[id(b)] = [
-                self._pool.submit(pages.populate, lo, min(end, lo + _POPULATE_PIECE))
-                for lo in range(start, end, _POPULATE_PIECE)
+                self._pool.submit(pages.populate, lo, hi)
+                for lo, hi in pages.pieces(start, start + b.numel() * b.element_size(), _POPULATE_PIECE)
             ]
 
     def wait_for(self, buffer: torch.Tensor) -> None:
