@@ -5,7 +5,8 @@ much as the copy itself). ``populate`` takes a range's pages in one call (``MADV
 it never changes a byte, so it may run over pages another thread is filling), and ``Prefaulter`` does that on a
 daemon thread ahead of whoever fills the memory: a load reading into fresh tensors, a first async save's staging
 copy, or ``prepare_async_save`` beside the training loop. Where the kernel lacks the call, nothing is done and
-the writer takes the faults itself. ``drop`` releases the pages of a file mapping.
+the writer takes the faults itself. ``drop`` releases the pages of a file mapping; ``private_buffer`` and
+``discard`` give a budgeted copy memory of its own that goes back to the kernel the moment its file is written.
 """
 
 from __future__ import annotations
@@ -86,6 +87,23 @@ def drop(start: int, end: int) -> None:
     if madvise and end > start:
         first = start // PAGE * PAGE
         madvise(first, (end + PAGE - 1) // PAGE * PAGE - first, _MADV_DONTNEED)
+
+
+def private_buffer(nbytes: int) -> mmap.mmap:
+    """``nbytes`` of private anonymous memory in a mapping of its own (page-aligned, not from the C heap, not
+    shared memory), for ``discard`` to give back while Python objects may still refer to it."""
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def discard(start: int, end: int) -> None:
+    """Give the whole pages inside [start, end) of *private anonymous* memory back to the kernel now
+    (MADV_DONTNEED): for memory nobody reads again, which would read back as zeroes. Used where the last
+    reference to a buffer may outlive its use by a while (a writer's frame after its file is closed)."""
+    first = (start + PAGE - 1) // PAGE * PAGE
+    last = end // PAGE * PAGE
+    madvise = _libc_madvise()
+    if madvise and last > first:
+        madvise(first, last - first, _MADV_DONTNEED)
 
 
 class Prefaulter:

@@ -21,7 +21,6 @@ the reference data is built) are freed when the writer ends.
 from __future__ import annotations
 
 import contextlib
-import mmap
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -29,7 +28,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from nxd_ckpt import knobs
+from nxd_ckpt import knobs, pages
 from nxd_ckpt.errors import CheckpointTimeoutError
 from nxd_ckpt.storage import DelegatingStorage, Storage
 
@@ -47,24 +46,29 @@ _OWN_MAPPING_BYTES = 1 << 20
 """Copies from this size up get a mapping of their own (see ``_copy``)."""
 
 
-def _copy(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of ``t`` that owns its memory (dense CPU tensors into a fresh buffer, others cloned).
+def _copy(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A host copy of ``t`` that owns its memory (dense CPU tensors into a fresh buffer, others cloned), and
+    whether that memory is a mapping of its own.
 
-    A copy of 1 MiB or more lives in an anonymous mapping of its own, unmapped when the copy is dropped: copies
-    made on one thread and freed on another through the C heap stayed resident in the heap's free lists (measured
-    under torch 2.9: 1-4 freed 16 MiB copies beyond the budget), so the budget bounded the copies but not memory."""
+    A copy of 1 MiB or more gets private anonymous memory of its own, which the stager gives back to the kernel
+    (``pages.discard``) as soon as its file is written: through the C heap, copies made on one thread and freed
+    on another stayed resident in the heap's free lists (under torch 2.9: 1-4 freed 16 MiB copies beyond the
+    budget), and even in mappings of their own, copies lived on in the writer's frames for tens of milliseconds
+    after their files were closed, long enough for the next copies to be made (under torch 2.9, xser: budget +
+    33-65 MiB resident)."""
     if t.device.type != "cpu":
-        return t.detach().to("cpu")
+        return t.detach().to("cpu"), False
     if t.layout != torch.strided or t.is_quantized:
-        return t.detach().clone()
+        return t.detach().clone(), False
     n = _nbytes(t)
-    if n >= _OWN_MAPPING_BYTES:
-        out = torch.frombuffer(mmap.mmap(-1, n), dtype=t.dtype, count=t.numel()).view(t.shape)
+    mapped = n >= _OWN_MAPPING_BYTES
+    if mapped:
+        out = torch.frombuffer(pages.private_buffer(n), dtype=t.dtype, count=t.numel()).view(t.shape)
     else:
         out = torch.empty_like(t, memory_format=torch.contiguous_format)
     with torch.no_grad():
         out.copy_(t.detach())
-    return out
+    return out, mapped
 
 
 class BudgetedStager:
@@ -83,6 +87,8 @@ class BudgetedStager:
         self._order = list({id(t): t for t in order}.values())
         self._state: dict[int, int] = {id(t): _PENDING for t in self._order}
         self._copies: dict[int, torch.Tensor] = {}
+        self._mapped: set[int] = set()
+        """Keys whose copy is in a mapping of its own (given back to the kernel when its file is written)."""
         self._cond = threading.Condition()
         self._local = threading.local()
         self._closed = False
@@ -112,9 +118,9 @@ class BudgetedStager:
                 if self._state[key] != _PENDING or n > self.budget:
                     continue  # taken by the writer meanwhile, or never copied (written from the live tensor)
                 self._reserve(key, n)
-            copy = _copy(t)
+            copy, mapped = _copy(t)
             with self._cond:
-                self._stored(t, copy)
+                self._stored(t, copy, mapped)
         with self._cond:
             waited = time.monotonic()
             self._wait(lambda: not any(s in (_PENDING, _COPYING, _BORROWED) for s in self._state.values()), start)
@@ -141,9 +147,11 @@ class BudgetedStager:
         self.held_bytes += n
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
-    def _stored(self, t: torch.Tensor, copy: torch.Tensor) -> None:
-        """(Under the lock.) ``copy`` is ``t``'s staged copy now."""
+    def _stored(self, t: torch.Tensor, copy: torch.Tensor, mapped: bool) -> None:
+        """(Under the lock.) ``copy`` is ``t``'s staged copy now (in a mapping of its own if ``mapped``)."""
         self._copies[id(t)] = copy
+        if mapped:
+            self._mapped.add(id(t))
         self._state[id(t)] = _STAGED
         self.staged_bytes += _nbytes(t)
         self._cond.notify_all()
@@ -158,7 +166,7 @@ class BudgetedStager:
                 raise RuntimeError(f"this save was abandoned: {self._abandoned}")
             state = self._state.get(key)
             if state is None:  # not planned (should not happen): a private copy, outside the budget
-                return _copy(t)
+                return _copy(t)[0]
             while state == _COPYING:
                 self._cond.wait()
                 state = self._state[key]
@@ -173,9 +181,9 @@ class BudgetedStager:
                 return t.detach()
             else:  # done: fetched again after its file was written (a tensor shared by two files)
                 return self._copies.get(key, t.detach())
-        copy = _copy(t)
+        copy, mapped = _copy(t)
         with self._cond:
-            self._stored(t, copy)
+            self._stored(t, copy, mapped)
         return copy
 
     def _fetched(self) -> list[torch.Tensor]:
@@ -187,20 +195,30 @@ class BudgetedStager:
     def file_written(self) -> None:
         """The calling writer thread closed a file: free the copies (and live tensors) it fetched for it."""
         fetched, self._local.fetched = self._fetched(), []
+        freed: list[torch.Tensor] = []
         with self._cond:
             for t in fetched:
-                self._release(id(t), t)
+                copy = self._release(id(t), t)
+                if copy is not None:
+                    freed.append(copy)
+            for copy in freed:  # before anyone waits on the budget: the pages are gone once it is counted free
+                pages.discard(copy.data_ptr(), copy.data_ptr() + _nbytes(copy))
             self._cond.notify_all()
         if self._abandoned is not None:
             raise RuntimeError(f"this save was abandoned: {self._abandoned}")
 
-    def _release(self, key: int, t: torch.Tensor) -> None:
+    def _release(self, key: int, t: torch.Tensor) -> torch.Tensor | None:
+        """(Under the lock.) ``t``'s file is written: its copy no longer counts. Returns the copy when it is in a
+        mapping of its own, whose pages the caller gives back (nothing reads a copy once its file is closed: a
+        later fetch of ``t`` gets the live tensor)."""
         state = self._state.get(key)
+        copy = None
         if state == _STAGED:
             self.held_bytes -= _nbytes(t)
-            self._copies.pop(key, None)
+            copy = self._copies.pop(key, None)
         if state in (_STAGED, _BORROWED):
             self._state[key] = _DONE
+        return copy if copy is not None and key in self._mapped else None
 
     def watch(self, storage: Storage) -> None:
         """Free copies as ``storage``'s files are written: wraps the storage below ``storage`` (a checksumming

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import time
 
 import pytest
@@ -10,21 +9,14 @@ import torch
 
 import nxd_ckpt as nxd
 from nxd_ckpt import pages
-
-_PAGE = 4096
+from nxd_ckpt.testing.residency import MincoreUnavailable, resident_fraction
 
 
 def _resident_fraction(t: torch.Tensor) -> float:
-    """The fraction of ``t``'s whole pages in memory (``mincore``)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    start = (t.data_ptr() + _PAGE - 1) // _PAGE * _PAGE
-    end = (t.data_ptr() + t.numel() * t.element_size()) // _PAGE * _PAGE
-    pages = (end - start) // _PAGE
-    vec = ctypes.create_string_buffer(pages)
-    if libc.mincore(start, end - start, vec) != 0:
-        pytest.skip(f"mincore failed (errno {ctypes.get_errno()})")
-    return sum(b & 1 for b in vec.raw) / pages
+    try:
+        return resident_fraction(t)
+    except MincoreUnavailable as e:
+        pytest.skip(str(e))
 
 
 def _populate_supported() -> bool:
