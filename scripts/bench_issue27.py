@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_memory import PeakRSS, receive_exactly
+from bench_memory import CpuTime, PeakRSS, receive_exactly
 
 
 def _gather(value: Any) -> list[Any]:
@@ -301,7 +301,10 @@ def _tier_section(b: Any, timing: type) -> Any:
                 with peak or contextlib.nullcontext():
                     restorer.load(path, model=targets[0], optimizer=targets[1])
 
-            seconds = b.timed(load)
+            with CpuTime() as cpu:
+                seconds = b.timed(load)
+            if peak is None:
+                extra[f"tier_cpu_{label}"] = sum(_gather(cpu.used_s))
             where = restorer.last_restore
             assert where is not None and where.tier == label, where
             restorer.finalize()
@@ -317,7 +320,9 @@ def _tier_section(b: Any, timing: type) -> Any:
         load_s = restore("memory")
         if b.world > 1:
             into = torch.ones(sum(t.numel() * t.element_size() for t in sources), dtype=torch.uint8)
-            extra["tier_socket_s"] = _socket_s(sources, into)
+            with CpuTime() as cpu:
+                extra["tier_socket_s"] = _socket_s(sources, into)
+            extra["tier_cpu_socket"] = sum(_gather(cpu.used_s))
             extra["tier_socket_serving_s"] = _socket_s(sources, into, own_copy=lambda: _copy(sources, dests))
             if b.rank == 0:
                 os.rename(os.path.join(mem, "node0"), os.path.join(mem, "node0.lost"))
@@ -409,6 +414,13 @@ def _tier_lines(tier: list[dict[str, float]], verdict: Callable[[bool], str]) ->
             peer = statistics.median(r["tier_peer_s"] / r["tier_socket_s"] for r in tier)
             lines.append(f"  tier restore from the peer: {peer:.2f}x a loopback socket copy of the same bytes "
                          f"(target <= 2.0): {verdict(peer <= 2.0)}")  # fmt: skip
+            if "tier_cpu_peer" in tier[0]:
+                cores = os.cpu_count() or 1
+                floor = statistics.median(r["tier_cpu_peer"] / cores / r["tier_socket_s"] for r in tier)
+                lines.append(f"    CPU time of both ranks: restore from the peer "
+                             f"{statistics.median(r['tier_cpu_peer'] for r in tier):.2f} CPU-s, the socket copy "
+                             f"{statistics.median(r['tier_cpu_socket'] for r in tier):.2f}; on {cores} cores the "
+                             f"restore's work alone takes at least {floor:.2f}x the socket copy")  # fmt: skip
             serving = statistics.median(r["tier_peer_s"] / r["tier_socket_serving_s"] for r in tier)
             lines.append(f"  tier restore from the peer: {serving:.2f}x the same socket copy while the sending rank "
                          "copies its own state, as it does in the restore (target <= 2.0): "

@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # spawned ranks import this file by name
 
-from bench_memory import PeakRSS, receive_exactly
+from bench_memory import CpuTime, PeakRSS, receive_exactly
 
 MIB = 1 << 20
 
@@ -142,6 +142,13 @@ def rank_main(total_mib: int, repeats: int, ckpt: str, mem: str, out: str) -> No
     baselines: dict[str, list[float]] = {"memcpy": [], "socket": [], "socket_serving": []}
     profile = os.environ.get("NXD_BENCH_PROFILE")
 
+    def _count_cpu(coord, label: str, cpu: CpuTime) -> None:
+        """The CPU seconds of all ranks (and of the serving node's ranks) for one timed path, and the idle time."""
+        used = coord.all_gather_object(cpu.used_s, phase="benchmark: CPU time")
+        results.setdefault(f"cpu_{label}_all", []).append(sum(used))
+        results.setdefault(f"cpu_{label}_serving_all", []).append(sum(used[world // 2 :]))
+        results.setdefault(f"idle_{label}_all", []).append(cpu.machine_idle_s)
+
     def load_once(label: str, peak: PeakRSS | None) -> float:
         """One load by a fresh manager (the slowest rank's time), checked; with ``peak``, measured by it."""
         manager = nxd.CheckpointManager()
@@ -151,9 +158,11 @@ def rank_main(total_mib: int, repeats: int, ckpt: str, mem: str, out: str) -> No
         profiler = _profiler(profile, rank, label) if peak is None else contextlib.nullcontext()
         with peak or contextlib.nullcontext():
             start = time.perf_counter()
-            with profiler:
+            with profiler, CpuTime() as cpu:
                 manager.load(ckpt, model=target_model, optimizer=target_opt, memory_tier=tier)
             elapsed = _slowest(coord, time.perf_counter() - start)
+        if peak is None and label != "warmup":
+            _count_cpu(coord, label, cpu)
         restore = manager.last_restore
         assert restore is not None and restore.tag == newest, restore
         assert all(torch.equal(target_model[k], model[k]) for k in model)
@@ -181,7 +190,9 @@ def rank_main(total_mib: int, repeats: int, ckpt: str, mem: str, out: str) -> No
     peers = {r: q for r in range(world) for q in range(world) if q == (r + world // 2) % world}
     for _ in range(repeats):
         baselines["memcpy"].append(_slowest(coord, memcpy_s(read, target_model, target_opt)))
-        baselines["socket"].append(socket_copy_s(coord, read, rank, peers[rank], receiver=rank < world // 2))
+        with CpuTime() as cpu:
+            baselines["socket"].append(socket_copy_s(coord, read, rank, peers[rank], receiver=rank < world // 2))
+        _count_cpu(coord, "socket", cpu)
         baselines["socket_serving"].append(
             socket_copy_s(coord, read, rank, peers[rank], rank < world // 2,
                           own_copy=lambda: memcpy_s(read, target_model, target_opt))
@@ -337,6 +348,18 @@ def print_targets(r: dict, total_mib: int) -> None:
     ):
         verdict = "MET" if ratio <= bound else "NOT MET"
         print(f"target: restore from {label} / {base} = {ratio:.2f}x (target <= {bound}): {verdict}")
+    if "cpu_peer_all" in r:
+        cores = os.cpu_count() or 1
+        peer_cpu, socket_cpu = statistics.median(r["cpu_peer_all"]), statistics.median(r["cpu_socket_all"])
+        floor = statistics.median(c / cores / s for c, s in zip(r["cpu_peer_all"], sock, strict=True))
+        print(f"CPU time of all 4 ranks (user + system, median): restore from the peer {peer_cpu:.2f} CPU-s (the "
+              f"serving node's ranks {statistics.median(r['cpu_peer_serving_all']):.2f}: their own restore from "
+              f"memory and the file servers), loopback socket copy {socket_cpu:.2f}, restore from node memory "
+              f"{statistics.median(r['cpu_memory_all']):.2f}; cores idle during the peer restore "
+              f"{statistics.median(r['idle_peer_all']):.2f} s of {cores} x "
+              f"{r['recovery_peer_s']:.2f} s")  # fmt: skip
+        print(f"  on this machine's {cores} cores the peer restore's work alone takes at least {floor:.2f}x the "
+              "socket copy (its CPU time / cores / the socket copy's time)")  # fmt: skip
     for label in ("memory", "peer", "durable"):
         peaks = r.get(f"peak_{label}", [])
         if peaks:
