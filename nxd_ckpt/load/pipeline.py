@@ -19,6 +19,7 @@ reports its outcome and all take the same decision (``settle``). The per-process
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
@@ -355,11 +356,17 @@ class TagRead:
     def apply(self, device: torch.device | None) -> Any:
         """Read and load model, optimizer and scheduler into their targets; return the saved user content."""
         o = self.options
-        if o.model is not None:
-            state, source = self.model_state()
-            adapters.load_model_state(o.model, state, strict=o.strict, source=source, device=device)
+        optimizer_read = self._optimizer_read_ahead(device)
+        try:
+            if o.model is not None:
+                state, source = self.model_state()
+                adapters.load_model_state(o.model, state, strict=o.strict, source=source, device=device)
+        except BaseException:
+            if optimizer_read is not None:  # no thread is left writing into the optimizer's tensors
+                concurrent.futures.wait([optimizer_read])
+            raise
         if o.optimizer is not None:
-            state, source = self.optimizer_state()
+            state, source = optimizer_read.result() if optimizer_read is not None else self.optimizer_state()
             adapters.load_optimizer_state(o.optimizer, state, source=source, device=device)
         if o.scheduler is not None:
             path = layout.tag_path(self.tag, layout.SCHEDULER_FILE)
@@ -369,6 +376,22 @@ class TagRead:
         if self.storage.exists(path):
             return statefile.read_plain(self.storage, path, trusted=o.allow_pickle)
         return None
+
+    def _optimizer_read_ahead(self, device: torch.device | None) -> concurrent.futures.Future | None:
+        """The optimizer's files read on a thread of their own while the model's are read, so the storage stays
+        busy while the model's bytes are copied (2 ranks, xser into the live module: 1.24 s -> 1.17 s, medians
+        of 6). Only where that read needs no collective (a ZeRO-1 shard, or no DP replicas sharing reads: two
+        threads must not run collectives at once) and no device (the model's copies to it stay on this thread)."""
+        o = self.options
+        if o.model is None or o.optimizer is None or self.resharded is not None:
+            return None
+        if not (self.info.zero1 or self.replicas is None) or (device is not None and device.type != "cpu"):
+            return None
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nxd_ckpt_optimizer_read")
+        try:
+            return pool.submit(self.optimizer_state)
+        finally:
+            pool.shutdown(wait=False)
 
     def model_state(self) -> tuple[Any, str]:
         """The model's state and where it came from: straight into the live model's tensors (no second copy),
