@@ -129,6 +129,15 @@ def load_target(obj: Any, role: str, *, strict: bool = True, source: str = "") -
     return LoadTarget(tree, check)
 
 
+def holds_device_tensors(obj: Any, role: str) -> bool:
+    """Whether a load of ``role`` ("model"/"optimizer") into ``obj`` fills tensors off the host (XLA): such a
+    load stages through host buffers of its own (``staging.DeviceLoadTarget``)."""
+    if obj is None:
+        return False
+    tree = obj if isinstance(obj, dict) else model_state(obj) if role == "model" else optimizer_state(obj)
+    return any(t.device.type not in ("cpu", "meta") for _, t in iter_tensors(tree))
+
+
 def meta_tensor_names(state: Any) -> list[str]:
     """Paths of tensors on the ``meta`` device (shape only, no data) in a state."""
     from nxd_ckpt.tree import iter_tensors

@@ -381,11 +381,14 @@ class TagRead:
         """The optimizer's files read on a thread of their own while the model's are read, so the storage stays
         busy while the model's bytes are copied (2 ranks, xser into the live module: 1.24 s -> 1.17 s, medians
         of 6). Only where that read needs no collective (a ZeRO-1 shard, or no DP replicas sharing reads: two
-        threads must not run collectives at once) and no device (the model's copies to it stay on this thread)."""
+        threads must not run collectives at once) and everything lands in host memory (a load onto a device
+        stages through one set of host buffers at a time)."""
         o = self.options
         if o.model is None or o.optimizer is None or self.resharded is not None:
             return None
         if not (self.info.zero1 or self.replicas is None) or (device is not None and device.type != "cpu"):
+            return None
+        if adapters.holds_device_tensors(o.model, "model") or adapters.holds_device_tensors(o.optimizer, "optimizer"):
             return None
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nxd_ckpt_optimizer_read")
         try:

@@ -100,3 +100,18 @@ def test_a_failed_read_of_either_is_raised_and_no_reading_thread_is_left(tmp_pat
     for t in left:  # an idle pool thread may still be exiting; none may still be reading
         t.join(timeout=5)
         assert not t.is_alive()
+
+
+@pytest.mark.xla
+def test_a_load_onto_the_device_reads_one_after_the_other(tmp_path):
+    """Device targets stage through host buffers of their own: one set at a time, so no read-ahead thread."""
+    pytest.importorskip("torch_xla", reason="needs torch_xla: runs in the XLA lane (NXD_CKPT_LANES=xla)")
+    import torch_xla
+
+    path, model, _ = _saved(tmp_path, use_xser=True)
+    storage = _Gated(LocalStorage(path), wait_s=0.2)
+    device = torch_xla.device()
+    live = torch.nn.ParameterDict({k: torch.nn.Parameter(torch.zeros_like(v)) for k, v in model.items()}).to(device)
+    nxd.load_checkpoint(storage, "t", model=live, optimizer={})
+    assert not any(n.startswith("nxd_ckpt_optimizer_read") for n in storage.threads[layout.OPTIM_DIR])
+    assert all(torch.equal(live[k].cpu(), model[k]) for k in model)
