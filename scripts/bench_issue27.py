@@ -4,8 +4,9 @@ and memory-tier restores against memcpy and loopback-socket baselines, all in th
 Sections (registered on benchmark.py's registry by ``register``):
   nxd_plain_verified  plain save; verified load into fresh dicts (compare: torch_save's torch.load)
   nxd_plain_live      plain save; verified load into the live module (compare: torch_load_live)
-  nxd_memory          peak extra host memory (C heap in use, largest rank) of a sync save, an async save, an async
-                      save with a budget of a quarter of the rank's state, and a verified load into fresh dicts,
+  nxd_memory          peak extra host memory (C heap in use or new resident pages, whichever is larger;
+                      largest rank) of a sync save, an async save, an async save with a budget of a quarter
+                      of the rank's state, and a verified load into fresh dicts,
                       each as a multiple of the rank's state; the first async save of a fresh manager (new
                       staging buffers, writer thread) against the median of the next two (steady state)
   nxd_tier            memory-tier restores (each rank its own node: LOCAL_WORLD_SIZE=1 for the section, so 2 ranks

@@ -38,7 +38,8 @@ def _malloc_in_use() -> int | None:
 class PeakRSS:
     """Peak extra host memory of this process during a block, two ways: the C heap's bytes in use (sampled
     every 2 ms: counts every allocation, including memory the allocator reuses without new pages) and resident
-    memory (VmHWM after resetting it: new pages only)."""
+    memory (VmHWM after resetting it: new pages only, including memory mapped outside the C heap, such as a
+    budgeted save's copies). ``extra`` is the larger of the two."""
 
     def __init__(self) -> None:
         self.extra = 0
@@ -67,7 +68,8 @@ class PeakRSS:
         self._sampler.join()
         self._heap_peak = max(self._heap_peak, _malloc_in_use() or 0)
         self.extra_rss = max(0, _rss("VmHWM:") - self._base)
-        self.extra = max(0, self._heap_peak - self._heap_base) if self._heap_base is not None else self.extra_rss
+        heap = max(0, self._heap_peak - self._heap_base) if self._heap_base is not None else 0
+        self.extra = max(heap, self.extra_rss)  # mappings of their own (budgeted copies) are not in the C heap
 
 
 def _machine_idle_s() -> float:

@@ -364,7 +364,7 @@ def print_targets(r: dict, total_mib: int) -> None:
         peaks = r.get(f"peak_{label}", [])
         if peaks:
             print(f"peak extra host memory, restore from {label}: {max(peaks) / r['restored_bytes']:.2f}x the rank's "
-                  f"restored state ({max(peaks) / MIB:.0f} MiB, largest rank, heap in use)")  # fmt: skip
+                  f"restored state ({max(peaks) / MIB:.0f} MiB, largest rank; heap in use or new pages)")  # fmt: skip
 
 
 def optimizer_tensors(optimizer: dict) -> list[torch.Tensor]:

@@ -507,7 +507,7 @@ def live_module(model: dict, device: Any = None) -> torch.nn.Module:
 
 
 def _peak_gb(b: Bench, peak: PeakRSS) -> float:
-    """The largest peak extra host memory (heap in use) among the ranks, in GB."""
+    """The largest peak extra host memory (heap in use or new resident pages) among the ranks, in GB."""
     return max(dist_all_gather(peak.extra)) / 1e9
 
 
@@ -848,7 +848,7 @@ def _resume_report(data: dict, med: dict[str, tuple[float | None, float | None]]
             if peaks:
                 rss = [r.get("peak_rss_gb", 0.0) for r in extra[name]]
                 lines.append(
-                    f"resume: {name}: peak extra host memory during the load (largest rank; heap in use) median "
+                    f"resume: {name}: peak extra host memory during the load (largest rank; heap or new pages) median "
                     f"{statistics.median(peaks):.3f} GB [{', '.join(f'{p:.3f}' for p in peaks)}], new resident "
                     f"pages {statistics.median(rss):.3f} GB"
                 )
