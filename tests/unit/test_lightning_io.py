@@ -301,3 +301,62 @@ def test_the_imported_lightning_package_is_the_one_built_on():
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=240)
+
+
+class Wide(Tiny):
+    """Large enough that its state dwarfs the scalars Lightning adds to every checkpoint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(256, 256)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 256)), batch_size=2)
+
+
+@pytest.mark.parametrize("with_callback", [False, True])
+def test_the_callback_prepares_the_first_async_save_under_another_strategy(tmp_path, with_callback):
+    """Under Lightning's own strategy (as under NxDT's), ``PrepareAsyncSave`` reserves the first async save's
+    staging memory after the first optimizer step; without it that save allocates a copy of the whole state."""
+    from nxd_ckpt.lightning import NxdCheckpointIO, PrepareAsyncSave
+
+    class Recording(NxdCheckpointIO):
+        def __init__(self, **kwargs: object) -> None:
+            super().__init__(**kwargs)
+            self.reports: list = []
+
+        def save_checkpoint(self, *args: object, **kwargs: object) -> None:
+            super().save_checkpoint(*args, **kwargs)
+            self.reports.append(self.last_report)
+
+    nxd.reset_manager()  # a fresh process's manager: no staging buffers from earlier tests
+    io = Recording(async_save=True)
+    module = Wide()
+    checkpointing = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=2, save_top_k=-1)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        plugins=[io],
+        callbacks=[checkpointing, *([PrepareAsyncSave()] if with_callback else [])],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module)  # the save at step 2 runs inside fit (its teardown frees the staging buffers)
+    first = io.reports[0]
+    state_bytes = 3 * sum(p.numel() * p.element_size() for p in module.parameters())  # weights + Adam's moments
+    if with_callback:
+        assert first.staging_allocated_bytes <= 1024, first  # only scalars of Lightning's state, new at every save
+    else:
+        assert first.staging_allocated_bytes >= state_bytes, first
+    nxd.reset_manager()
+
+
+def test_the_callback_sees_nxdts_async_flag_and_leaves_sync_saves_alone():
+    from nxd_ckpt.lightning import saves_async
+
+    class NxdtLike:  # NxDT's NLPCheckpointIO keeps the flag as ``_async_save`` (the real class: test_nxdt_real.py)
+        _async_save = True
+
+    assert saves_async(NxdtLike()) and saves_async(_io(async_save=True))
+    assert not saves_async(_io()) and not saves_async(object())
