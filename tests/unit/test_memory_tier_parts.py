@@ -286,3 +286,41 @@ def test_transport_gives_up_on_a_peer_that_stops_sending(tmp_path):
         release.set()
         thread.join(5)
         listener.close()
+
+
+def test_a_stream_is_woken_per_mebibyte_and_still_reads_a_short_tail(tmp_path, monkeypatch):
+    """Issue 27: a streamed fetch asks the kernel to wake it once WAKE_BYTES have arrived (SO_RCVLOWAT: fewer
+    wake-ups, less CPU on both sides), and never for more than the rest of the caller's piece, so pieces and a
+    file end shorter than that arrive without waiting for the deadline."""
+    import socket as socket_module
+    import time
+
+    from nxd_ckpt.tier import transport
+
+    payload = os.urandom(3 * transport.WAKE_BYTES + 4097)
+    (tmp_path / "peer" / "node_00001").mkdir(parents=True)
+    (tmp_path / "peer" / "node_00001" / "f.bin").write_bytes(payload)
+    asked: list[int] = []
+    real_wake_after = transport._Stream._wake_after
+
+    def recording(self, nbytes: int) -> None:
+        real_wake_after(self, nbytes)
+        asked.append(self._sock.getsockopt(socket_module.SOL_SOCKET, socket_module.SO_RCVLOWAT))
+
+    monkeypatch.setattr(transport._Stream, "_wake_after", recording)
+    server = FileServer(str(tmp_path / "peer"), token="t", timeout_s=10, bind="127.0.0.1")
+    try:
+        client = FileClient("t", timeout_s=30)
+        target = bytearray(len(payload))
+        view, done = memoryview(target), 0
+        start = time.monotonic()
+        with client.open_stream(f"127.0.0.1:{server.port}", "node_00001/f.bin") as stream:
+            for piece in (2 * transport.WAKE_BYTES, 100, transport.WAKE_BYTES):  # then the rest: 3997 bytes
+                done += stream.readinto(view[done : done + piece])
+            while n := stream.readinto(view[done:]):
+                done += n
+        assert bytes(target) == payload
+        assert time.monotonic() - start < 10  # no piece waited for bytes that were never coming
+        assert asked[0] == transport.WAKE_BYTES and asked[1] == 100 and asked[-1] == 3997
+    finally:
+        server.close()
