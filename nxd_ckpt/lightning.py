@@ -16,10 +16,6 @@ exists is dropped, so that a name is saved again (a complete tag is replaced onl
 Lightning's checkpoint dict is split as NxDT splits it: ``state_dict`` is the model, ``optimizer_states[0]`` the
 optimizer and everything else the user content.
 
-Under another strategy (NxDT's ``NLPDDPStrategy`` with its ``NLPCheckpointIO``, through ``nxd_ckpt.compat``) the
-callback ``PrepareAsyncSave`` reserves the first async save's host memory after the first optimizer step, as
-``NxdDDPStrategy``/``NxdXLAStrategy`` do themselves.
-
 Lightning is imported on first use of the classes, from whichever of ``pytorch_lightning`` (2.x) and
 ``lightning.pytorch`` is already imported, else the first of them that is installed (``lightning_package``).
 """
@@ -347,7 +343,6 @@ def _build(pl: ModuleType) -> dict[str, type]:
             _accelerator_class=accelerator,
         ),
         "NxdXLAAccelerator": accelerator,
-        "PrepareAsyncSave": make("PrepareAsyncSave", (_PreparesAsyncSave, pl.Callback), _PreparesAsyncSave.__doc__),
     }
 
 
@@ -359,7 +354,7 @@ def classes_for(package: str) -> dict[str, type]:
     return _classes(importlib.import_module(package))
 
 
-_PUBLIC = ("NxdCheckpointIO", "NxdDDPStrategy", "NxdXLAStrategy", "NxdXLAAccelerator", "PrepareAsyncSave")
+_PUBLIC = ("NxdCheckpointIO", "NxdDDPStrategy", "NxdXLAStrategy", "NxdXLAAccelerator")
 
 
 def __getattr__(name: str) -> Any:
@@ -404,38 +399,6 @@ class _SavesOnEveryRank:
             io.remove_checkpoint(filepath)
         else:
             super().remove_checkpoint(filepath)
-
-
-def saves_async(checkpoint_io: Any) -> bool:
-    """Whether a CheckpointIO saves asynchronously through nxd_ckpt's (or NxD's) ``save_checkpoint``: ours
-    (``async_save``) or NxDT's ``NLPCheckpointIO`` (``_async_save``, reaching nxd_ckpt through ``compat``)."""
-    return bool(getattr(checkpoint_io, "async_save", False) or getattr(checkpoint_io, "_async_save", False))
-
-
-class _PreparesAsyncSave:
-    """Lightning callback for strategies other than nxd_ckpt's, such as NxDT's ``NLPDDPStrategy`` with
-    ``NLPCheckpointIO(async_save=True)`` (through ``nxd_ckpt.compat``): after the first optimizer step it reserves
-    the host memory of the first async save (``nxd_ckpt.prepare_async_save``, faulted in beside training at low
-    priority), so that the first save blocks no longer than later ones. ``NxdDDPStrategy``/``NxdXLAStrategy``
-    do this themselves; with them, or with a CheckpointIO that saves synchronously, it does nothing.
-
-        trainer = Trainer(..., callbacks=[PrepareAsyncSave(), ...])
-    """
-
-    _nxd_done = False
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._nxd_done or trainer.global_step < 1:  # no optimizer state before the first step
-            return
-        self._nxd_done = True
-        strategy = trainer.strategy
-        if isinstance(strategy, _SavesOnEveryRank) or not saves_async(strategy.checkpoint_io):
-            return
-        optimizers = list(trainer.optimizers)
-        api.prepare_async_save(
-            model=strategy.lightning_module_state_dict(),
-            optimizer=strategy.optimizer_state(optimizers[0]) if len(optimizers) == 1 else None,
-        )
 
 
 _DDP_DOC = """Lightning's ``DDPStrategy`` (same arguments) whose checkpoint saves and removals run the

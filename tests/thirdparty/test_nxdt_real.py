@@ -91,12 +91,3 @@ def test_nxd_original_load_reads_what_nlp_checkpoint_io_wrote(nxd_compat, nlp_ch
     assert content["global_step"] == 2
     assert_state_equal(target_model, model.state_dict())
     assert_state_equal(target_opt, opt.state_dict())
-
-
-def test_prepare_async_save_callback_sees_whether_nlp_checkpoint_io_saves_async(nxd_compat, nlp_checkpoint_io):
-    """``nxd_ckpt.lightning.PrepareAsyncSave`` acts only for a CheckpointIO that saves asynchronously: NxDT's real
-    one keeps its flag under its own name."""
-    from nxd_ckpt.lightning import saves_async
-
-    assert saves_async(nlp_checkpoint_io(async_save=True))
-    assert not saves_async(nlp_checkpoint_io(async_save=False))
