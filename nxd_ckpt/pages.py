@@ -49,11 +49,15 @@ def _libc_madvise() -> Any:
     return _madvise
 
 
+def _whole_pages(start: int, end: int) -> tuple[int, int]:
+    """The start and end of the whole pages inside [start, end) (end <= start when there are none)."""
+    return (start + PAGE - 1) // PAGE * PAGE, end // PAGE * PAGE
+
+
 def populate(start: int, end: int) -> bool:
     """Fault in the whole pages inside [start, end) for writing; False when the kernel does not support it."""
     global _supported
-    first = (start + PAGE - 1) // PAGE * PAGE
-    last = end // PAGE * PAGE
+    first, last = _whole_pages(start, end)
     if last <= first or _supported is False:
         return _supported is not False
     madvise = _libc_madvise()
@@ -74,8 +78,7 @@ def known_unsupported() -> bool:
 def pieces(start: int, end: int, size: int) -> list[tuple[int, int]]:
     """The whole pages inside [start, end) as consecutive ranges of at most ``size`` bytes (``size`` a multiple
     of the page), so that populating them piece by piece leaves no page out at a piece's edge."""
-    first = (start + PAGE - 1) // PAGE * PAGE
-    last = end // PAGE * PAGE
+    first, last = _whole_pages(start, end)
     return [(at, min(at + size, last)) for at in range(first, last, size)]
 
 
@@ -99,8 +102,7 @@ def discard(start: int, end: int) -> None:
     """Give the whole pages inside [start, end) of *private anonymous* memory back to the kernel now
     (MADV_DONTNEED): for memory nobody reads again, which would read back as zeroes. Used where the last
     reference to a buffer may outlive its use by a while (a writer's frame after its file is closed)."""
-    first = (start + PAGE - 1) // PAGE * PAGE
-    last = end // PAGE * PAGE
+    first, last = _whole_pages(start, end)
     madvise = _libc_madvise()
     if madvise and last > first:
         madvise(first, last - first, _MADV_DONTNEED)

@@ -142,7 +142,7 @@ def rank_main(total_mib: int, repeats: int, ckpt: str, mem: str, out: str) -> No
     baselines: dict[str, list[float]] = {"memcpy": [], "socket": [], "socket_serving": []}
     profile = os.environ.get("NXD_BENCH_PROFILE")
 
-    def _count_cpu(coord, label: str, cpu: CpuTime) -> None:
+    def count_cpu(label: str, cpu: CpuTime) -> None:
         """The CPU seconds of all ranks (and of the serving node's ranks) for one timed path, and the idle time."""
         used = coord.all_gather_object(cpu.used_s, phase="benchmark: CPU time")
         results.setdefault(f"cpu_{label}_all", []).append(sum(used))
@@ -162,7 +162,7 @@ def rank_main(total_mib: int, repeats: int, ckpt: str, mem: str, out: str) -> No
                 manager.load(ckpt, model=target_model, optimizer=target_opt, memory_tier=tier)
             elapsed = _slowest(coord, time.perf_counter() - start)
         if peak is None and label != "warmup":
-            _count_cpu(coord, label, cpu)
+            count_cpu(label, cpu)
         restore = manager.last_restore
         assert restore is not None and restore.tag == newest, restore
         assert all(torch.equal(target_model[k], model[k]) for k in model)
@@ -192,7 +192,7 @@ def rank_main(total_mib: int, repeats: int, ckpt: str, mem: str, out: str) -> No
         baselines["memcpy"].append(_slowest(coord, memcpy_s(read, target_model, target_opt)))
         with CpuTime() as cpu:
             baselines["socket"].append(socket_copy_s(coord, read, rank, peers[rank], receiver=rank < world // 2))
-        _count_cpu(coord, "socket", cpu)
+        count_cpu("socket", cpu)
         baselines["socket_serving"].append(
             socket_copy_s(coord, read, rank, peers[rank], rank < world // 2,
                           own_copy=lambda: memcpy_s(read, target_model, target_opt))
