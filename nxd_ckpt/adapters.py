@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from nxd_ckpt import xla
+from nxd_ckpt.device.backend import on_device
+from nxd_ckpt.device.load import DeviceLoadTarget, LoadTarget, device_loads_enabled
 from nxd_ckpt.errors import StateMismatchError
-from nxd_ckpt.save import staging
-from nxd_ckpt.statefile import LoadTarget
 from nxd_ckpt.tree import EXPERT_ATTR, iter_tensors
 
 logger = logging.getLogger("nxd_ckpt")
@@ -97,8 +97,8 @@ def load_target(obj: Any, role: str, *, strict: bool = True, source: str = "") -
     """The existing tensors a load of ``role`` ("model"/"optimizer") into ``obj`` reads straight into: a
     module's parameters and buffers (the objects themselves, so device tensors can take new data in place), an
     optimizer's state tensors, a dict's tensors. None when ``obj`` holds no tensor yet (fresh dicts, fresh
-    optimizers): those loads read into fresh memory as before. XLA tensors make it a ``DeviceLoadTarget``
-    (bounded host buffers, bulk transfers), unless NXD_CKPT_XLA_TRANSFER_THREAD=0 keeps transfers off the
+    optimizers): those loads read into fresh memory as before. Device tensors make it a ``DeviceLoadTarget``
+    (bounded host buffers streamed to the device), unless NXD_CKPT_XLA_TRANSFER_THREAD=0 keeps transfers off the
     reader threads (then device targets are placed after the read, as before)."""
     check = None
     current: Any = None
@@ -124,14 +124,14 @@ def load_target(obj: Any, role: str, *, strict: bool = True, source: str = "") -
     tensors = [t for _, t in iter_tensors(tree)]
     if not tensors:
         return None
-    if any(xla.is_xla(t) for t in tensors) and staging.device_loads_enabled():
-        return staging.DeviceLoadTarget(tree, check)
+    if any(on_device(t) for t in tensors) and device_loads_enabled():
+        return DeviceLoadTarget(tree, check)
     return LoadTarget(tree, check)
 
 
 def holds_device_tensors(obj: Any, role: str) -> bool:
     """Whether a load of ``role`` ("model"/"optimizer") into ``obj`` fills tensors off the host (XLA): such a
-    load stages through host buffers of its own (``staging.DeviceLoadTarget``)."""
+    load stages through host buffers of its own (``device.load.DeviceLoadTarget``)."""
     if obj is None:
         return False
     tree = obj if isinstance(obj, dict) else model_state(obj) if role == "model" else optimizer_state(obj)

@@ -77,6 +77,7 @@ def save_checkpoint(
     on_save_error: str = "raise",
     memory_tier: MemoryTier | None = None,
     host_memory_budget: int | str | None = None,
+    device_snapshot_budget: int | str | None = None,
 ) -> SaveReport:
     """Save a checkpoint under ``checkpoint_dir_str/tag`` in NxD's layout; every rank must call it.
 
@@ -107,6 +108,11 @@ def save_checkpoint(
     ``host_memory_budget`` (bytes, or a size such as ``"512MiB"``; default ``NXD_CKPT_HOST_MEMORY_BUDGET``, else
     no limit) caps the host memory an async save holds: a larger state is staged and written in pieces while the
     call waits for what does not fit (the SaveReport's ``budget_wait_s``).
+    ``device_snapshot_budget`` (bytes, a size such as ``"8GiB"``, ``"auto"`` or 0; default
+    ``NXD_CKPT_DEVICE_SNAPSHOT_BUDGET``, else ``"auto"``: 90% of the memory the device reports free) caps the
+    device memory an async save of device state (XLA, CUDA) copies the state into before it returns; that copy
+    travels to the host beside training. What does not fit is moved to the host by the call itself (the
+    SaveReport's ``device_direct_bytes`` and ``device_direct_s``); 0 takes no device snapshot.
 
     Returns:
         A SaveReport (bytes, blocked/staging/write time); for async saves ``wait()`` blocks until durable.
@@ -132,6 +138,7 @@ def save_checkpoint(
         on_save_error=on_save_error,
         memory_tier=memory_tier,
         host_memory_budget=host_memory_budget,
+        device_snapshot_budget=device_snapshot_budget,
     )
     return get_manager().save(options)
 

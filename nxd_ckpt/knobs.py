@@ -64,12 +64,13 @@ KNOBS: dict[str, Knob] = {
             minimum=1,
         ),
         Knob(
-            "NXD_CKPT_XLA_DEVICE_SNAPSHOT",
-            "bool",
-            False,
-            "1 makes async saves of XLA state copy it on the device (one sync) and stream the copy to the host "
-            "on the writer's side in batches: training waits for a device copy, not the transfer; costs a second "
-            "device copy of the state until it is written",
+            "NXD_CKPT_DEVICE_SNAPSHOT_BUDGET",
+            "str",
+            "auto",
+            "most device memory an async save of device state (XLA, CUDA) copies the state into on the device before "
+            "it returns (the copy travels to the host beside training); `auto`: 90% of what the device reports free; "
+            "a size (`8GiB`); 0: none (the call transfers everything itself). The `device_snapshot_budget=` keyword "
+            "overrides it",
         ),
         Knob(
             "NXD_CKPT_XLA_TRANSFER_THREAD",
@@ -256,8 +257,9 @@ def xla_transfer_batch_bytes() -> int:
     return get_int("NXD_CKPT_XLA_TRANSFER_BATCH_BYTES")
 
 
-def xla_device_snapshot() -> bool:
-    return get_bool("NXD_CKPT_XLA_DEVICE_SNAPSHOT")
+def device_snapshot_budget() -> str:
+    """The raw setting (``auto``, ``0`` or a size): ``device.backend.resolve_snapshot_budget`` parses it."""
+    return get_str("NXD_CKPT_DEVICE_SNAPSHOT_BUDGET") or "auto"
 
 
 def xla_transfer_thread() -> bool:

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 from nxd_ckpt import rank_state
+from nxd_ckpt.device.backend import SnapshotBudget, resolve_snapshot_budget
 from nxd_ckpt.dist.coordinator import resolve_timeout
 from nxd_ckpt.format import layout
 from nxd_ckpt.save import budget
@@ -60,10 +61,13 @@ class SaveOptions:
     on_save_error: str = "raise"
     memory_tier: MemoryTier | None = None
     host_memory_budget: int | str | None = None
+    device_snapshot_budget: int | str | None = None
     timeout_s: float = field(init=False, repr=False)
     """``timeout``, or ``NXD_CKPT_TIMEOUT_S`` when None: the deadline of every phase of this save."""
     budget_bytes: int | None = field(init=False, repr=False)
     """``host_memory_budget`` in bytes, or ``NXD_CKPT_HOST_MEMORY_BUDGET`` when None; None: no limit."""
+    device_budget: SnapshotBudget = field(init=False, repr=False)
+    """``device_snapshot_budget``, or ``NXD_CKPT_DEVICE_SNAPSHOT_BUDGET`` when None (default: free device memory)."""
 
     def __post_init__(self) -> None:
         layout.validate_tag(self.tag)
@@ -82,6 +86,7 @@ class SaveOptions:
         _check_zero1_dcp(self.use_zero1_dcp, self.avoid_saving_lower_precision_weights)
         object.__setattr__(self, "timeout_s", resolve_timeout(self.timeout))
         object.__setattr__(self, "budget_bytes", budget.resolve_budget(self.host_memory_budget))
+        object.__setattr__(self, "device_budget", resolve_snapshot_budget(self.device_snapshot_budget))
 
     @property
     def kept_ckpts(self) -> int | None:

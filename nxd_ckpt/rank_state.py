@@ -20,12 +20,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from nxd_ckpt import statefile
+from nxd_ckpt.device.transfer import to_host
 from nxd_ckpt.dist.coordinator import Coordinator
 from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.errors import FormatError, LayoutMismatchError
 from nxd_ckpt.format import layout
 from nxd_ckpt.rng import capture_rng_state, keep_streams_through_first_iterator, restore_rng_state
-from nxd_ckpt.save import staging
 from nxd_ckpt.storage import Storage
 
 logger = logging.getLogger("nxd_ckpt")
@@ -119,7 +119,7 @@ def stage_for_save(
         return []
 
     def snapshot() -> Any:
-        host = staging.to_host(capture(objects, topo, save_rng=save_rng), copy=False)
+        host = to_host(capture(objects, topo, save_rng=save_rng), copy=False)
         return copy.deepcopy(host) if copy_state else host
 
     # Collective even in per_rank mode: a rank whose state_dict() fails must not leave the others waiting.

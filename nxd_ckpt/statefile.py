@@ -13,7 +13,7 @@ then copies the others' shares from memory, which measured faster than a loopbac
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from nxd_ckpt import knobs, tree
+from nxd_ckpt.device.load import LoadTarget
 from nxd_ckpt.dist.replicas import ReplicaGroup
 from nxd_ckpt.errors import FormatError, StorageError
 from nxd_ckpt.format import layout
@@ -60,10 +61,12 @@ class WrittenFiles:
 
 
 is_xser_file = layout.is_xser_file
+Path = tree.Path
 
 
 HostCopy = Callable[[torch.Tensor], torch.Tensor]
-"""Returns the host copy of a (device) tensor: ``staging.HostFetcher.host``, which copies ahead on a thread."""
+"""Returns the host copy of a (device) tensor: ``device.transfer.DeviceTransfer.host``, which copies ahead on a
+thread."""
 
 
 def write_plain(storage: Storage, path: str, state: Any, *, host: HostCopy | None = None) -> list[str]:
@@ -73,87 +76,6 @@ def write_plain(storage: Storage, path: str, state: Any, *, host: HostCopy | Non
     with storage.open_write(path) as f:
         plain.save(state, f)
     return [path]
-
-
-Path = tree.Path
-
-
-def tensor_paths(state: Any) -> Iterator[tuple[Path, torch.Tensor]]:
-    """(path, tensor) for every tensor of nested state; a path is the tuple of keys/indices (``tree.leaves``)."""
-    return tree.leaves(state)
-
-
-class LoadTarget:
-    """Tensors that already exist (a live model's parameters, an optimizer's state, a dict's tensors), which a
-    load reads straight into: a saved tensor lands in the target tensor at the same path in the state, when
-    that one is a contiguous CPU tensor of the same dtype and shape. Others load into fresh memory as before.
-
-    ``check(meta_state)`` runs on the saved state's structure (data-less ``meta`` tensors) before any byte lands
-    in a target, so a state that does not fit (strict key checks) fails before the model is touched.
-    Subclasses (``staging.DeviceLoadTarget``) stage device targets through bounded host buffers.
-    """
-
-    def __init__(self, tree: Any, check: Callable[[Any], None] | None = None) -> None:
-        self.tensors: dict[Path, torch.Tensor] = dict(tensor_paths(tree))
-        self._check = check
-        self.direct = True
-        """Whether reads may bypass the page cache (not when replicas on this host read the same files)."""
-        self.bytes_in_place = 0
-
-    def check(self, meta_state: Any) -> None:
-        if self._check is not None:
-            self._check(meta_state)
-
-    def dest(self, path: Path, like: torch.Tensor) -> torch.Tensor | None:
-        """The tensor ``like`` (saved at ``path``) should be read into, or None for fresh memory."""
-        return self.existing(path, like)
-
-    def existing(self, path: Path, like: torch.Tensor) -> torch.Tensor | None:
-        """The target's own CPU tensor at ``path`` when ``like``'s bytes can land in it as they are."""
-        t = self.tensors.get(path)
-        if t is None or t.device.type != "cpu" or t.dtype != like.dtype or tuple(t.shape) != tuple(like.shape):
-            return None
-        return t.detach() if t.is_contiguous() and t.storage_offset() == 0 else None
-
-    def filled(self, dest: torch.Tensor) -> None:
-        """``dest`` holds its bytes now."""
-        self.bytes_in_place += dest.numel() * dest.element_size()
-
-    def result_for(self, result: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
-        """What the loaded state holds for a tensor read into ``dest`` (``result`` aliases it)."""
-        return result
-
-    def finish(self, state: Any) -> Any:
-        """Once every read of the load succeeded: ``state`` with the target's own tensors wherever a loaded CPU
-        tensor did not land in place (small tensors kept inside xser reference files, fallbacks) but fits
-        one: those are copied in, so every target tensor keeps its memory. Device targets also transfer
-        what is left in host memory first."""
-        swaps: dict[int, torch.Tensor] = {}
-        for path, loaded in tensor_paths(state):
-            dest = self.existing(path, loaded)
-            if dest is None or id(loaded) in swaps:
-                continue
-            if loaded.device.type == "cpu" and not _same_memory(loaded, dest):
-                with torch.no_grad():
-                    dest.copy_(loaded)
-            swaps[id(loaded)] = self.tensors[path]
-        return map_tensors(state, lambda t: swaps.get(id(t), t)) if swaps else state
-
-    def chooser(self) -> readinto.Chooser:
-        def choose(meta: Any) -> dict[int, torch.Tensor]:
-            self.check(meta)
-            out = {}
-            for path, t in tensor_paths(meta):
-                dest = self.dest(path, t)
-                if dest is not None:
-                    out[id(t)] = dest
-            return out
-
-        return choose
-
-
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
 
 
 def _safe_unpickler(data: Any) -> Any:

@@ -141,6 +141,14 @@ def iter_to_cpu(
         yield batch, list(xla._XLAC._xla_get_cpu_tensors([detached[i] for i in batch]))
 
 
+def fetch(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies of materialised XLA ``tensors`` (same order) in one bulk transfer, without a sync: the
+    transfer releases the GIL and copies in parallel; the results are fresh host memory."""
+    xla = require("copying XLA tensors to the host")
+    detached = [t.detach() if t.requires_grad else t for t in tensors]
+    return list(xla._XLAC._xla_get_cpu_tensors(detached))
+
+
 def to_cpu(tensors: Sequence[torch.Tensor], batch_bytes: int | None = None) -> list[torch.Tensor]:
     """CPU copies of XLA ``tensors`` (same order): one sync, then bulk transfers of at most ``batch_bytes``."""
     return _collect(len(tensors), iter_to_cpu(tensors, batch_bytes))

@@ -39,11 +39,15 @@ class PeakRSS:
     """Peak extra host memory of this process during a block, two ways: the C heap's bytes in use (sampled
     every 2 ms: counts every allocation, including memory the allocator reuses without new pages) and resident
     memory (VmHWM after resetting it: new pages only, including memory mapped outside the C heap, such as a
-    budgeted save's copies). ``extra`` is the larger of the two."""
+    budgeted save's copies). ``extra`` is the larger of the two.
 
-    def __init__(self) -> None:
+    ``sample=False`` starts no sampler thread (for a block that is timed as well): the heap is read at the end
+    only, so ``extra`` is then mostly the resident-memory figure (pinned or mapped staging memory is in it)."""
+
+    def __init__(self, sample: bool = True) -> None:
         self.extra = 0
         self.extra_rss = 0
+        self._sample_heap = sample
 
     def __enter__(self) -> PeakRSS:
         import gc
@@ -56,7 +60,8 @@ class PeakRSS:
         self._heap_peak = self._heap_base or 0
         self._stop = threading.Event()
         self._sampler = threading.Thread(target=self._sample, daemon=True)
-        self._sampler.start()
+        if self._sample_heap:
+            self._sampler.start()
         return self
 
     def _sample(self) -> None:
@@ -65,7 +70,8 @@ class PeakRSS:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._sampler.join()
+        if self._sample_heap:
+            self._sampler.join()
         self._heap_peak = max(self._heap_peak, _malloc_in_use() or 0)
         self.extra_rss = max(0, _rss("VmHWM:") - self._base)
         heap = max(0, self._heap_peak - self._heap_base) if self._heap_base is not None else 0

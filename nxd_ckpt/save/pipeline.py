@@ -29,8 +29,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any, TypeAlias
 
-from nxd_ckpt import adapters, knobs, statefile, tree
+from nxd_ckpt import adapters, statefile, tree
 from nxd_ckpt import rank_state as rank_states
+from nxd_ckpt.device.backend import on_device
+from nxd_ckpt.device.transfer import DeviceTransfer
 from nxd_ckpt.dist.coordinator import Coordinator
 from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.format import integrity, layout, sharding, tags
@@ -120,9 +122,10 @@ class Staged:
     writes: list[plan.StateWrite]
     lease: staging.StagedState | None = None
     """Async saves: the pooled host copy, handed back as soon as the files are written."""
-    fetcher: staging.HostFetcher | budget.BudgetedStager | None = None
-    """Sync saves of device tensors: host copies arriving ahead of the writers; async saves under a host memory
-    budget: the copies the training thread makes in ``run`` while the writer writes."""
+    fetcher: DeviceTransfer | budget.BudgetedStager | None = None
+    """Device tensors: their host copies, arriving on a background thread ahead of the writers (from the device
+    snapshot of an async save, from the live tensors of a sync one); async saves under a host memory budget: the
+    copies the training thread makes in ``run`` while the writer writes."""
 
     def host(self) -> Callable[[Any], Any] | None:
         return self.fetcher.host if self.fetcher is not None else None
@@ -239,13 +242,19 @@ class SavePipeline:
             if ctx.options.async_save:
                 needed = {id(t) for t in plan.tensors_to_write(writes, rank)}
                 lease = self.services.staging_pool.stage(
-                    [w.state for w in writes], needed=needed, device_snapshot=knobs.xla_device_snapshot()
+                    [w.state for w in writes], needed=needed, device_budget=ctx.options.device_budget
                 )
                 report.staging_allocated_bytes = lease.allocated_bytes
+                if lease.snapshot is not None:
+                    report.device_snapshot_bytes = lease.snapshot.snapshot_bytes
+                    report.device_direct_bytes = lease.snapshot.direct_bytes
+                    report.device_direct_s = lease.snapshot.direct_s
+                    report.device_budget_bytes = lease.snapshot.budget_bytes
                 staged = [w.with_state(state) for w, state in zip(writes, lease.trees, strict=True)]
-                return Staged(staged, lease=lease, fetcher=lease.fetcher)
-            if any(staging.has_device_tensors(w.state) for w in writes):
-                return Staged(list(writes), fetcher=staging.HostFetcher(plan.tensors_to_write(writes, rank)))
+                return Staged(staged, lease=lease, fetcher=lease.transfer)
+            device = list({id(t): t for t in plan.tensors_to_write(writes, rank) if on_device(t)}.values())
+            if device:  # training is blocked in the call: the live tensors are the sources
+                return Staged(list(writes), fetcher=DeviceTransfer(device, device))
             return Staged(list(writes))
 
     # ------------------------------------------------------------------ write + commit

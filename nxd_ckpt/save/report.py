@@ -30,6 +30,15 @@ class SaveReport:
     budget_wait_s: float = 0.0
     """Part of ``blocked_s`` an async save under a host memory budget waited for the writer (to free memory, or to
     write what did not fit); 0 without a budget."""
+    device_snapshot_bytes: int = 0
+    """Bytes of device state copied on the device (async saves): the snapshot's extra device memory at its peak,
+    freed chunk by chunk as the copy reaches the host beside training."""
+    device_direct_bytes: int = 0
+    """Bytes of device state that did not fit the device snapshot budget, moved to the host by the call itself."""
+    device_direct_s: float = 0.0
+    """Part of ``blocked_s`` spent on ``device_direct_bytes``."""
+    device_budget_bytes: int = 0
+    """The device snapshot budget this save used (``device_snapshot_budget``, or what the device reported free)."""
     write_s: float = 0.0
     """Time to write this rank's files and make them durable."""
     total_s: float = 0.0

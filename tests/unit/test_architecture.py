@@ -102,7 +102,7 @@ def test_no_import_circles():
 LAYERS = [
     {"errors", "knobs", "lazy", "tree", "rng", "pages"},
     {"storage", "serialization", "dist", "xla"},
-    {"format", "log", "watchdog", "parallel_state"},
+    {"format", "log", "watchdog", "parallel_state", "device"},
     {"save", "load", "statefile", "adapters", "rank_state", "inspect", "tier", "options"},
     {"manager", "tools", "testing"},
     {"api", "cli", "lightning", "compat"},

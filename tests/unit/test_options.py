@@ -65,6 +65,7 @@ def _non_default_save_arguments(tmp_path) -> dict:
         "on_save_error": "warn",
         "memory_tier": nxd.MemoryTier(dir=str(tmp_path / "mem")),
         "host_memory_budget": "96MiB",
+        "device_snapshot_budget": "1GiB",
     }
 
 
@@ -162,6 +163,8 @@ def test_options_are_frozen(tmp_path):
         ({"memory_tier": "/dev/shm"}, TypeError, "memory_tier must be a nxd_ckpt.MemoryTier"),
         ({"host_memory_budget": "lots"}, ValueError, "host_memory_budget='lots' is not a size"),
         ({"host_memory_budget": 0}, ValueError, "host_memory_budget must be"),
+        ({"device_snapshot_budget": "most"}, ValueError, "device_snapshot_budget='most' is not a size"),
+        ({"device_snapshot_budget": -1}, ValueError, "device_snapshot_budget must be"),
         ({"use_zero1_dcp": True, "avoid_saving_lower_precision_weights": True}, ValueError, "cannot be combined"),
     ],
 )

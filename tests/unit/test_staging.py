@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from nxd_ckpt.device import transfer
 from nxd_ckpt.save import staging
 from nxd_ckpt.testing.fakes import assert_state_equal
 
@@ -123,8 +124,8 @@ def test_structure_and_non_tensor_leaves_are_preserved():
 
 def test_to_host_copies_cpu_tensors_only_when_asked():
     t = torch.ones(4)
-    assert staging.to_host({"t": t}, copy=False)["t"].data_ptr() == t.data_ptr()
-    assert staging.to_host({"t": t}, copy=True)["t"].data_ptr() != t.data_ptr()
+    assert transfer.to_host({"t": t}, copy=False)["t"].data_ptr() == t.data_ptr()
+    assert transfer.to_host({"t": t}, copy=True)["t"].data_ptr() != t.data_ptr()
 
 
 @pytest.mark.xla

@@ -8,7 +8,7 @@ import torch
 
 import nxd_ckpt as nxd
 from nxd_ckpt import adapters, statefile
-from nxd_ckpt.save import staging
+from nxd_ckpt.device.load import DeviceLoadTarget
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.fakes import assert_state_equal
 
@@ -58,7 +58,7 @@ def test_device_loads_use_few_bulk_transfers_and_bounded_host_buffers(tmp_path, 
     live = {k: torch.zeros(512, 512).to(device) for k in state}
     torch_xla.sync()
     objects = {k: id(v) for k, v in live.items()}
-    target = staging.DeviceLoadTarget(live, arena_bytes=2 << 20, arenas=2)
+    target = DeviceLoadTarget(live, arena_bytes=2 << 20, arenas=2)
     loaded = target.finish(statefile.read_state_file(storage, "m.pt", target=target, threads=4))
     assert {k: id(v) for k, v in loaded.items()} == objects  # the loaded state is the live tensors
     assert_state_equal({k: v.cpu() for k, v in live.items()}, state)
@@ -68,4 +68,4 @@ def test_device_loads_use_few_bulk_transfers_and_bounded_host_buffers(tmp_path, 
 
 def test_dict_target_with_device_tensors_is_a_device_target():
     live = {"w": torch.zeros(4).to(torch_xla.device())}
-    assert isinstance(adapters.load_target(live, "model"), staging.DeviceLoadTarget)
+    assert isinstance(adapters.load_target(live, "model"), DeviceLoadTarget)

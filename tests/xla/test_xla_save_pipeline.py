@@ -1,5 +1,5 @@
 """Synchronous saves of device state: host copies are made by a thread running ahead of the writers
-(staging.HostFetcher), only for the tensors this rank writes, and a failed transfer fails the save."""
+(device.transfer.DeviceTransfer), only for the tensors this rank writes, and a failed transfer fails the save."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 import nxd_ckpt as nxd
 from nxd_ckpt import statefile, xla
-from nxd_ckpt.save import staging
+from nxd_ckpt.device.transfer import DeviceTransfer
 from nxd_ckpt.testing.fakes import assert_state_equal
 
 pytestmark = pytest.mark.xla
@@ -31,7 +31,8 @@ def test_host_copies_arrive_in_order_out_of_order_and_unplanned():
     cpu = _device_state(device)
     on_device = {k: v.to(device) * 2 for k, v in cpu.items()}  # pending graphs: the fetcher's sync runs them
     names = list(on_device)
-    fetcher = staging.HostFetcher([on_device[k] for k in names[:-2]], batch_bytes=64 << 10)
+    planned = [on_device[k] for k in names[:-2]]
+    fetcher = DeviceTransfer(planned, planned, chunk_bytes=64 << 10)
     try:
         for k in reversed(names):  # asks for the last planned first, and for two tensors never planned
             got = fetcher.host(on_device[k])
@@ -45,21 +46,24 @@ def test_host_copies_arrive_in_order_out_of_order_and_unplanned():
 def test_a_failed_transfer_reaches_the_writers_and_close(monkeypatch):
     device = torch_xla.device()
     tensors = [torch.full((1024,), float(i)).to(device) for i in range(4)]
-    real = xla.iter_to_cpu
+    real = xla.fetch
+    calls: list[int] = []
 
-    def first_batch_then_fail(*args, **kwargs):
-        batches = real(*args, **kwargs)
-        yield next(batches)
-        raise RuntimeError("device lost")
+    def first_batch_then_fail(chunk):
+        calls.append(len(chunk))
+        if len(calls) > 1:
+            raise RuntimeError("device lost")
+        return real(chunk)
 
-    monkeypatch.setattr(xla, "iter_to_cpu", first_batch_then_fail)
-    fetcher = staging.HostFetcher(tensors, batch_bytes=4096)
+    monkeypatch.setattr(xla, "fetch", first_batch_then_fail)
+    fetcher = DeviceTransfer(tensors, tensors, chunk_bytes=4096)
     assert torch.equal(fetcher.host(tensors[0]), torch.zeros(1024))
     with pytest.raises(RuntimeError, match="device lost"):
         fetcher.host(tensors[3])
     fetcher.close()  # already reported to a writer: not raised twice
 
-    fetcher = staging.HostFetcher(tensors, batch_bytes=4096)
+    calls.clear()
+    fetcher = DeviceTransfer(tensors, tensors, chunk_bytes=4096)
     with pytest.raises(RuntimeError, match="device lost"):
         fetcher.close()  # nobody asked: close raises it
 
@@ -71,14 +75,14 @@ def test_writes_start_before_the_transfer_ends_and_the_save_is_exact(tmp_path, m
     model = {k: v.to(device) for k, v in cpu.items()}
     events: list[str] = []
     lock = threading.Lock()
-    real_iter = xla.iter_to_cpu
+    real_fetch = xla.fetch
 
-    def slow_batches(*args, **kwargs):
-        for batch in real_iter(*args, **kwargs):
-            time.sleep(0.05)
-            with lock:
-                events.append("batch")
-            yield batch
+    def slow_batches(chunk):
+        out = real_fetch(chunk)
+        time.sleep(0.05)
+        with lock:
+            events.append("batch")
+        return out
 
     real_save = statefile.xser.save_tensor
 
@@ -87,7 +91,7 @@ def test_writes_start_before_the_transfer_ends_and_the_save_is_exact(tmp_path, m
             events.append("write")
         real_save(tensor, f)
 
-    monkeypatch.setattr(xla, "iter_to_cpu", slow_batches)
+    monkeypatch.setattr(xla, "fetch", slow_batches)
     monkeypatch.setattr(statefile.xser, "save_tensor", recording_save)
     monkeypatch.setenv("NXD_CKPT_XLA_TRANSFER_BATCH_BYTES", str(64 << 10))
     nxd.save_checkpoint(str(tmp_path), "step_1", model=model, use_xser=True)
@@ -105,15 +109,15 @@ def test_transfers_can_stay_on_the_calling_thread(monkeypatch, tmp_path):
     cpu = _device_state(device)
     on_device = {k: v.to(device) for k, v in cpu.items()}
     threads: set[str] = set()
-    real = xla.iter_to_cpu
+    real = xla.fetch
 
-    def recording(*args, **kwargs):
-        for batch in real(*args, **kwargs):
-            threads.add(threading.current_thread().name)
-            yield batch
+    def recording(chunk):
+        threads.add(threading.current_thread().name)
+        return real(chunk)
 
-    monkeypatch.setattr(xla, "iter_to_cpu", recording)
-    fetcher = staging.HostFetcher(list(on_device.values()), background=False)
+    monkeypatch.setattr(xla, "fetch", recording)
+    tensors = list(on_device.values())
+    fetcher = DeviceTransfer(tensors, tensors, background=False)
     assert threads == {threading.current_thread().name}
     for k, t in on_device.items():
         assert torch.equal(fetcher.host(t), cpu[k])
@@ -130,10 +134,9 @@ def test_a_failed_transfer_on_the_calling_thread_fails_at_once(monkeypatch):
     device = torch_xla.device()
     tensors = [torch.full((64,), float(i)).to(device) for i in range(3)]
 
-    def failing(*args, **kwargs):
+    def failing(chunk):
         raise RuntimeError("device lost")
-        yield  # a generator, like the real one
 
-    monkeypatch.setattr(xla, "iter_to_cpu", failing)
+    monkeypatch.setattr(xla, "fetch", failing)
     with pytest.raises(RuntimeError, match="device lost"):
-        staging.HostFetcher(tensors, background=False)
+        DeviceTransfer(tensors, tensors, background=False)

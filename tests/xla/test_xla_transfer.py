@@ -7,7 +7,7 @@ import torch
 
 import nxd_ckpt as nxd
 from nxd_ckpt import xla
-from nxd_ckpt.save import staging
+from nxd_ckpt.device import transfer
 from nxd_ckpt.testing.fakes import make_training, train_steps
 from nxd_ckpt.tree import iter_tensors
 
@@ -65,7 +65,7 @@ def test_staged_snapshot_is_host_memory_that_training_cannot_change():
     state = {"model": model.state_dict(), "optim": opt.state_dict(), "tied": [model.fc1.weight, model.fc1.weight]}
     assert model.fc1.weight.device.type == "xla"
     assert state["optim"]["state"][0]["exp_avg"].device.type == "xla"
-    host = staging.to_host(state, copy=True)
+    host = transfer.to_host(state, copy=True)
     devices = {t.device.type for _, t in iter_tensors(host)}
     assert devices == {"cpu"}
     assert host["tied"][0] is host["tied"][1], "one tensor saved twice stays one tensor"

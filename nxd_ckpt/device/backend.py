@@ -1,0 +1,199 @@
+"""What a device is to the checkpoint: its kind, a native accelerator's streams, its free memory, the snapshot budget.
+
+Three kinds of tensor reach a save: host tensors (``cpu``), XLA tensors (Trn1/Inf2 through torch_xla: lazy, moved
+by bulk transfers in ``nxd_ckpt.xla``) and tensors of a native accelerator backend (CUDA, or any backend with the
+``torch.<type>`` module surface that ``torch.accelerator`` builds on: streams, events, pinned host memory, memory
+info). ``meta`` tensors carry shapes only and never move.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from nxd_ckpt import knobs, xla
+
+BUDGET_ENV = "NXD_CKPT_DEVICE_SNAPSHOT_BUDGET"
+FREE_FRACTION = 0.9
+"""Of the memory a device reports free, the part a snapshot may take by default (the rest stays for training)."""
+UNKNOWN_FRACTION = 0.25
+"""Without any memory figure from the runtime, a snapshot takes at most this fraction of the state it copies."""
+
+
+def kind(t: torch.Tensor) -> str:
+    """``"cpu"``, ``"meta"``, ``"xla"`` or ``"native"`` (any other device type: an accelerator backend)."""
+    device_type = t.device.type
+    if device_type in ("cpu", "meta", "xla"):
+        return device_type
+    return "native"
+
+
+def on_device(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes live off the host (XLA or a native accelerator)."""
+    return kind(t) in ("xla", "native")
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class NativeDevice:
+    """A native accelerator's stream surface (``torch.cuda`` and its siblings): the training thread's stream, a
+    side stream for checkpoint copies, events, and page-locked host memory."""
+
+    def __init__(self, device: torch.device) -> None:
+        module = getattr(torch, device.type, None)
+        if not isinstance(module, ModuleType) or not hasattr(module, "Stream") or not hasattr(module, "Event"):
+            raise ValueError(
+                f"tensors on {device} cannot be checkpointed asynchronously: torch.{device.type} has no streams and "
+                "events; move the state to the host or save with async_save=False"
+            )
+        self.device = device
+        self.module = module
+
+    def current_stream(self) -> Any:
+        """The stream the training thread enqueues its work on."""
+        return self.module.current_stream(self.device)
+
+    def new_stream(self) -> Any:
+        return self.module.Stream(self.device)
+
+    def event(self) -> Any:
+        return self.module.Event()
+
+    def record(self, stream: Any) -> Any:
+        """An event recorded on ``stream`` now: it completes once the work enqueued before it has."""
+        event = self.event()
+        event.record(stream)
+        return event
+
+    @contextlib.contextmanager
+    def on(self, stream: Any) -> Iterator[None]:
+        """Enqueue the block's device work on ``stream``."""
+        with self.module.stream(stream):
+            yield
+
+    def pinned_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """Page-locked host memory (device copies into it run asynchronously at full speed)."""
+        return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
+
+    def free_bytes(self) -> int | None:
+        """Memory the device can still hand out: free in the driver plus what the caching allocator holds unused."""
+        mem_get_info = getattr(self.module, "mem_get_info", None)
+        if mem_get_info is None:
+            return None
+        try:
+            free, _total = mem_get_info(self.device)
+            cached = self.module.memory_reserved(self.device) - self.module.memory_allocated(self.device)
+        except Exception:
+            return None
+        return int(free) + max(0, int(cached))
+
+
+def native_device(tensors: Sequence[torch.Tensor]) -> NativeDevice | None:
+    """The one native device ``tensors`` live on, or None when none is on a native accelerator."""
+    devices = {t.device for t in tensors if kind(t) == "native"}
+    if len(devices) > 1:
+        raise ValueError(f"state spans several accelerator devices {sorted(map(str, devices))}; expected one per rank")
+    return NativeDevice(next(iter(devices))) if devices else None
+
+
+def xla_free_bytes(device: torch.device) -> int | None:
+    """Free device memory as torch_xla reports it (``xm.get_memory_info``), or None where the runtime does not."""
+    module = xla.loaded()
+    if module is None:
+        return None
+    try:
+        import torch_xla.core.xla_model as xm
+
+        info = xm.get_memory_info(device)
+    except Exception:  # runtimes without memory statistics (the CPU client) raise
+        return None
+    if "bytes_limit" in info and "bytes_used" in info:
+        return max(0, int(info["bytes_limit"]) - int(info["bytes_used"]))
+    if "kb_free" in info:
+        return int(info["kb_free"]) * 1024
+    return None
+
+
+def _host_available_bytes() -> int | None:
+    """MemAvailable of this host (Linux), or None."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def _xla_device_is_host_memory() -> bool:
+    """Whether the XLA runtime is the CPU client (PJRT_DEVICE=CPU): its device memory is this host's memory."""
+    with contextlib.suppress(Exception):
+        import torch_xla.runtime as xr
+
+        return str(xr.device_type()).upper() == "CPU"
+    return os.environ.get("PJRT_DEVICE", "").upper() == "CPU"
+
+
+@dataclass(frozen=True)
+class SnapshotBudget:
+    """How much device memory an async save may use for its snapshot: ``bytes`` fixed, or None for what the device
+    reports free (``resolve`` at the save)."""
+
+    bytes: int | None
+
+    def resolve(self, tensors: Sequence[torch.Tensor]) -> tuple[int, str]:
+        """The budget in bytes for a snapshot of ``tensors``, and where it came from (for the report)."""
+        if self.bytes is not None:
+            return self.bytes, "set"
+        state = sum(nbytes(t) for t in tensors)
+        native = native_device(tensors)
+        if native is not None:
+            free = native.free_bytes()
+            if free is not None:
+                return int(free * FREE_FRACTION), "free device memory"
+        xla_tensors = [t for t in tensors if kind(t) == "xla"]
+        if xla_tensors:
+            free = xla_free_bytes(xla_tensors[0].device)
+            if free is not None:
+                return int(free * FREE_FRACTION), "free device memory"
+            if _xla_device_is_host_memory():
+                available = _host_available_bytes()
+                if available is not None:
+                    return available // 2, "half the host's available memory (XLA CPU device)"
+        return int(state * UNKNOWN_FRACTION), f"{UNKNOWN_FRACTION:g} of the state (no memory figure from the runtime)"
+
+
+def resolve_snapshot_budget(value: int | str | None) -> SnapshotBudget:
+    """``device_snapshot_budget=``: bytes or a size (``"8GiB"``; 0 takes no snapshot), ``"auto"``, or None for
+    ``NXD_CKPT_DEVICE_SNAPSHOT_BUDGET`` (default ``auto``: what the device reports free)."""
+    if value is None:
+        raw = knobs.device_snapshot_budget()
+        if raw.strip().lower() == "auto":
+            return SnapshotBudget(None)
+        return SnapshotBudget(_parse(raw, BUDGET_ENV))
+    if isinstance(value, str):
+        if value.strip().lower() == "auto":
+            return SnapshotBudget(None)
+        return SnapshotBudget(_parse(value, "device_snapshot_budget"))
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"device_snapshot_budget must be None, 'auto', bytes (an integer >= 0) or a size string, got {value!r}"
+        )
+    return SnapshotBudget(value)
+
+
+def _parse(raw: str, what: str) -> int:
+    if raw.strip() == "0":
+        return 0
+    parsed = knobs.parse_size(raw)
+    if parsed is None:
+        raise ValueError(
+            f"{what}={raw!r} is not a size; use 'auto', 0 (no device snapshot), bytes, or a size such as '8GiB'"
+        )
+    return parsed

@@ -1,0 +1,158 @@
+"""An async save's snapshot of device state: a copy on the device, taken on the training thread, that travels to the
+host beside training.
+
+On the training thread, ``take`` copies every device tensor that fits the snapshot budget on the device (XLA: a
+``clone`` each and one sync that materialises them all; a native accelerator: ``clone`` kernels enqueued on the
+training stream, nothing waited for) and returns a ``DeviceTransfer`` that brings the copies to the host on a
+background thread, chunk by chunk, freeing each chunk's device copies once it has arrived. Later training steps
+cannot reach the copies: in-place updates and XLA's buffer donation touch the originals only.
+
+Tensors that do not fit the budget are moved to the host before ``take`` returns, in chunks: XLA by bulk
+transfers on the training thread (as before device snapshots), a native accelerator by non-blocking copies into
+pinned buffers on a side stream that the training stream then waits for (so training's next kernels cannot
+overwrite them, while the call itself returns at once).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from nxd_ckpt import xla
+from nxd_ckpt.device.backend import SnapshotBudget, kind, native_device, nbytes
+from nxd_ckpt.device.pinned import PinnedPool
+from nxd_ckpt.device.transfer import DeviceTransfer, stand_in
+
+
+@dataclass
+class Snapshot:
+    """What ``take`` made: stand-ins for the device tensors and the transfer that brings their bytes over."""
+
+    stand_ins: dict[int, torch.Tensor]
+    """``id`` of each device tensor -> the ``meta`` tensor writers ask ``transfer.host`` for."""
+    transfer: DeviceTransfer
+    snapshot_bytes: int
+    """Bytes copied on the device (the snapshot's extra device memory at its peak)."""
+    direct_bytes: int
+    """Bytes that did not fit the budget and were moved to the host (or queued to, native) by the call itself."""
+    direct_s: float
+    """Time the call spent on ``direct_bytes``."""
+    budget_bytes: int
+    budget_source: str
+
+
+def split_by_budget(tensors: Sequence[torch.Tensor], budget: int) -> tuple[list[int], list[int]]:
+    """Indices of the tensors copied on the device (in order, while they fit in ``budget``) and of the rest."""
+    fit: list[int] = []
+    rest: list[int] = []
+    used = 0
+    for i, t in enumerate(tensors):
+        if used + nbytes(t) <= budget:
+            fit.append(i)
+            used += nbytes(t)
+        else:
+            rest.append(i)
+    return fit, rest
+
+
+def take(
+    tensors: Sequence[torch.Tensor],
+    budget: SnapshotBudget,
+    *,
+    pool: PinnedPool | None = None,
+    chunk_bytes: int | None = None,
+) -> Snapshot:
+    """Snapshot the device ``tensors`` (distinct, in the order the writers need them) and start their transfer."""
+    limit, source = budget.resolve(tensors)
+    fit, rest = split_by_budget(tensors, limit)
+    keys = [stand_in(t) for t in tensors]
+    kinds = {kind(t) for t in tensors}
+    if len(kinds) > 1:
+        raise ValueError(f"one rank's state spans device kinds {sorted(kinds)}; expected one device per rank")
+    start = time.perf_counter()
+    if kinds == {"xla"}:
+        transfer = _take_xla(tensors, keys, fit, rest, chunk_bytes)
+    else:
+        transfer = _take_native(tensors, keys, fit, rest, pool, chunk_bytes)
+    return Snapshot(
+        stand_ins={id(t): k for t, k in zip(tensors, keys, strict=True)},
+        transfer=transfer,
+        snapshot_bytes=sum(nbytes(tensors[i]) for i in fit),
+        direct_bytes=sum(nbytes(tensors[i]) for i in rest),
+        direct_s=time.perf_counter() - start if rest else 0.0,
+        budget_bytes=limit,
+        budget_source=source,
+    )
+
+
+def _take_xla(
+    tensors: Sequence[torch.Tensor],
+    keys: list[torch.Tensor],
+    fit: list[int],
+    rest: list[int],
+    chunk_bytes: int | None,
+) -> DeviceTransfer:
+    """Clones under one sync (together with the tensors that do not fit), then the rest by bulk transfers here."""
+    clones = [tensors[i].detach().clone() for i in fit]
+    live = [tensors[i].detach() for i in rest]
+    xla.sync(clones + live)  # one execution materialises the snapshot and whatever the rest was waiting for
+    arrived: dict[int, torch.Tensor] = {}
+    for batch, copies in xla.iter_to_cpu(live, chunk_bytes, synced=True):
+        for j, c in zip(batch, copies, strict=True):
+            arrived[id(keys[rest[j]])] = c
+    del live
+    return DeviceTransfer(
+        [keys[i] for i in fit], clones, chunk_bytes=chunk_bytes, background=True, synced=True, arrived=arrived
+    )
+
+
+def _take_native(
+    tensors: Sequence[torch.Tensor],
+    keys: list[torch.Tensor],
+    fit: list[int],
+    rest: list[int],
+    pool: PinnedPool | None,
+    chunk_bytes: int | None,
+) -> DeviceTransfer:
+    """Clones enqueued on the training stream; the rest copied into pinned buffers on a side stream that the training
+    stream waits for. Returns without waiting for the device."""
+    native = native_device(tensors)
+    assert native is not None
+    training = native.current_stream()
+    side = native.new_stream()
+    with torch.no_grad():
+        clones = [tensors[i].detach().clone() for i in fit]
+    arrived: dict[int, torch.Tensor] = {}
+    lent: list[torch.Tensor] = []
+    arrived_event = None
+    if rest:
+        side.wait_event(native.record(training))  # the copies see every update enqueued before the save
+        with native.on(side), torch.no_grad():
+            for i in rest:
+                buffer = (
+                    pool.take(tensors[i], native.pinned_empty)
+                    if pool is not None
+                    else native.pinned_empty(tensors[i].shape, tensors[i].dtype)
+                )
+                buffer.copy_(tensors[i].detach(), non_blocking=True)
+                arrived[id(keys[i])] = buffer
+                lent.append(buffer)
+        arrived_event = native.record(side)
+        training.wait_event(arrived_event)  # training's next kernels cannot overwrite what is still being copied
+    ready = native.record(training)  # the clones are enqueued before this point
+    return DeviceTransfer(
+        [keys[i] for i in fit],
+        clones,
+        chunk_bytes=chunk_bytes,
+        background=True,
+        arrived=arrived,
+        arrived_event=arrived_event,
+        native=native,
+        ready=ready,
+        side=side,
+        pool=pool,
+        lent=lent,
+    )

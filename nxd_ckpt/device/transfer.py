@@ -1,0 +1,227 @@
+"""Device -> host copies of a save's tensors, on a background thread, in byte-bounded chunks.
+
+``DeviceTransfer`` serves the writers: ``host(key)`` blocks until that tensor's host copy has arrived, while the
+thread moves the next chunk. XLA chunks go through torch_xla's bulk transfer (GIL released, copies in parallel);
+a native accelerator's chunks are copied ``non_blocking`` on a side stream into pinned buffers from a
+``PinnedPool``, each chunk waited for by an event. A chunk's sources (an async save's device snapshot) are
+dropped as soon as it is on the host, so the snapshot's device memory shrinks as the transfer goes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from nxd_ckpt import knobs, xla
+from nxd_ckpt.device.backend import NativeDevice, kind, native_device, nbytes, on_device
+from nxd_ckpt.device.pinned import PinnedPool
+from nxd_ckpt.tree import iter_tensors, map_tensors
+
+
+def has_device_tensors(tree: Any) -> bool:
+    """Whether ``tree`` holds a tensor whose bytes live off the host."""
+    return any(on_device(t) for _, t in iter_tensors(tree))
+
+
+def stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A ``meta`` tensor with ``t``'s shape, dtype and NxD's expert-parallel flag: what a writer plans with while
+    ``t``'s bytes are elsewhere (on the device, or not this rank's to write)."""
+    meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    if getattr(t, "expert_model_parallel", False):
+        meta.expert_model_parallel = True  # type: ignore[attr-defined]
+    return meta
+
+
+def copy_to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies of ``tensors`` (same order), now, on this thread: XLA ones with one sync and bulk transfers."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    xla_idx = [i for i, t in enumerate(tensors) if kind(t) == "xla"]
+    if xla_idx:
+        for i, c in zip(xla_idx, xla.to_cpu([tensors[i] for i in xla_idx]), strict=True):
+            out[i] = c
+    for i, t in enumerate(tensors):
+        if out[i] is None:
+            out[i] = t.detach().to("cpu")
+    return out  # type: ignore[return-value]
+
+
+def to_host(tree: Any, *, copy: bool) -> Any:
+    """A copy of ``tree`` whose tensors are on the CPU; with ``copy`` CPU tensors are cloned too."""
+    device_tensors = list({id(t): t for _, t in iter_tensors(tree) if on_device(t)}.values())
+    host = dict(zip(map(id, device_tensors), copy_to_host(device_tensors), strict=True))
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        if id(t) in host:
+            return host[id(t)]
+        return t.detach().clone() if copy else t.detach()
+
+    return map_tensors(tree, convert)
+
+
+class DeviceTransfer:
+    """Host copies of device tensors, arriving on a background thread in chunks of at most ``chunk_bytes``.
+
+    ``keys[i]`` is what writers ask ``host`` for (the live tensor in a synchronous save, a ``stand_in`` in an async
+    one) and ``sources[i]`` the device tensor its bytes come from (the live tensor, or its snapshot on the device).
+    ``arrived`` maps keys already copied by the caller to their host copies (valid once ``arrived_event``, a native
+    device's event, has completed). A native device's copies wait for ``ready`` (an event recorded after the
+    snapshot's clones) on ``side``, a stream of their own. ``background=False`` transfers everything now, on the
+    caller's thread (``NXD_CKPT_XLA_TRANSFER_THREAD=0``). ``lent``: pinned buffers of ``pool`` that ``arrived``
+    copies live in."""
+
+    def __init__(
+        self,
+        keys: Sequence[torch.Tensor],
+        sources: Sequence[torch.Tensor],
+        *,
+        chunk_bytes: int | None = None,
+        background: bool | None = None,
+        synced: bool = False,
+        arrived: dict[int, torch.Tensor] | None = None,
+        arrived_event: Any = None,
+        native: NativeDevice | None = None,
+        ready: Any = None,
+        side: Any = None,
+        pool: PinnedPool | None = None,
+        lent: Sequence[torch.Tensor] = (),
+    ) -> None:
+        if len(keys) != len(sources):
+            raise ValueError(f"{len(keys)} keys for {len(sources)} sources")
+        self._keys = list(keys)
+        self._sources: list[torch.Tensor | None] = list(sources)
+        self._planned = {id(k) for k in self._keys} | set(arrived or ())
+        self._arrived = dict(arrived or {})
+        self._arrived_event = arrived_event
+        self._native = native if native is not None else native_device(list(sources))
+        self._ready = ready
+        self._side = side
+        self._pool = pool
+        self._generation = pool.generation if pool is not None else 0
+        self._pinned: list[torch.Tensor] = list(lent)
+        """Pinned buffers taken from ``pool`` (``lent``: those of ``arrived``), given back by ``close``."""
+        self._chunk = chunk_bytes if chunk_bytes is not None else knobs.xla_transfer_batch_bytes()
+        self.nbytes = sum(nbytes(s) for s in sources) + sum(nbytes(c) for c in self._arrived.values())
+        self.device_bytes_held = sum(nbytes(s) for s in sources)
+        """Bytes of sources still referenced by this transfer (an async save's snapshot shrinks as it arrives)."""
+        self._copies: dict[int, torch.Tensor] = {}
+        self._error: BaseException | None = None
+        self._reported = False
+        self._done = False
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        xla_sources = [s for s in sources if kind(s) == "xla"]
+        if xla_sources and not synced:
+            xla.sync(xla_sources)  # one execution for all of them, on the caller's thread
+        if background is None:
+            background = knobs.xla_transfer_thread()
+        if background:
+            self._thread = threading.Thread(target=self._run, name="nxd_ckpt_d2h", daemon=True)
+            self._thread.start()
+        else:
+            self._run()
+            self._raise_unreported()
+
+    # ------------------------------------------------------------------ the transfer thread
+    def _run(self) -> None:
+        try:
+            if self._arrived:
+                if self._arrived_event is not None:
+                    self._arrived_event.synchronize()
+                with self._cond:
+                    self._copies.update(self._arrived)
+                    self._cond.notify_all()
+                self._arrived.clear()
+            for batch in self._batches():
+                copies = self._copy_chunk([self._sources[i] for i in batch])  # type: ignore[misc]
+                with self._cond:
+                    for i, c in zip(batch, copies, strict=True):
+                        self._copies[id(self._keys[i])] = c
+                        self.device_bytes_held -= nbytes(c)
+                        self._sources[i] = None  # the snapshot's device memory of this chunk is free now
+                    self._cond.notify_all()
+        except BaseException as e:  # raised in every writer waiting for a copy, and by close()
+            with self._cond:
+                self._error = e
+        finally:
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+
+    def _batches(self) -> list[list[int]]:
+        """Chunks in the given order, one device kind each, each at most ``chunk_bytes`` (or one larger tensor)."""
+        batches: list[list[int]] = []
+        for wanted in ("xla", "native"):
+            idx = [i for i, s in enumerate(self._sources) if s is not None and kind(s) == wanted]
+            sizes = [nbytes(self._sources[i]) for i in idx]  # type: ignore[arg-type]
+            batches += [[idx[j] for j in b] for b in xla.plan_batches(sizes, max(1, self._chunk))]
+        return batches
+
+    def _copy_chunk(self, sources: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One chunk on the host: a bulk transfer (XLA) or non-blocking copies into pinned buffers (native)."""
+        if kind(sources[0]) == "xla":
+            return xla.fetch(sources)
+        native = self._native
+        if native is None:
+            return [s.detach().to("cpu") for s in sources]
+        if self._side is None:
+            self._side = native.new_stream()
+            if self._ready is None:
+                self._ready = native.record(native.current_stream())
+        if self._ready is not None:
+            self._side.wait_event(self._ready)
+            self._ready = None
+        out = [self._pinned_like(s, native) for s in sources]
+        with native.on(self._side), torch.no_grad():
+            for buffer, s in zip(out, sources, strict=True):
+                buffer.copy_(s.detach(), non_blocking=True)
+        native.record(self._side).synchronize()
+        return out
+
+    def _pinned_like(self, like: torch.Tensor, native: NativeDevice) -> torch.Tensor:
+        buffer = (
+            self._pool.take(like, native.pinned_empty)
+            if self._pool is not None
+            else native.pinned_empty(like.shape, like.dtype)
+        )
+        self._pinned.append(buffer)
+        return buffer
+
+    # ------------------------------------------------------------------ the writers
+    def host(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s host copy, once it has arrived; host and unplanned ``meta`` tensors as they are."""
+        if id(t) not in self._planned:
+            if not on_device(t):
+                return t.detach()
+            with self._cond:  # a device tensor nobody planned (not expected): copied now
+                self._cond.wait_for(lambda: self._done)
+            return copy_to_host([t])[0]
+        with self._cond:
+            while id(t) not in self._copies:
+                if self._error is not None:
+                    self._reported = True
+                    raise RuntimeError(f"copying the state to the host failed: {self._error}") from self._error
+                if self._done:
+                    raise RuntimeError("internal error: a planned tensor never arrived on the host")
+                self._cond.wait()
+            return self._copies[id(t)]
+
+    def _raise_unreported(self) -> None:
+        if self._error is not None and not self._reported:
+            error, self._error = self._error, None
+            self._reported = True
+            raise RuntimeError(f"copying the state to the host failed: {error}") from error
+
+    def close(self) -> None:
+        """Wait for the transfer thread, drop the copies (pinned ones back to their pool), raise an unseen error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._copies.clear()
+        self._sources = []
+        pinned, self._pinned = self._pinned, []
+        if self._pool is not None and pinned:
+            self._pool.give_back(pinned, self._generation)
+        self._raise_unreported()
