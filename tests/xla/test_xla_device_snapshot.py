@@ -1,0 +1,211 @@
+"""Async saves of XLA state: the call snapshots the state on the device and returns; the transfer to the host, the
+writes and the commit run while training goes on (``nxd_ckpt.device.snapshot``).
+
+The transfer thread is held back until the training thread has run several optimizer steps, so a save that did not
+snapshot (that read the live tensors later) would write the state of the last step, not of the call: the
+``control`` test shows that the check catches exactly that.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import nxd_ckpt as nxd
+from nxd_ckpt import xla
+from nxd_ckpt.device import snapshot as device_snapshot
+from nxd_ckpt.device.transfer import DeviceTransfer
+from nxd_ckpt.testing.fakes import assert_state_equal
+from nxd_ckpt.tree import map_tensors
+
+pytestmark = pytest.mark.xla
+XLA_LANE_ONLY = "needs torch_xla: runs in the XLA lane (NXD_CKPT_LANES=xla bash scripts/run_tests.sh)"
+torch_xla = pytest.importorskip("torch_xla", reason=XLA_LANE_ONLY)
+
+STEPS_IN_FLIGHT = 5
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.Tanh(), torch.nn.Linear(512, 128)).to(
+        torch_xla.device()
+    )
+
+
+def _training(kind: str) -> tuple[torch.nn.Module, object]:
+    model = _model()
+    if kind == "zero1":
+        zero = pytest.importorskip("torch_xla.distributed.zero_redundancy_optimizer", reason=XLA_LANE_ONLY)
+        opt = zero.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, save_master_weights=True)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def _steps(model: torch.nn.Module, opt, steps: int, seed: int) -> None:
+    device = torch_xla.device()
+    for i in range(steps):
+        g = torch.Generator().manual_seed(seed * 1000 + i)
+        x = torch.randn(32, 128, generator=g).to(device)
+        loss = torch.nn.functional.mse_loss(model(x), x)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        torch_xla.sync()
+
+
+def _cpu(state):
+    return map_tensors(state, lambda t: t.detach().cpu().clone())
+
+
+class _Gate:
+    """Holds every background device->host chunk until ``open``; counts the chunks and their threads."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.event = threading.Event()
+        self.threads: list[int] = []
+        real = DeviceTransfer._copy_chunk
+
+        def gated(transfer: DeviceTransfer, sources: list[torch.Tensor]) -> list[torch.Tensor]:
+            self.threads.append(threading.get_ident())
+            assert self.event.wait(120), "the test never opened the gate"
+            return real(transfer, sources)
+
+        monkeypatch.setattr(DeviceTransfer, "_copy_chunk", gated)
+
+    def open(self) -> None:
+        self.event.set()
+
+
+def _save_train_and_check(tmp_path, monkeypatch, kind: str, background: bool = True, **save_keywords) -> nxd.SaveReport:
+    model, opt = _training(kind)
+    _steps(model, opt, 3, seed=1)
+    expected_model, expected_opt = _cpu(model.state_dict()), _cpu(opt.state_dict())
+    gate = _Gate(monkeypatch)
+    report = nxd.save_checkpoint(
+        str(tmp_path), "step_3", model=model, optimizer=opt, async_save=True, use_xser=kind != "plain", **save_keywords
+    )
+    try:
+        _steps(model, opt, STEPS_IN_FLIGHT, seed=2)  # training goes on while the save travels
+        assert not report.completed, "the save finished before training went on: nothing was in flight"
+    finally:
+        gate.open()
+    report.wait()
+    nxd.finalize_checkpoint()
+    if background:
+        assert gate.threads and threading.get_ident() not in gate.threads, "the transfer ran on the training thread"
+    else:
+        assert not gate.threads
+    assert _cpu(model.state_dict())["0.weight"].ne(expected_model["0.weight"]).any(), "training did not change it"
+
+    model2, opt2 = _training(kind)
+    _steps(model2, opt2, 1, seed=9)  # an optimizer with state to overwrite
+    nxd.load_checkpoint(str(tmp_path), "step_3", model=model2, optimizer=opt2)
+    assert_state_equal(_cpu(model2.state_dict()), expected_model)
+    loaded = _cpu(opt2.state_dict())
+    if kind == "zero1":
+        assert_state_equal(loaded["base_state"], expected_opt["base_state"])
+        assert_state_equal(loaded["sharded_master_weights"], expected_opt["sharded_master_weights"])
+    else:
+        assert_state_equal(loaded["state"], expected_opt["state"])
+    return report
+
+
+@pytest.mark.parametrize("kind", ["plain", "xser", "zero1"])
+def test_training_goes_on_while_the_save_travels_and_the_tag_holds_the_call(tmp_path, monkeypatch, kind):
+    report = _save_train_and_check(tmp_path, monkeypatch, kind)
+    assert report.device_snapshot_bytes > 0 and report.device_direct_bytes == 0
+    assert report.device_budget_bytes >= report.device_snapshot_bytes
+
+
+def test_control_without_the_snapshot_the_check_fails(tmp_path, monkeypatch):
+    """The same save, but transferring the live tensors instead of their device copies: the tag then holds the
+    state after the steps run meanwhile, and the check above fails. So it cannot pass without the snapshot."""
+
+    def no_snapshot(tensors, keys, fit, rest, chunk_bytes):
+        live = [tensors[i] for i in fit]  # references, no copy: what holding the state would do
+        return DeviceTransfer([keys[i] for i in fit], live, chunk_bytes=chunk_bytes, background=True)
+
+    monkeypatch.setattr(device_snapshot, "_take_xla", no_snapshot)
+    with pytest.raises(AssertionError):
+        _save_train_and_check(tmp_path, monkeypatch, "xser")
+
+
+@pytest.mark.parametrize("use_xser", [False, True], ids=["plain", "xser"])
+def test_a_budget_smaller_than_the_state_still_saves_the_call_exactly(tmp_path, monkeypatch, use_xser):
+    """A third of the state fits on the device: the call moves the rest to the host itself (reported), the snapshot
+    never exceeds the budget, and the tag holds the state of the call."""
+    model, opt = _training("plain")
+    _steps(model, opt, 1, seed=1)
+    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    state_bytes += sum(
+        t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.device.type == "xla"
+    )
+    budget = state_bytes // 3
+    peak = _PeakDeviceBytes(monkeypatch)
+    kind = "xser" if use_xser else "plain"
+    report = _save_train_and_check(tmp_path / "b", monkeypatch, kind, device_snapshot_budget=budget)
+    assert 0 < report.device_snapshot_bytes <= budget
+    assert report.device_direct_bytes > 0 and report.device_direct_s > 0
+    assert report.device_budget_bytes == budget
+    assert 0 < peak.bytes <= budget
+
+
+def test_a_zero_budget_takes_no_snapshot_and_saves_on_the_call(tmp_path, monkeypatch):
+    monkeypatch.setenv("NXD_CKPT_DEVICE_SNAPSHOT_BUDGET", "0")
+    report = _save_train_and_check(tmp_path, monkeypatch, "xser", background=False)
+    assert report.device_snapshot_bytes == 0 and report.device_direct_bytes > 0
+
+
+class _PeakDeviceBytes:
+    """The most bytes of device copies any transfer held at once (sampled at each chunk)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.bytes = 0
+        real_init = DeviceTransfer.__init__
+        real_chunk = DeviceTransfer._copy_chunk
+
+        def init(transfer, *args, **kwargs):
+            real_init(transfer, *args, **kwargs)
+            self.bytes = max(self.bytes, transfer.device_bytes_held)
+
+        def chunk(transfer, sources):
+            self.bytes = max(self.bytes, transfer.device_bytes_held)
+            return real_chunk(transfer, sources)
+
+        monkeypatch.setattr(DeviceTransfer, "__init__", init)
+        monkeypatch.setattr(DeviceTransfer, "_copy_chunk", chunk)
+
+
+def test_each_chunk_frees_its_device_copies_as_it_reaches_the_host(monkeypatch):
+    device = torch_xla.device()
+    tensors = [torch.full((256, 256), float(i)).to(device) for i in range(6)]
+    torch_xla.sync()
+    snap = device_snapshot.take(tensors, device_snapshot.SnapshotBudget(None), chunk_bytes=256 * 256 * 4 * 2)
+    transfer = snap.transfer
+    held: list[int] = []
+    for i, t in enumerate(tensors):
+        host = transfer.host(snap.stand_ins[id(t)])
+        assert torch.equal(host, torch.full((256, 256), float(i)))
+        held.append(transfer.device_bytes_held)
+    transfer.close()
+    assert held[-1] == 0 and held == sorted(held, reverse=True) and held[0] < snap.snapshot_bytes
+    assert all(s is None for s in transfer._sources) and snap.snapshot_bytes == 6 * 256 * 256 * 4
+
+
+def test_a_failed_transfer_fails_the_save_on_the_next_call(tmp_path, monkeypatch):
+    model, opt = _training("plain")
+    _steps(model, opt, 1, seed=1)
+
+    def broken(chunk):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(xla, "fetch", broken)
+    report = nxd.save_checkpoint(str(tmp_path), "step_1", model=model, optimizer=opt, async_save=True)
+    with pytest.raises(nxd.AsyncSaveError) as raised:
+        nxd.finalize_checkpoint()
+    assert "device lost" in str(raised.value.__cause__)
+    assert not (tmp_path / "step_1" / "done").exists()
+    assert nxd.latest_checkpoint_tag(str(tmp_path)) is None
