@@ -170,6 +170,9 @@ class DeviceLoadTarget(LoadTarget):
         natives = {t.device for t in self.tensors.values() if kind(t) == "native"}
         self._native = NativeDevice(next(iter(natives))) if len(natives) == 1 else None
         self._side: Any = None
+        self._training_stream = self._native.current_stream() if self._native is not None else None
+        """The stream of the thread that builds the target (the training thread): copies start after its work and
+        it waits for them in ``finish``."""
 
     def dest(self, path: Any, like: torch.Tensor) -> torch.Tensor | None:
         target = self.tensors.get(path)
@@ -285,7 +288,7 @@ class DeviceLoadTarget(LoadTarget):
         assert native is not None
         if self._side is None:
             self._side = native.new_stream()
-            self._side.wait_event(native.record(native.current_stream()))
+            self._side.wait_event(native.record(self._training_stream))
         with native.on(self._side), torch.no_grad():
             for view, target in slots:
                 target.copy_(view, non_blocking=True)
@@ -326,7 +329,7 @@ class DeviceLoadTarget(LoadTarget):
         with self._transfer_lock:
             self._settle_in_flight()
             if self._side is not None and self._native is not None:  # training's next kernels see the loaded bytes
-                self._native.current_stream().wait_event(self._native.record(self._side))
+                self._training_stream.wait_event(self._native.record(self._side))
         with self._cond:
             self._raise_error()
             self._free.clear()

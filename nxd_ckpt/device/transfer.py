@@ -112,6 +112,9 @@ class DeviceTransfer:
         self._done = False
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        if self._native is not None and self._side is None:  # ordered after the caller's stream, recorded here
+            self._side = self._native.new_stream()
+            self._ready = self._ready if self._ready is not None else self._native.record(self._native.current_stream())
         xla_sources = [s for s in sources if kind(s) == "xla"]
         if xla_sources and not synced:
             xla.sync(xla_sources)  # one execution for all of them, on the caller's thread
@@ -151,25 +154,22 @@ class DeviceTransfer:
                 self._cond.notify_all()
 
     def _batches(self) -> list[list[int]]:
-        """Chunks in the given order, one device kind each, each at most ``chunk_bytes`` (or one larger tensor)."""
+        """Chunks in the given order, XLA ones apart, each at most ``chunk_bytes`` (or one larger tensor)."""
         batches: list[list[int]] = []
-        for wanted in ("xla", "native"):
-            idx = [i for i, s in enumerate(self._sources) if s is not None and kind(s) == wanted]
+        for xla_kind in (True, False):
+            idx = [i for i, s in enumerate(self._sources) if s is not None and (kind(s) == "xla") == xla_kind]
             sizes = [nbytes(self._sources[i]) for i in idx]  # type: ignore[arg-type]
             batches += [[idx[j] for j in b] for b in xla.plan_batches(sizes, max(1, self._chunk))]
         return batches
 
     def _copy_chunk(self, sources: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One chunk on the host: a bulk transfer (XLA) or non-blocking copies into pinned buffers (native)."""
+        """One chunk on the host: a bulk transfer (XLA), non-blocking copies into pinned buffers (native), or plain
+        copies (anything else, e.g. host tensors whose copy must outlive the caller's changes)."""
         if kind(sources[0]) == "xla":
             return xla.fetch(sources)
         native = self._native
-        if native is None:
+        if native is None or self._side is None:
             return [s.detach().to("cpu") for s in sources]
-        if self._side is None:
-            self._side = native.new_stream()
-            if self._ready is None:
-                self._ready = native.record(native.current_stream())
         if self._ready is not None:
             self._side.wait_event(self._ready)
             self._ready = None

@@ -24,7 +24,7 @@ import torch
 
 from nxd_ckpt import pages
 from nxd_ckpt.device import snapshot as device_snapshot
-from nxd_ckpt.device.backend import SnapshotBudget, on_device
+from nxd_ckpt.device.backend import SnapshotBudget, kind, native_device, on_device
 from nxd_ckpt.device.pinned import PinnedPool
 from nxd_ckpt.device.transfer import DeviceTransfer, stand_in
 from nxd_ckpt.tree import iter_tensors, map_tensors
@@ -231,22 +231,31 @@ class StagingPool:
         """Reserve the buffers the next ``stage`` of ``trees`` (or of a part of them) copies into and fault them
         in on a background thread, so that the first async save of a process copies into touched memory like
         every later one. Returns the bytes reserved: 0 when the pool already holds or lends out a set. The
-        buffers are the pool's: an unused one is dropped by the first save (or by ``clear``)."""
+        buffers are the pool's: an unused one is dropped by the first save (or by ``clear``). A native
+        accelerator's tensors get their pinned buffers (``PinnedPool.reserve``) instead."""
         unique: dict[int, torch.Tensor] = {}
+        native: dict[int, torch.Tensor] = {}
         for tree in trees:
             for _, t in iter_tensors(tree):
                 if t.device.type == "cpu" and _copyable(t):
                     unique.setdefault(id(t), t)
+                elif kind(t) == "native":
+                    native.setdefault(id(t), t)
+        pinned = 0
+        if native:
+            device = native_device(list(native.values()))
+            assert device is not None
+            pinned = self.pinned.reserve(list(native.values()), device.pinned_empty)
         with self._cond:
             if self._free or self._lent or not unique:
-                return 0
+                return pinned
             buffer_set = _BufferSet(generation=self._generation)
             buffer_set.buffers = [torch.empty(t.shape, dtype=t.dtype) for t in unique.values()]
             self._free.append(buffer_set)
             self._cond.notify_all()
         # Faulted in beside the training loop, at nice 19: first touch is paid there, not in the first save.
         self._prepared = pages.Prefaulter(buffer_set.buffers, low_priority=True)
-        return buffer_set.nbytes
+        return buffer_set.nbytes + pinned
 
     def wait_prepared(self, timeout: float | None = None) -> bool:
         """Whether the buffers of the last ``prepare`` are faulted in (waits up to ``timeout`` s)."""

@@ -129,7 +129,7 @@ def test_to_host_copies_cpu_tensors_only_when_asked():
 
 
 @pytest.mark.xla
-def test_xla_tensors_are_staged_to_private_host_tensors():
+def test_xla_tensors_are_snapshotted_on_the_device_and_reach_the_host_through_the_transfer():
     torch_xla = pytest.importorskip("torch_xla")
     device = torch_xla.device()
     w = torch.arange(12, dtype=torch.float32).reshape(3, 4).to(device)
@@ -137,10 +137,14 @@ def test_xla_tensors_are_staged_to_private_host_tensors():
     staged = staging.StagingPool().stage([{"w": w, "cpu": cpu}])
     w.add_(100.0)
     cpu.add_(100.0)
+    torch_xla.sync()
     out = staged.trees[0]
-    assert out["w"].device.type == "cpu" and out["cpu"].device.type == "cpu"
-    assert torch.equal(out["w"], torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    assert out["w"].device.type == "meta" and out["cpu"].device.type == "cpu"  # a stand-in, the bytes travel
+    assert staged.snapshot is not None and staged.snapshot.snapshot_bytes == 48
+    host = staged.transfer.host(out["w"])
+    assert host.device.type == "cpu" and torch.equal(host, torch.arange(12, dtype=torch.float32).reshape(3, 4))
     assert torch.equal(out["cpu"], torch.ones(2))
+    staged.transfer.close()
 
 
 def test_tensors_not_needed_become_metadata_only():

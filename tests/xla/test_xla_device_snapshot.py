@@ -203,7 +203,7 @@ def test_a_failed_transfer_fails_the_save_on_the_next_call(tmp_path, monkeypatch
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(xla, "fetch", broken)
-    report = nxd.save_checkpoint(str(tmp_path), "step_1", model=model, optimizer=opt, async_save=True)
+    nxd.save_checkpoint(str(tmp_path), "step_1", model=model, optimizer=opt, async_save=True)
     with pytest.raises(nxd.AsyncSaveError) as raised:
         nxd.finalize_checkpoint()
     assert "device lost" in str(raised.value.__cause__)
