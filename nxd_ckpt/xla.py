@@ -204,39 +204,3 @@ def tree_device(tree: Any) -> torch.device | None:
 def sync_tree(tree: Any) -> None:
     """One sync for every XLA tensor in ``tree`` (e.g. after loading state into a model on the device)."""
     sync([t for _, t in iter_tensors(tree) if is_xla(t)])
-
-
-class DeviceSnapshot:
-    """On-device copies of XLA tensors taken under one sync; ``to_cpu`` may then run on another thread.
-
-    The copies are new device buffers that training never writes to (in-place updates and buffer donation
-    touch only the originals), so the host transfer can overlap training. It costs one extra device copy of
-    the state until ``to_cpu`` returns (then ``release`` drops it).
-    """
-
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        if not all(is_xla(t) for t in tensors):
-            raise ValueError("DeviceSnapshot takes XLA tensors only")
-        copies = [t.detach().clone() for t in tensors]
-        sync(copies)
-        self._copies: list[torch.Tensor] | None = copies
-        self.nbytes = sum(_nbytes(t) for t in copies)
-
-    def to_cpu(self, batch_bytes: int | None = None) -> list[torch.Tensor]:
-        """Host copies (same order as given); the device copies are released afterwards."""
-        if self._copies is None:
-            raise RuntimeError("DeviceSnapshot.to_cpu was already called (the device copies are released)")
-        out = _collect(len(self._copies), iter_to_cpu(self._copies, batch_bytes, synced=True))
-        self.release()
-        return out
-
-    def release(self) -> None:
-        """Drop the device copies (idempotent)."""
-        self._copies = None
-
-    def release_copies(self) -> list[torch.Tensor]:
-        """Hand the device copies over (same order as given) to a caller that fetches them itself."""
-        if self._copies is None:
-            raise RuntimeError("DeviceSnapshot's copies were already handed over or released")
-        copies, self._copies = self._copies, None
-        return copies

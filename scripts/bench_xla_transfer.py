@@ -6,7 +6,7 @@ Part 1 (throughput): the same materialised state is fetched by per-tensor ``.cpu
 ``_xla_get_cpu_tensors`` call, and by ``nxd_ckpt.xla.to_cpu`` (one sync + bulk batches of --batch-mib);
 methods are interleaved within each repeat and medians are reported (the machine is shared and noisy).
 Part 2 (async): what an async save blocks on today (``xla.to_cpu`` of the whole state) vs taking a
-``DeviceSnapshot`` (on-device copy under one sync) and fetching it on a writer thread while training steps run;
+``device.snapshot.take`` (on-device copy under one sync) and fetching it on a writer thread while training steps run;
 it reports the blocked time, the background transfer time, the training step time with and without the
 transfer running, and checks that the background result equals a synchronous fetch taken at snapshot time.
 """
@@ -28,6 +28,8 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 import torch_xla
 
 from nxd_ckpt import xla
+from nxd_ckpt.device import snapshot as device_snapshot
+from nxd_ckpt.device.backend import SnapshotBudget
 
 MIB = 1 << 20
 
@@ -130,15 +132,17 @@ def bench_async(width: int, layers: int, repeats: int, steps: int, batch_mib: in
         results["sync_blocked_s"].append(_timed(lambda: xla.to_cpu(state(), batch_bytes=batch_mib * MIB)))
 
         start = time.perf_counter()
-        snapshot = xla.DeviceSnapshot(state())
+        tensors = state()
+        snapshot = device_snapshot.take(tensors, SnapshotBudget(None), chunk_bytes=batch_mib * MIB)
         results["snapshot_blocked_s"].append(time.perf_counter() - start)
         reference = xla.to_cpu(state(), batch_bytes=batch_mib * MIB)  # values at snapshot time (not timed)
         done = threading.Event()
         span: list[float] = []
 
-        def transfer(s=snapshot, span=span, done=done) -> list[torch.Tensor]:
+        def transfer(s=snapshot, ts=tensors, span=span, done=done) -> list[torch.Tensor]:
             t0 = time.perf_counter()
-            out = s.to_cpu(batch_bytes=batch_mib * MIB)
+            out = [s.transfer.host(s.stand_ins[id(t)]) for t in ts]  # arriving on the snapshot's own thread
+            s.transfer.close()
             span.append(time.perf_counter() - t0)
             done.set()
             return out

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from nxd_ckpt import xla
-from nxd_ckpt.device.backend import SnapshotBudget, kind, native_device, nbytes
+from nxd_ckpt.device.backend import SnapshotBudget, kind, native_device, nbytes, on_device
 from nxd_ckpt.device.pinned import PinnedPool
 from nxd_ckpt.device.transfer import DeviceTransfer, stand_in
 
@@ -66,6 +66,10 @@ def take(
     chunk_bytes: int | None = None,
 ) -> Snapshot:
     """Snapshot the device ``tensors`` (distinct, in the order the writers need them) and start their transfer."""
+    if not all(on_device(t) for t in tensors):
+        raise ValueError(
+            "a device snapshot takes device tensors only (XLA or an accelerator's); host tensors are staged"
+        )
     limit, source = budget.resolve(tensors)
     fit, rest = split_by_budget(tensors, limit)
     keys = [stand_in(t) for t in tensors]

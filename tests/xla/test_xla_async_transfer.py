@@ -1,6 +1,6 @@
 """Can the device->host transfer of an async save run on a background thread while training continues?
 
-``xla.DeviceSnapshot`` takes on-device copies under one sync on the training thread; a second thread then
+``device.snapshot.take`` takes on-device copies under one sync on the training thread; a second thread then
 fetches them while the training thread keeps tracing, executing (with buffer donation) and syncing. This checks
 the two things that could go wrong: the snapshot must hold exactly the values at snapshot time, and training
 must be bit-identical to a run that never took snapshots. (The measurement is scripts/bench_xla_transfer.py.)
@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from nxd_ckpt import xla
+from nxd_ckpt.device import snapshot as device_snapshot
+from nxd_ckpt.device.backend import SnapshotBudget
 from nxd_ckpt.testing.fakes import TinyMLP
 
 pytestmark = pytest.mark.xla
@@ -34,6 +36,13 @@ class _Wide(torch.nn.Module):
         return self.head(torch.tanh(self.layers(x)))
 
 
+def _fetch_all(snapshot: device_snapshot.Snapshot, tensors: list, expected: list) -> tuple[list, list]:
+    """On a writer thread: every host copy as it arrives from the snapshot's transfer thread."""
+    host = [snapshot.transfer.host(snapshot.stand_ins[id(t)]) for t in tensors]
+    snapshot.transfer.close()
+    return host, expected
+
+
 def _train(rounds: int, steps_per_round: int, snapshots: bool) -> tuple[list[float], list[tuple[list, list]]]:
     """Train; with ``snapshots`` take one every round and transfer it on a writer thread during the next steps."""
     device = torch_xla.device()
@@ -50,11 +59,11 @@ def _train(rounds: int, steps_per_round: int, snapshots: bool) -> tuple[list[flo
                 torch_xla.sync()
                 tensors = [*model.state_dict().values()]
                 tensors += [v for s in opt.state.values() for v in s.values() if v.device.type == "xla"]
-                snapshot = xla.DeviceSnapshot(tensors)
+                snapshot = device_snapshot.take(tensors, SnapshotBudget(None), chunk_bytes=1 << 20)
                 expected = xla.to_cpu(tensors)  # reference values at snapshot time, fetched synchronously
                 if pending is not None:
                     checks.append(pending.result())
-                pending = writer.submit(lambda s=snapshot, e=expected: (s.to_cpu(batch_bytes=1 << 20), e))
+                pending = writer.submit(_fetch_all, snapshot, tensors, expected)
             for i in range(steps_per_round):
                 g = torch.Generator().manual_seed(r * 1000 + i)
                 x = torch.randn(32, 256, generator=g).to(device)
@@ -84,14 +93,13 @@ def test_background_transfer_of_device_snapshots_is_exact_and_does_not_disturb_t
             assert torch.equal(got, want), f"round {r}: a snapshot changed while training continued"
 
 
-def test_snapshot_is_single_use_and_rejects_non_xla_tensors():
+def test_a_snapshot_holds_the_values_of_its_call_and_takes_device_tensors_only():
     t = torch.ones(3).to(torch_xla.device())
-    snapshot = xla.DeviceSnapshot([t])
+    snapshot = device_snapshot.take([t], SnapshotBudget(None))
     t.add_(1)  # in place on the original after the snapshot
+    torch_xla.sync()
     with ThreadPoolExecutor(max_workers=1) as pool:
-        (host,) = pool.submit(snapshot.to_cpu).result()
-    assert torch.equal(host, torch.ones(3)) and snapshot.nbytes == 12
-    with pytest.raises(RuntimeError, match="already called"):
-        snapshot.to_cpu()
-    with pytest.raises(ValueError, match="XLA tensors only"):
-        xla.DeviceSnapshot([torch.ones(3)])
+        (host,), _ = pool.submit(_fetch_all, snapshot, [t], []).result()
+    assert torch.equal(host, torch.ones(3)) and snapshot.snapshot_bytes == 12
+    with pytest.raises(ValueError, match="device tensors only"):
+        device_snapshot.take([torch.ones(3)], SnapshotBudget(None))
