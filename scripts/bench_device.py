@@ -1,48 +1,64 @@
 """Checkpoints of state that lives on a device: what save and load cost against the device's own limits and peers.
 
 Run (one process; the model and its AdamW state on CUDA when torch sees a GPU, else on the XLA CPU device):
-    PJRT_DEVICE=CPU ~/.cache/nxd-ckpt/envs/xla/bin/python scripts/bench_device.py --size-gb 0.4
-    PYTHONPATH=. python scripts/bench_device.py                 # on a GPU machine: 10 GiB, 3 reps (6 minutes)
-    ... --device xla|cuda  --size-gb N  --reps N  --skip today,dcp  --json out.json
+    PJRT_DEVICE=CPU ~/.cache/nxd-ckpt/envs/xla/bin/python scripts/bench_device.py --size-gb 0.4   # 5 reps, ~4 min
+    PYTHONPATH=. python scripts/bench_device.py        # GPU machine, from the repo root: 10 GiB, 3 reps, ~6 min
+    ... [--device auto|cuda|xla] [--size-gb N] [--reps N] [--steady N] [--skip ROWS|none] [--json out.json]
+The defaults are 10 GiB / 3 reps / 1 steady save per rep on CUDA and 0.4 GiB / 5 reps / 2 on XLA. --skip leaves
+rows out (async_plain, async_nosnap, sync, dcp, torch_save, loads, today, check, memory, memory_sync); by default
+async_plain, async_nosnap and memory_sync on CUDA and async_nosnap on XLA, to keep the default runs short.
+A missing device is a clear error: --device xla without torch_xla, --device cuda without a GPU.
 
 State: an ``nn.Module`` of transformer blocks (LayerNorm, qkv/proj/fc1/fc2 Linear layers; the hidden size is the
-largest of 256..8192 that gives at least 3 blocks) plus ``torch.optim.AdamW`` state (exp_avg, exp_avg_sq), about
-1/3 + 2/3 of --size-gb GiB of fp32, made and changed by real optimizer steps on the device (2 between saves).
-nxd_ckpt is imported from this tree when run from the repository root (``PYTHONPATH=.``).
+largest of 256..8192 that gives at least 3 blocks: 4096 x 4 blocks, 192 tensors, 9.67 GB at 10 GiB; 1024 x 3,
+144 tensors, 0.45 GB at 0.4 GiB) plus ``torch.optim.AdamW`` state (exp_avg, exp_avg_sq): about 1/3 + 2/3 of
+--size-gb GiB of fp32, made and changed by real optimizer steps on the device (3 first, 2 before every save).
+nxd_ckpt is imported from this tree when run from the repository root (``PYTHONPATH=.``); psutil is not needed.
 
-What one run measures (each line printed when measured; medians over --reps interleaved repetitions, the order
-of the blocks rotated every repetition; the device is synchronised before every timed operation):
+What one run measures (each line printed when measured, with the seconds since the repetitions began; medians
+over --reps interleaved repetitions, the order of the blocks rotated every repetition; the device is synchronised
+before every timed operation):
+  today        first, in a child process that has the machine to itself: a first async xser save and --today-saves
+               steady ones with nxd_ckpt as of --today-ref (``git archive``; default e83f748, the last commit before
+               device snapshots, when async saves moved device state to the host inside the call), or of
+               --today-src DIR (a directory holding an ``nxd_ckpt`` package); skipped, with the reason, without either.
   first async  the process's first ``save_checkpoint(async_save=True, use_xser=True)``, made in this process
                before anything else touches checkpointing or copies the state (after building the model, 3
-               training steps and a 1-rank gloo process group, as a training script would): time blocked in
-               the call, the SaveReport's fields, time until durable (``report.wait()``), extra memory.
+               training steps and a 1-rank gloo process group on a TCPStore at 127.0.0.1:0, as a training script
+               would): time blocked in the call, the SaveReport's fields, time until durable (``report.wait()``),
+               extra device memory, and new resident host memory (VmHWM, no sampler thread in the timed call).
   floors       (a) device -> host copy of every device tensor of the state: CUDA ``copy_(non_blocking=True)``
-               into pinned host buffers allocated once, then one synchronize; XLA one bulk
-               ``_xla_get_cpu_tensors`` of the synced state (torch_xla has no copy into a caller's buffer);
-               (b) device clone: ``clone()`` of every tensor + synchronize (XLA: one ``_xla_sync_multi``);
-               (c) disk: the same bytes written from host memory to one file in the checkpoint directory, fsynced.
-  nxd async    steady ``save_checkpoint(async_save=True)`` (xser; also plain, and xser with
-               ``device_snapshot_budget=0``: the call moves everything to the host itself, as before device
-               snapshots): blocked (call wall time) and the report's ``blocked_s``, ``device_snapshot_bytes``,
-               ``device_direct_bytes``, ``device_direct_s``, then durable (``wait()``, from the call's start).
+               into pinned host buffers allocated and touched once, then one synchronize; XLA one bulk
+               ``_xla_get_cpu_tensors`` of the already synced state (torch_xla has no copy into a caller's buffer);
+               (b) device clone: ``clone()`` of every tensor + synchronize (XLA: one ``_xla_sync_multi``), dropped;
+               (c) disk: the bytes of (a) written to one file in the checkpoint directory (64 MiB writes), fsynced.
+  nxd async    steady ``save_checkpoint(async_save=True)``: xser (--steady per rep), plain, and xser with
+               ``device_snapshot_budget=0`` (the call moves everything to the host itself; only where
+               save_checkpoint takes that keyword): time blocked (the call's wall time) and the report's
+               ``blocked_s``, ``staging_s``, ``device_snapshot_bytes``, ``device_direct_bytes``, ``device_direct_s``
+               (getattr: whichever this nxd_ckpt has), then durable (``wait()`` right after, from the call's start).
   nxd sync     ``save_checkpoint(async_save=False, use_xser=True)``: time to return (durable).
-  peers        ``torch.distributed.checkpoint.async_save`` with a ``DefaultStager`` (CUDA: pinned memory,
-               non-blocking copies; no shared memory; staging in the call): blocked and durable (future done);
-               ``torch.save`` of the model and optimizer state dicts, fsynced. A peer that fails is reported.
+  peers        ``torch.distributed.checkpoint.async_save`` (FileSystemWriter, 4 threads, sync_files) with one
+               ``DefaultStager`` (CUDA: pinned memory and non-blocking copies; never shared memory; staging inside
+               the call): blocked and durable (future done). Where reusing the stager fails (torch 2.11: KeyError
+               <class 'type'> on the second save) every later save gets a new stager; where the stager refuses XLA
+               tensors (it copies storages) every save gets host copies made by one bulk transfer inside the timed
+               call. ``torch.save`` of ``{"model": state_dict, "optim": state_dict}``, fsynced. Failures are
+               printed and listed, never fatal.
   loads        cold (page cache dropped before each when root, else marked WARM) into the live model and
                optimizer on the device: nxd ``load_checkpoint(dir, tag, model=, optimizer=)`` (checksums
-               verified), ``torch.load(map_location=device)`` + ``load_state_dict`` of both, ``dcp.load`` into
-               the live state dicts + the optimizer's ``load_state_dict``.
-  today        (a child process, run first) the same first + steady async saves with nxd_ckpt as of
-               --today-ref (git archive of that commit; default e83f748, before device snapshots), or of
-               --today-src DIR; skipped with the reason when neither is available.
+               verified) of the sync save; ``torch.load(map_location=device)`` + ``load_state_dict`` of both
+               (on XLA ``map_location="cpu"``: torch.load cannot restore storages tagged xla:0); ``dcp.load`` into
+               the live state dicts + the optimizer's ``load_state_dict``. All three files hold the same state.
   memory       extra device memory of every row (CUDA: peak allocated minus allocated before; on the XLA CPU
-               device, device memory is host memory: the report's snapshot bytes) and, for the nxd paths, peak
-               extra host memory (bench_memory.PeakRSS; sampled in separate untimed runs, except the first
-               save's resident-memory figure, which is taken during it without a sampler).
-Once, outside the timing: the state loaded by every loader equals the state saved (bit-exact), and the tag of
-an async save followed at once by optimizer steps holds the state of the call. The table at the end gives the
-ratios the device-staging targets are stated in.
+               device, device memory is host memory: the report's ``device_snapshot_bytes``), and peak extra host
+               memory (bench_memory.PeakRSS, sampler on) of an nxd async save until durable, a load of its tag into
+               the live model and (memory_sync) a sync save, in untimed runs after the repetitions.
+Once (rep 0), outside the timing: the state after every load equals the state saved, bit for bit (the live
+state is zeroed in place first), and an async save followed at once by two optimizer steps holds the state of
+the call. The tables at the end give the medians, the ratios the device-staging targets are stated in (steady
+async blocked / pinned copy on CUDA and / device clone on XLA <= 1.5, first / steady async <= 1.5, torch.load
+time / nxd load time >= 1.0) and the memory figures; --json writes all of it, every sample included.
 """
 
 from __future__ import annotations
@@ -62,6 +78,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -70,8 +87,13 @@ import torch
 GIB = 1 << 30
 CHUNK = 64 << 20
 TODAY_REF = "e83f748"  # the last commit before device snapshots (async saves moved XLA state in the call)
-ROWS = ("async_plain", "async_nosnap", "sync", "dcp", "torch_save", "loads", "today", "check")
+ROWS = ("async_plain", "async_nosnap", "sync", "dcp", "torch_save", "loads", "today", "check", "memory", "memory_sync")
+CUDA_SKIP = ("async_plain", "async_nosnap", "memory_sync")  # default --skip: 10 GiB within 6 minutes
+XLA_SKIP = ("async_nosnap",)  # 0.4 GiB on 2 cores within about 4 minutes
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+warnings.filterwarnings("ignore", message="TypedStorage is deprecated")  # DCP's FileSystemWriter, every save
 
 
 def say(line: str = "") -> None:
@@ -145,6 +167,19 @@ class Device:
         else:
             moved = iter([t.detach().to("cpu") for t in device])
         return [next(moved) if t.device.type == self.device.type else t.detach().clone() for t in tensors]
+
+    def reference(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A private copy of ``tensors`` that loads are checked against: on CUDA device clones (compared on the
+        device: seconds less per check at 10 GB than host copies), on XLA host copies."""
+        if self.kind == "xla":
+            return self.host_copies(tensors)
+        out = [t.detach().clone() for t in tensors]
+        torch.cuda.synchronize(self.device)
+        return out
+
+    def readable(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors`` in a form ``first_difference`` compares with a ``reference``: XLA ones copied to the host."""
+        return self.host_copies(tensors) if self.kind == "xla" else tensors
 
     # floors
 
@@ -278,14 +313,47 @@ class Training:
         return out
 
     def scribble(self) -> None:
-        """Zero every tensor of the state (before a checked load: the load must bring every byte back)."""
+        """Zero every tensor of the state in place (before a checked load: the load must bring every byte back).
+        Parameters are written as themselves, as an optimizer does, not through ``detach()`` aliases."""
         with torch.no_grad():
-            for t in self.tensors():
-                t.zero_()
+            for p in self.model.parameters():
+                p.zero_()
+                for t in self.opt.state[p].values():
+                    if isinstance(t, torch.Tensor):
+                        t.zero_()
         self.dev.sync()
 
     def state_dicts(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
+
+
+def host_state(dev: Device, tree: Any) -> Any:
+    """``tree`` (dicts, lists, tuples) with its device tensors replaced by host copies (one bulk transfer on XLA)."""
+    found: list[torch.Tensor] = []
+
+    def collect(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                collect(v)
+        elif isinstance(x, list | tuple):
+            for v in x:
+                collect(v)
+
+    collect(tree)
+    copies = {id(t): c for t, c in zip(found, dev.host_copies(found), strict=True)}
+
+    def rebuild(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return copies[id(x)] if x.device.type != "cpu" else x
+        if isinstance(x, dict):
+            return {k: rebuild(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return type(x)(rebuild(v) for v in x)
+        return x
+
+    return rebuild(tree)
 
 
 def nbytes(tensors: list[torch.Tensor]) -> int:
@@ -296,7 +364,7 @@ def first_difference(expected: list[torch.Tensor], actual: list[torch.Tensor]) -
     if len(expected) != len(actual):
         return f"{len(actual)} tensors instead of {len(expected)}"
     for i, (a, b) in enumerate(zip(expected, actual, strict=True)):
-        if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b.cpu()):
+        if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b.to(a.device)):
             return f"tensor {i} ({tuple(a.shape)}, {a.dtype}) differs"
     return None
 
@@ -429,7 +497,9 @@ def nxd_save(
 def fmt_bytes(n: float | None) -> str:
     if n is None:
         return "n/a"
-    return f"{n / 1e9:.3f} GB" if abs(n) >= 1e8 else f"{n / 1e6:.1f} MB"
+    if abs(n) >= 1e8:
+        return f"{n / 1e9:.3f} GB"
+    return f"{n / 1e6:.1f} MB" if abs(n) >= 1e5 else f"{n / 1e3:.1f} kB"
 
 
 def describe_save(figures: dict[str, Any]) -> str:
@@ -449,10 +519,12 @@ def describe_save(figures: dict[str, Any]) -> str:
     parts[0] += f" ({', '.join(details)})" if details else ""
     parts.append(f"durable after {figures['durable_s']:.3f} s")
     if figures.get("dev_peak") is not None:
-        parts.append(f"extra device memory {fmt_bytes(figures['dev_peak_call'])} in the call, "
-                     f"{fmt_bytes(figures['dev_peak'])} until durable")  # fmt: skip
-    if "host_extra" in figures:
-        parts.append(f"extra host memory (resident) {fmt_bytes(figures['host_extra'])}")
+        parts.append(
+            f"extra device memory {fmt_bytes(figures['dev_peak_call'])} in the call, "
+            f"{fmt_bytes(figures['dev_peak'])} until durable"
+        )
+    if "first_host_rss" in figures:
+        parts.append(f"extra host memory (resident) {fmt_bytes(figures['first_host_rss'])}")
     return ", ".join(parts)
 
 
@@ -470,20 +542,29 @@ class Run:
     errors: dict[str, str] = dataclasses.field(default_factory=dict)
     checks: dict[str, str] = dataclasses.field(default_factory=dict)
     rep: int = 0
+    phase: str = ""
+    started: float = dataclasses.field(default_factory=time.perf_counter)
     dcp_stager: Any = None
     dcp_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    dcp_via_host: str = ""
+    """Why DCP saves get host copies of the state (its stager refused the device tensors), or ""."""
+    dcp_fresh: str = ""
+    """Why every DCP save gets a new DefaultStager (reusing one failed), or ""."""
 
     def on(self, row: str) -> bool:
         return row not in self.args.skip
 
+    def where(self) -> str:
+        return f"[{self.phase or f'rep {self.rep}'}, {time.perf_counter() - self.started:.0f} s]"
+
     def add(self, name: str, value: Any, line: str) -> None:
         self.results.setdefault(name, []).append(value)
-        say(f"[rep {self.rep}] {line}")
+        say(f"{self.where()} {line}")
 
     def failed(self, name: str, error: BaseException, loud: bool = False) -> None:
         text = f"{type(error).__name__}: {error}".strip()
         self.errors.setdefault(name, text)
-        say(f"[rep {self.rep}] {name}: FAILED: {text.splitlines()[0] if text else type(error).__name__}")
+        say(f"{self.where()} {name}: FAILED: {text.splitlines()[0]}")
         if loud:
             traceback.print_exc()
             sys.stderr.flush()
@@ -508,7 +589,9 @@ class Run:
         disk_s = time.perf_counter() - start
         remove(path)
         del host
-        self.add("floor_disk_s", disk_s, f"floor disk write + fsync: {disk_s:.3f} s ({device_bytes / disk_s / 1e9:.2f} GB/s)")
+        self.add(
+            "floor_disk_s", disk_s, f"floor disk write + fsync: {disk_s:.3f} s ({device_bytes / disk_s / 1e9:.2f} GB/s)"
+        )
 
     # nxd async
 
@@ -533,10 +616,11 @@ class Run:
 
         path, tag = os.path.join(self.root, "check_async"), "snapshot"
         self.tr.steps(2)
-        expected = self.dev.host_copies(self.tr.tensors())
+        expected = self.dev.reference(self.tr.tensors())
         try:
-            report = nxd.save_checkpoint(path, tag, model=self.tr.model, optimizer=self.tr.opt, use_xser=True,
-                                         async_save=True)  # fmt: skip
+            report = nxd.save_checkpoint(
+                path, tag, model=self.tr.model, optimizer=self.tr.opt, use_xser=True, async_save=True
+            )
             self.tr.steps(2)
             report.wait()
             model, optim = {}, {}
@@ -553,13 +637,14 @@ class Run:
             loaded += [state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor)]
         diff = first_difference(expected, loaded)
         self.checks["async save holds the state of the call (steps right after it)"] = diff or "equal"
-        say(f"[rep {self.rep}] check: async save + immediate steps: {'OK, bit-exact' if not diff else 'DIFFERS: ' + diff}")
+        outcome = "OK, bit-exact" if not diff else f"DIFFERS: {diff}"
+        say(f"{self.where()} check: async save + immediate steps: {outcome}")
 
     # the saves that are loaded back (all taken of one state)
 
     def saves_and_loads(self) -> None:
         self.tr.steps(2)
-        expected = self.dev.host_copies(self.tr.tensors()) if self.check else None
+        expected = self.dev.reference(self.tr.tensors()) if self.check else None
         nxd_path, tag = os.path.join(self.root, "nxd_sync"), f"r{self.rep}"
         torch_path = os.path.join(self.root, "torch_save.pt")
         dcp_path = os.path.join(self.root, f"dcp_r{self.rep}")
@@ -630,19 +715,27 @@ class Run:
                     options[f.name] = False
             self.dcp_options = options
             self.dcp_stager = DefaultStager(StagingOptions(**options))
-            say(f"dcp: DefaultStager(StagingOptions({', '.join(f'{k}={v}' for k, v in options.items())}))")
+            if not self.dcp_fresh or not self.results.get("dcp_async"):
+                say(f"dcp: DefaultStager(StagingOptions({', '.join(f'{k}={v}' for k, v in options.items())}))")
         return self.dcp_stager
 
     def save_dcp(self, path: str) -> bool:
         import torch.distributed.checkpoint as dcp
 
+        if self.dcp_fresh and self.dcp_stager is not None:  # untimed: unpinning the previous stager's buffers
+            self.dcp_stager.close()
+            self.dcp_stager = None
         base = self.dev.mem_start()
+        stager = None
         try:
             stager = self.dcp_stage()
             writer = dcp.FileSystemWriter(path, thread_count=4, sync_files=True)
             start = time.perf_counter()
             kwargs = {"async_stager": stager} if stager is not None else {}
-            response = dcp.async_save(self.tr.state_dicts(), storage_writer=writer, **kwargs)
+            state = self.tr.state_dicts()
+            if self.dcp_via_host:
+                state = host_state(self.dev, state)
+            response = dcp.async_save(state, storage_writer=writer, **kwargs)
             blocked = time.perf_counter() - start
             peak_call = self.dev.mem_peak(base)
             upload = getattr(response, "upload_completion", response)
@@ -653,10 +746,33 @@ class Run:
             upload.result()
             durable = time.perf_counter() - start
         except Exception as e:
+            if stager is not None and not self.dcp_fresh and self.results.get("dcp_async"):
+                # torch 2.11: the second async_save through one DefaultStager raised KeyError: <class 'type'>
+                self.dcp_fresh = f"{type(e).__name__}: {e}".splitlines()[0]
+                say(
+                    f"{self.where()} dcp async_save through the DefaultStager used before failed ({self.dcp_fresh}); "
+                    "from now on every DCP save gets a new DefaultStager (its pinned buffers allocated in the call)"
+                )
+                remove(path)
+                return self.save_dcp(path)
+            if self.dev.kind == "xla" and not self.dcp_via_host:
+                self.dcp_via_host = f"{type(e).__name__}: {e}".splitlines()[0]
+                say(
+                    f"{self.where()} dcp async_save of the XLA state failed ({self.dcp_via_host}); from now on it "
+                    "gets host copies (one bulk transfer, timed as part of the call), as a DCP user on XLA would do"
+                )
+                remove(path)
+                return self.save_dcp(path)
             self.failed("dcp_async", e)
             return False
-        figures = {"call_s": blocked, "durable_s": durable, "dev_peak_call": peak_call, "dev_peak": self.dev.mem_peak(base)}
-        self.add("dcp_async", figures, f"dcp async_save: {describe_save(figures)}")
+        figures = {
+            "call_s": blocked,
+            "durable_s": durable,
+            "dev_peak_call": peak_call,
+            "dev_peak": self.dev.mem_peak(base),
+        }
+        how = " (of host copies)" if self.dcp_via_host else " (new DefaultStager)" if self.dcp_fresh else ""
+        self.add("dcp_async", figures, f"dcp async_save{how}: {describe_save(figures)}")
         return True
 
     def timed_load(self, name: str, fn: Callable[[], None], expected: list[torch.Tensor] | None) -> None:
@@ -679,9 +795,9 @@ class Run:
         extra = f", extra device memory {fmt_bytes(peak)}" if peak is not None else ""
         self.add(name, {"s": elapsed, "dev_peak": peak}, f"{name} ({state}): {elapsed:.3f} s{extra}")
         if expected is not None:
-            diff = first_difference(expected, self.dev.host_copies(self.tr.tensors()))
+            diff = first_difference(expected, self.dev.readable(self.tr.tensors()))
             self.checks[f"{name} restores the saved state"] = diff or "equal"
-            say(f"[rep {self.rep}] check: {name}: {'OK, bit-exact' if not diff else 'DIFFERS: ' + diff}")
+            say(f"{self.where()} check: {name}: {'OK, bit-exact' if not diff else 'DIFFERS: ' + diff}")
             if diff:
                 self.restore(expected)
 
@@ -697,7 +813,10 @@ class Run:
         nxd.load_checkpoint(path, tag, model=self.tr.model, optimizer=self.tr.opt)
 
     def load_torch(self, path: str) -> None:
-        state = torch.load(path, map_location=self.dev.device, weights_only=True)
+        # torch.load cannot place storages on an XLA device ("don't know how to restore data location of
+        # torch.storage.UntypedStorage (tagged with xla:0)"): there it loads to the CPU and load_state_dict moves it.
+        location = self.dev.device if self.dev.kind == "cuda" else "cpu"
+        state = torch.load(path, map_location=location, weights_only=True)
         self.tr.model.load_state_dict(state["model"])
         self.tr.opt.load_state_dict(state["optim"])
         del state
@@ -712,11 +831,15 @@ class Run:
     # memory (untimed)
 
     def memory(self) -> None:
-        """Peak extra host memory of the nxd paths (sampler on; untimed runs) and their device figures."""
+        """Peak extra host memory of the nxd paths (sampler on; untimed runs) and their device figures: an async
+        save until durable, a load of its tag into the live model, and a sync save (not on CUDA by default, where a
+        sync save stages nothing on the host: 0.6 MB at 1 and 10 GB; ``--skip`` without ``memory_sync`` adds it)."""
         from bench_memory import PeakRSS
 
         path = os.path.join(self.root, "memory")
-        runs = [("mem_async", "async save until durable", True), ("mem_sync", "sync save", False)]
+        runs = [("mem_async", "async save until durable", True)]
+        if self.on("memory_sync"):
+            runs.append(("mem_sync", "sync save", False))
         for name, label, async_save in runs:
             self.tr.steps(2)
             peak = PeakRSS()
@@ -727,23 +850,35 @@ class Run:
                 self.failed(name, e, loud=True)
                 continue
             figures |= {"host_extra": peak.extra, "host_extra_rss": peak.extra_rss}
-            self.add(name, figures, f"memory, nxd {label}: extra host memory {fmt_bytes(peak.extra)} (resident "
-                                    f"{fmt_bytes(peak.extra_rss)}), {describe_save(figures)}")  # fmt: skip
-            if not async_save and self.on("loads"):
-                peak = PeakRSS()
-                base = self.dev.mem_start()
-                try:
-                    with peak:
-                        self.load_nxd(path, name)
-                        self.dev.sync()
-                except Exception as e:
-                    self.failed("mem_load", e, loud=True)
-                    continue
-                dev_peak = self.dev.mem_peak(base)
-                self.add("mem_load", {"host_extra": peak.extra, "host_extra_rss": peak.extra_rss, "dev_peak": dev_peak},
-                         f"memory, nxd load into the live model (warm): extra host memory {fmt_bytes(peak.extra)} "
-                         f"(resident {fmt_bytes(peak.extra_rss)}), extra device memory {fmt_bytes(dev_peak)}")  # fmt: skip
+            self.add(
+                name,
+                figures,
+                f"memory, nxd {label}: extra host memory {fmt_bytes(peak.extra)} (resident "
+                f"{fmt_bytes(peak.extra_rss)}), {describe_save(figures)}",
+            )
+            if async_save and self.on("loads"):
+                self.memory_load(path, name)
         remove(path)
+
+    def memory_load(self, path: str, tag: str) -> None:
+        from bench_memory import PeakRSS
+
+        peak = PeakRSS()
+        base = self.dev.mem_start()
+        try:
+            with peak:
+                self.load_nxd(path, tag)
+                self.dev.sync()
+        except Exception as e:
+            self.failed("mem_load", e, loud=True)
+            return
+        dev_peak = self.dev.mem_peak(base)
+        self.add(
+            "mem_load",
+            {"host_extra": peak.extra, "host_extra_rss": peak.extra_rss, "dev_peak": dev_peak},
+            f"memory, nxd load into the live model (warm): extra host memory {fmt_bytes(peak.extra)} "
+            f"(resident {fmt_bytes(peak.extra_rss)}), extra device memory {fmt_bytes(dev_peak)}",
+        )
 
 
 # ----------------------------------------------------------------------------------------------- first and today
@@ -760,7 +895,7 @@ def first_async(dev: Device, tr: Training, root: str) -> dict[str, Any]:
     peak = PeakRSS(sample=False)
     with peak:
         figures = nxd_save(dev, path, "first", tr, xser=True, async_save=True)
-    figures |= {"host_extra": peak.extra_rss}
+    figures |= {"first_host_rss": peak.extra_rss}
     remove(path)
     return figures
 
@@ -798,11 +933,14 @@ def run_today(args: argparse.Namespace, kind: str, root: str) -> dict[str, Any] 
     if src is None:
         src = os.path.join(root, "today_src")
         os.makedirs(src)
-        archive = subprocess.run(["git", "-C", REPO, "archive", "--format=tar", args.today_ref, "nxd_ckpt"],
-                                 capture_output=True, check=False)  # fmt: skip
+        archive = subprocess.run(
+            ["git", "-C", REPO, "archive", "--format=tar", args.today_ref, "nxd_ckpt"], capture_output=True, check=False
+        )
         if archive.returncode != 0:
-            say(f"today: skipped: git archive {args.today_ref} failed ({archive.stderr.decode().strip()[:200]}); "
-                "--today-src DIR takes an extracted tree")  # fmt: skip
+            say(
+                f"today: skipped: git archive {args.today_ref} failed ({archive.stderr.decode().strip()[:200]}); "
+                "--today-src DIR takes an extracted tree"
+            )
             return None
         subprocess.run(["tar", "-x", "-C", src], input=archive.stdout, check=True)
         say(f"today: nxd_ckpt as of {args.today_ref} (git archive), in a child process")
@@ -813,9 +951,24 @@ def run_today(args: argparse.Namespace, kind: str, root: str) -> dict[str, Any] 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])]))
     work = os.path.join(root, "today_work")
     os.makedirs(work)
-    cmd = [sys.executable, os.path.abspath(__file__), "--device", kind, "--hidden", str(args.hidden),
-           "--layers", str(args.layers), "--reps", str(args.today_saves), "--dir", work,
-           "--today-child", out, "--today-child-src", src]  # fmt: skip
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--device",
+        kind,
+        "--hidden",
+        str(args.hidden),
+        "--layers",
+        str(args.layers),
+        "--reps",
+        str(args.today_saves),
+        "--dir",
+        work,
+        "--today-child",
+        out,
+        "--today-child-src",
+        src,
+    ]
     done = subprocess.run(cmd, env=env, check=False)
     shutil.rmtree(work, ignore_errors=True)
     if done.returncode != 0 or not os.path.exists(out):
@@ -855,9 +1008,12 @@ def build_summary(run: Run, first: dict | None, today: dict | None, meta: dict) 
     if first:
         row("nxd first async: blocked s", [first["call_s"]])
         row("nxd first async: durable s", [first["durable_s"]])
-    for name, label in (("nxd_async", "nxd async xser"), ("nxd_async_plain", "nxd async plain"),
-                        ("nxd_async_nosnap", "nxd async xser, device_snapshot_budget=0"),
-                        ("dcp_async", "dcp async_save")):  # fmt: skip
+    for name, label in (
+        ("nxd_async", "nxd async xser"),
+        ("nxd_async_plain", "nxd async plain"),
+        ("nxd_async_nosnap", "nxd async xser, device_snapshot_budget=0"),
+        ("dcp_async", "dcp async_save"),
+    ):
         row(f"{label}: blocked s", col(name, "call_s"))
         row(f"{label}: report blocked_s", col(name, "blocked_s", "report"))
         row(f"{label}: device_direct_s", col(name, "device_direct_s", "report"))
@@ -883,26 +1039,50 @@ def build_summary(run: Run, first: dict | None, today: dict | None, meta: dict) 
 
     steady = m("nxd async xser: blocked s")
     gpu = run.dev.kind == "cuda"
-    ratio("steady async blocked / pinned d2h copy", steady, m("floor: device->host copy (pinned / bulk) s"),
-          "<= 1.5 (GPU)" if gpu else "")  # fmt: skip
-    ratio("steady async blocked / device clone + sync", steady, m("floor: device clone + sync s"),
-          "" if gpu else "<= 1.5 (XLA)")  # fmt: skip
+    ratio(
+        "steady async blocked / pinned d2h copy",
+        steady,
+        m("floor: device->host copy (pinned / bulk) s"),
+        "<= 1.5 (GPU)" if gpu else "",
+    )
+    ratio(
+        "steady async blocked / device clone + sync",
+        steady,
+        m("floor: device clone + sync s"),
+        "" if gpu else "<= 1.5 (XLA)",
+    )
     ratio("first async blocked / steady async blocked", m("nxd first async: blocked s"), steady, "<= 1.5")
     ratio("steady async durable / nxd sync save", m("nxd async xser: durable s"), m("nxd sync save (xser) s"))
-    ratio("steady async durable / today's async durable", m("nxd async xser: durable s"),
-          m("today's nxd async xser: durable s"))  # fmt: skip
-    ratio("steady async durable / device_snapshot_budget=0 durable", m("nxd async xser: durable s"),
-          m("nxd async xser, device_snapshot_budget=0: durable s"))  # fmt: skip
+    ratio(
+        "steady async durable / today's async durable",
+        m("nxd async xser: durable s"),
+        m("today's nxd async xser: durable s"),
+    )
+    ratio(
+        "steady async durable / device_snapshot_budget=0 durable",
+        m("nxd async xser: durable s"),
+        m("nxd async xser, device_snapshot_budget=0: durable s"),
+    )
     ratio("steady async blocked / today's async blocked", steady, m("today's nxd async xser: blocked s"))
-    ratio("steady async blocked / device_snapshot_budget=0 blocked", steady,
-          m("nxd async xser, device_snapshot_budget=0: blocked s"))  # fmt: skip
-    ratio("today's first async blocked / nxd first async blocked", m("today's nxd first async: blocked s"),
-          m("nxd first async: blocked s"))  # fmt: skip
+    ratio(
+        "steady async blocked / device_snapshot_budget=0 blocked",
+        steady,
+        m("nxd async xser, device_snapshot_budget=0: blocked s"),
+    )
+    ratio(
+        "today's first async blocked / nxd first async blocked",
+        m("today's nxd first async: blocked s"),
+        m("nxd first async: blocked s"),
+    )
     ratio("steady async blocked / dcp async_save blocked", steady, m("dcp async_save: blocked s"))
     ratio("nxd sync save / disk floor", m("nxd sync save (xser) s"), m("floor: disk write + fsync s"))
     ratio("torch.save / nxd sync save (speed-up)", m("torch.save + fsync s"), m("nxd sync save (xser) s"))
-    ratio("torch.load + load_state_dict / nxd load (speed-up)", m("load: torch.load + load_state_dict s"),
-          m("load: nxd load_checkpoint s"), ">= 1.0")  # fmt: skip
+    ratio(
+        "torch.load + load_state_dict / nxd load (speed-up)",
+        m("load: torch.load + load_state_dict s"),
+        m("load: nxd load_checkpoint s"),
+        ">= 1.0",
+    )
     ratio("dcp.load / nxd load (speed-up)", m("load: dcp.load + load_state_dict s"), m("load: nxd load_checkpoint s"))
 
     memory: dict[str, Any] = {}
@@ -914,10 +1094,14 @@ def build_summary(run: Run, first: dict | None, today: dict | None, meta: dict) 
     if first:
         mem("nxd first async: extra device memory (peak)", [first.get("dev_peak")])
         mem("nxd first async: device_snapshot_bytes", [first["report"].get("device_snapshot_bytes")])
-        mem("nxd first async: extra host memory (resident)", [first.get("host_extra")])
-    for name, label in (("nxd_async", "nxd async xser"), ("nxd_async_plain", "nxd async plain"),
-                        ("nxd_async_nosnap", "nxd async, budget 0"), ("nxd_sync", "nxd sync"),
-                        ("dcp_async", "dcp async_save")):  # fmt: skip
+        mem("nxd first async: extra host memory (resident)", [first.get("first_host_rss")])
+    for name, label in (
+        ("nxd_async", "nxd async xser"),
+        ("nxd_async_plain", "nxd async plain"),
+        ("nxd_async_nosnap", "nxd async, budget 0"),
+        ("nxd_sync", "nxd sync"),
+        ("dcp_async", "dcp async_save"),
+    ):
         mem(f"{label}: extra device memory (peak)", col(name, "dev_peak"))
         if name.startswith("nxd_async"):
             mem(f"{label}: device_snapshot_bytes", col(name, "device_snapshot_bytes", "report"))
@@ -942,16 +1126,20 @@ def build_summary(run: Run, first: dict | None, today: dict | None, meta: dict) 
 def print_summary(summary: dict[str, Any]) -> None:
     meta = summary["meta"]
     say()
-    say(f"## {meta['device']}: {meta['state_gb']:.3f} GB of fp32 state ({meta['tensors']} tensors), "
-        f"{meta['reps']} reps (median), loads {'cold' if meta['cold'] else 'WARM (' + meta['warm_why'] + ')'}")  # fmt: skip
-    say(f"{meta['versions']}; nxd_ckpt from {meta['nxd_ckpt']}; load average {meta['load_start']:.2f} at start, "
-        f"{meta['load_end']:.2f} at end")  # fmt: skip
+    say(
+        f"## {meta['device']}: {meta['state_gb']:.3f} GB of fp32 state ({meta['tensors']} tensors), "
+        f"{meta['reps']} reps (median), loads {'cold' if meta['cold'] else 'WARM (' + meta['warm_why'] + ')'}"
+    )
+    say(
+        f"{meta['versions']}; nxd_ckpt from {meta['nxd_ckpt']}; load average {meta['load_start']:.2f} at start, "
+        f"{meta['load_end']:.2f} at end"
+    )
     say()
     say("| measurement | median | GB/s | all |")
     say("|---|---:|---:|---|")
     gb = meta["state_gb"]
     for label, v in summary["rows"].items():
-        rate = f"{gb / v['median']:.2f}" if v["median"] else ""
+        rate = f"{gb / v['median']:.2f}" if v["median"] and "device_direct" not in label else ""
         say(f"| {label} | {v['median']:.3f} | {rate} | {', '.join(f'{x:.3f}' for x in v['all'])} |")
     say()
     say("| ratio | value | target |")
@@ -980,31 +1168,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("auto", "cuda", "xla"), default="auto")
     parser.add_argument("--size-gb", type=float, default=None, help="GiB of fp32 state (default: 10 CUDA, 0.4 XLA)")
     parser.add_argument("--reps", type=int, default=None, help="interleaved repetitions (default: 3 CUDA, 5 XLA)")
-    parser.add_argument("--steady", type=int, default=None,
-                        help="steady nxd async xser saves per repetition (default: 1 CUDA, 2 XLA)")  # fmt: skip
+    parser.add_argument(
+        "--steady", type=int, default=None, help="steady nxd async xser saves per repetition (default: 1 CUDA, 2 XLA)"
+    )
     parser.add_argument("--hidden", type=int, default=None, help="hidden size (default: from --size-gb)")
     parser.add_argument("--layers", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--skip", default="", help="comma-separated rows to leave out: " + ",".join(ROWS))
+    parser.add_argument(
+        "--skip",
+        default=None,
+        help=f"comma-separated rows to leave out, of: {','.join(ROWS)} (default: {','.join(CUDA_SKIP)} on CUDA, "
+        f"{','.join(XLA_SKIP)} on XLA, to keep the default runs within 6 and 4 minutes; 'none': run every row)",
+    )
     parser.add_argument("--dir", default=None, help="where checkpoints go (default: a new directory under /tmp)")
     parser.add_argument("--warm", action="store_true", help="do not drop the page cache before loads")
     parser.add_argument("--today-ref", default=TODAY_REF, help="git commit of today's nxd_ckpt (default %(default)s)")
     parser.add_argument("--today-src", default=None, help="a directory holding today's nxd_ckpt package instead")
-    parser.add_argument("--today-saves", type=int, default=None, help="steady saves of the today child (default: --reps)")
+    parser.add_argument(
+        "--today-saves", type=int, default=None, help="steady saves of the today child (default: 1 CUDA, 2 XLA)"
+    )
     parser.add_argument("--json", default=None, help="write every figure here")
     parser.add_argument("--today-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--today-child-src", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.skip = {s for s in args.skip.split(",") if s}
-    if args.skip - set(ROWS):
-        parser.error(f"unknown rows in --skip: {sorted(args.skip - set(ROWS))}; choose from {','.join(ROWS)}")
     if args.today_child:
         return today_child(args)
     kind = pick_device(args.device)
     cuda = kind == "cuda"
+    skip = args.skip if args.skip is not None else ",".join(CUDA_SKIP if cuda else XLA_SKIP)
+    args.skip = {s for s in skip.split(",") if s and s != "none"}
+    if args.skip - set(ROWS):
+        parser.error(f"unknown rows in --skip: {sorted(args.skip - set(ROWS))}; choose from {','.join(ROWS)}")
     args.size_gb = args.size_gb if args.size_gb is not None else (10.0 if cuda else 0.4)
     args.reps = args.reps if args.reps is not None else (3 if cuda else 5)
     args.steady = args.steady if args.steady is not None else (1 if cuda else 2)
-    args.today_saves = args.today_saves if args.today_saves is not None else args.reps
+    args.today_saves = args.today_saves if args.today_saves is not None else (1 if cuda else 2)
     args.hidden, layers = layout_for(int(args.size_gb * GIB), args.hidden)
     args.layers = args.layers or layers
 
@@ -1012,12 +1209,14 @@ def main(argv: list[str] | None = None) -> int:
 
     dev = Device(kind)
     load_start = os.getloadavg()[0]
+    began = time.perf_counter()
     say(f"command: {os.path.basename(sys.executable)} {' '.join(sys.argv)}")
     say(f"device: {dev.name()}; {dev.versions()}; nxd_ckpt from {os.path.dirname(nxd_ckpt.__file__)}")
     say(f"load average (1 min) at start: {load_start:.2f}; {os.cpu_count()} CPUs")
     root = tempfile.mkdtemp(prefix="nxd_bench_device_", dir=args.dir)
     cache = PageCache(args.warm)
-    say(f"checkpoints in {root}; loads {'cold (page cache dropped before each)' if cache.cold else 'WARM: ' + cache.why}")
+    loads = "cold (page cache dropped before each)" if cache.cold else f"WARM: {cache.why}"
+    say(f"checkpoints in {root}; loads {loads}")
     today = None
     run: Run | None = None
     try:
@@ -1028,8 +1227,11 @@ def main(argv: list[str] | None = None) -> int:
         init_process_group()
         tensors = tr.tensors()
         state_bytes = nbytes(tensors)
-        say(f"state: {state_bytes / 1e9:.3f} GB ({state_bytes / GIB:.3f} GiB) in {len(tensors)} tensors: hidden "
-            f"{args.hidden}, {args.layers} blocks, model {nbytes(list(tr.model.parameters())) / 1e9:.3f} GB + AdamW")  # fmt: skip
+        say(
+            f"state: {state_bytes / 1e9:.3f} GB ({state_bytes / GIB:.3f} GiB) in {len(tensors)} tensors: hidden "
+            f"{args.hidden}, {args.layers} blocks, model {nbytes(list(tr.model.parameters())) / 1e9:.3f} GB + AdamW "
+            f"(built and trained 3 steps {time.perf_counter() - began:.0f} s into the run)"
+        )
         first = None
         try:
             first = first_async(dev, tr, root)
@@ -1046,8 +1248,14 @@ def main(argv: list[str] | None = None) -> int:
             blocks.append(lambda: run.nxd_async("nxd_async_plain", "nxd async plain", xser=False))
         if run.on("async_nosnap"):
             if accepts(nxd_ckpt.save_checkpoint, "device_snapshot_budget"):
-                blocks.append(lambda: run.nxd_async("nxd_async_nosnap", "nxd async xser, device_snapshot_budget=0",
-                                                    xser=True, extra={"device_snapshot_budget": 0}))  # fmt: skip
+                blocks.append(
+                    lambda: run.nxd_async(
+                        "nxd_async_nosnap",
+                        "nxd async xser, device_snapshot_budget=0",
+                        xser=True,
+                        extra={"device_snapshot_budget": 0},
+                    )
+                )
             else:
                 say("nxd async with device_snapshot_budget=0: skipped (this nxd_ckpt has no such keyword)")
         blocks.append(run.saves_and_loads)
@@ -1059,8 +1267,9 @@ def main(argv: list[str] | None = None) -> int:
             for block in blocks[k:] + blocks[:k]:
                 block()
         dev.drop_floor_buffers()
-        run.rep = args.reps
-        run.memory()
+        run.phase = "memory"
+        if run.on("memory"):
+            run.memory()
         nxd_ckpt.finalize_checkpoint()
         if run.dcp_stager is not None:
             run.dcp_stager.close()
@@ -1079,6 +1288,9 @@ def main(argv: list[str] | None = None) -> int:
             "cold": cache.cold,
             "warm_why": cache.why,
             "dcp_staging_options": run.dcp_options,
+            "dcp_via_host_copies": run.dcp_via_host,
+            "dcp_new_stager_each_save": run.dcp_fresh,
+            "torch_load_map_location": str(dev.device) if cuda else "cpu",
             "load_start": load_start,
             "load_end": os.getloadavg()[0],
             "command": sys.argv,

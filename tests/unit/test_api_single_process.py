@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -156,3 +158,28 @@ def test_reads_a_checkpoint_written_the_nxd_way(tmp_path):
     assert nxd.load_checkpoint(tmp_path, model=m2, optimizer=o2, scheduler=s2) == {"step": 2}
     assert_state_equal(model.state_dict(), m2.state_dict())
     assert_state_equal(opt.state_dict(), o2.state_dict())
+
+
+def test_the_first_async_save_of_a_process_imports_no_module_of_nxd_ckpt(tmp_path):
+    """A script that imports torch, then nxd_ckpt, has the API and every module a save needs from its imports on:
+    its first save_checkpoint call pays for no import (the lazy API import was 0.07 s of a fresh process's first
+    save with bytecode caches, 0.3-0.5 s without; scripts/bench_first_save.py). Fresh process: this one has
+    imported everything long ago."""
+    code = """
+import sys
+import torch
+import nxd_ckpt as nxd
+
+model = {f"w{i}": torch.randn(1 << 19) for i in range(2)}  # 2 MiB each: the staging populates new buffers
+optimizer = {"state": {0: {"exp_avg": torch.randn(1 << 19)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+before = set(sys.modules)
+report = nxd.save_checkpoint(sys.argv[1], "step_1", model=model, optimizer=optimizer, async_save=True)
+imported = sorted(set(sys.modules) - before)
+nxd.finalize_checkpoint()
+assert report.completed and report.staging_allocated_bytes > 0
+print("IMPORTED", [m for m in imported if m.split(".")[0] == "nxd_ckpt"])
+"""
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "IMPORTED []", proc.stdout[-3000:]
+    assert nxd.latest_checkpoint_tag(tmp_path) == "step_1"
