@@ -106,6 +106,8 @@ class DeviceTransfer:
         self.nbytes = sum(nbytes(s) for s in sources) + sum(nbytes(c) for c in self._arrived.values())
         self.device_bytes_held = sum(nbytes(s) for s in sources)
         """Bytes of sources still referenced by this transfer (an async save's snapshot shrinks as it arrives)."""
+        self.allocated_bytes = 0
+        """Pinned host memory newly allocated by this transfer's thread (0 once the pool holds every buffer)."""
         self._copies: dict[int, torch.Tensor] = {}
         self._error: BaseException | None = None
         self._reported = False
@@ -181,11 +183,13 @@ class DeviceTransfer:
         return out
 
     def _pinned_like(self, like: torch.Tensor, native: NativeDevice) -> torch.Tensor:
-        buffer = (
-            self._pool.take(like, native.pinned_empty)
-            if self._pool is not None
-            else native.pinned_empty(like.shape, like.dtype)
-        )
+        if self._pool is None:
+            buffer = native.pinned_empty(like.shape, like.dtype)
+            self.allocated_bytes += nbytes(buffer)
+        else:
+            before = self._pool.allocated_bytes
+            buffer = self._pool.take(like, native.pinned_empty)
+            self.allocated_bytes += self._pool.allocated_bytes - before
         self._pinned.append(buffer)
         return buffer
 

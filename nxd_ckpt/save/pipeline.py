@@ -293,6 +293,8 @@ class SavePipeline:
                 staged.fetcher.close()
             except BaseException as e:
                 error = error or e
+            if isinstance(staged.fetcher, DeviceTransfer) and ctx.options.async_save:
+                report.staging_allocated_bytes += staged.fetcher.allocated_bytes  # pinned on the transfer thread
         if staged.lease is not None:
             staged.lease.release()
             if ctx.monitor.cancelled:  # an abandoned writer thread may still read them: never reuse them

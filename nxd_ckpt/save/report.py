@@ -26,7 +26,8 @@ class SaveReport:
     staging_s: float = 0.0
     """Time to plan and copy the state to host memory."""
     staging_allocated_bytes: int = 0
-    """Host staging memory newly allocated by this save (0 when the previous save's buffers were reused)."""
+    """Host staging memory newly allocated by this save (0 when the previous save's buffers were reused); with
+    a native accelerator's state, the pinned buffers its transfer thread allocated are added when the write ends."""
     budget_wait_s: float = 0.0
     """Part of ``blocked_s`` an async save under a host memory budget waited for the writer (to free memory, or to
     write what did not fit); 0 without a budget."""
