@@ -4,16 +4,13 @@ GPU machine with ``python -m pytest tests/cuda``."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 import nxd_ckpt as nxd
-from nxd_ckpt.device.transfer import DeviceTransfer
 from nxd_ckpt.manager import CheckpointManager
 from nxd_ckpt.testing.fakes import assert_state_equal
-from nxd_ckpt.tree import map_tensors
+from nxd_ckpt.testing.held_transfer import HeldTransfer, host_copy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
 
@@ -34,31 +31,11 @@ def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int, seed:
         opt.step()
 
 
-def _cpu(state):
-    return map_tensors(state, lambda t: t.detach().cpu().clone())
-
-
-class _Gate:
-    """Holds the background chunks until ``open``."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.event = threading.Event()
-        self.threads: list[int] = []
-        real = DeviceTransfer._copy_chunk
-
-        def gated(transfer, sources):
-            self.threads.append(threading.get_ident())
-            assert self.event.wait(120)
-            return real(transfer, sources)
-
-        monkeypatch.setattr(DeviceTransfer, "_copy_chunk", gated)
-
-
 def _save_during_training(tmp_path, monkeypatch, use_xser: bool, **keywords) -> nxd.SaveReport:
     model, opt = _training()
     _steps(model, opt, 3, seed=1)
-    expected_model, expected_opt = _cpu(model.state_dict()), _cpu(opt.state_dict())
-    gate = _Gate(monkeypatch)
+    expected_model, expected_opt = host_copy(model.state_dict()), host_copy(opt.state_dict())
+    gate = HeldTransfer(monkeypatch)
     report = nxd.save_checkpoint(
         str(tmp_path), "step_3", model=model, optimizer=opt, async_save=True, use_xser=use_xser, **keywords
     )
@@ -66,14 +43,14 @@ def _save_during_training(tmp_path, monkeypatch, use_xser: bool, **keywords) -> 
         _steps(model, opt, 5, seed=2)  # kernels that update every tensor in place, enqueued right after the call
         torch.cuda.synchronize()
     finally:
-        gate.event.set()
+        gate.release()
     report.wait()
     nxd.finalize_checkpoint()
     model2, opt2 = _training()
     _steps(model2, opt2, 1, seed=9)
     nxd.load_checkpoint(str(tmp_path), "step_3", model=model2, optimizer=opt2)
-    assert_state_equal(_cpu(model2.state_dict()), expected_model)
-    assert_state_equal(_cpu(opt2.state_dict())["state"], expected_opt["state"])
+    assert_state_equal(host_copy(model2.state_dict()), expected_model)
+    assert_state_equal(host_copy(opt2.state_dict())["state"], expected_opt["state"])
     return report
 
 
@@ -109,10 +86,10 @@ def test_load_into_live_cuda_tensors_keeps_them_and_is_exact(tmp_path):
     model, opt = _training()
     _steps(model, opt, 2, seed=1)
     nxd.save_checkpoint(str(tmp_path), "step_2", model=model, optimizer=opt, use_xser=True)
-    expected = _cpu(model.state_dict())
+    expected = host_copy(model.state_dict())
     model2, opt2 = _training()
     pointers = {k: v.data_ptr() for k, v in model2.state_dict().items()}
     nxd.load_checkpoint(str(tmp_path), "step_2", model=model2, optimizer=opt2)
     assert {k: v.data_ptr() for k, v in model2.state_dict().items()} == pointers
-    assert_state_equal(_cpu(model2.state_dict()), expected)
+    assert_state_equal(host_copy(model2.state_dict()), expected)
     _steps(model2, opt2, 1, seed=3)  # the loaded optimizer state trains on

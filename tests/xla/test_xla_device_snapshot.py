@@ -18,7 +18,7 @@ from nxd_ckpt import xla
 from nxd_ckpt.device import snapshot as device_snapshot
 from nxd_ckpt.device.transfer import DeviceTransfer
 from nxd_ckpt.testing.fakes import assert_state_equal
-from nxd_ckpt.tree import map_tensors
+from nxd_ckpt.testing.held_transfer import HeldTransfer, host_copy
 
 pytestmark = pytest.mark.xla
 XLA_LANE_ONLY = "needs torch_xla: runs in the XLA lane (NXD_CKPT_LANES=xla bash scripts/run_tests.sh)"
@@ -56,55 +56,33 @@ def _steps(model: torch.nn.Module, opt, steps: int, seed: int) -> None:
         torch_xla.sync()
 
 
-def _cpu(state):
-    return map_tensors(state, lambda t: t.detach().cpu().clone())
-
-
-class _Gate:
-    """Holds every background device->host chunk until ``open``; counts the chunks and their threads."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.event = threading.Event()
-        self.threads: list[int] = []
-        real = DeviceTransfer._copy_chunk
-
-        def gated(transfer: DeviceTransfer, sources: list[torch.Tensor]) -> list[torch.Tensor]:
-            self.threads.append(threading.get_ident())
-            assert self.event.wait(120), "the test never opened the gate"
-            return real(transfer, sources)
-
-        monkeypatch.setattr(DeviceTransfer, "_copy_chunk", gated)
-
-    def open(self) -> None:
-        self.event.set()
-
-
 def _save_train_and_check(tmp_path, monkeypatch, kind: str, background: bool = True, **save_keywords) -> nxd.SaveReport:
     model, opt = _training(kind)
     _steps(model, opt, 3, seed=1)
-    expected_model, expected_opt = _cpu(model.state_dict()), _cpu(opt.state_dict())
-    gate = _Gate(monkeypatch)
+    expected_model, expected_opt = host_copy(model.state_dict()), host_copy(opt.state_dict())
+    gate = HeldTransfer(monkeypatch)
     report = nxd.save_checkpoint(
         str(tmp_path), "step_3", model=model, optimizer=opt, async_save=True, use_xser=kind != "plain", **save_keywords
     )
     try:
         _steps(model, opt, STEPS_IN_FLIGHT, seed=2)  # training goes on while the save travels
-        assert not report.completed, "the save finished before training went on: nothing was in flight"
+        if background:  # held: the save cannot be complete before the transfer is released
+            assert not report.completed, "the save finished before training went on: nothing was in flight"
     finally:
-        gate.open()
+        gate.release()
     report.wait()
     nxd.finalize_checkpoint()
     if background:
         assert gate.threads and threading.get_ident() not in gate.threads, "the transfer ran on the training thread"
     else:
         assert not gate.threads
-    assert _cpu(model.state_dict())["0.weight"].ne(expected_model["0.weight"]).any(), "training did not change it"
+    assert host_copy(model.state_dict())["0.weight"].ne(expected_model["0.weight"]).any(), "training did not change it"
 
     model2, opt2 = _training(kind)
     _steps(model2, opt2, 1, seed=9)  # an optimizer with state to overwrite
     nxd.load_checkpoint(str(tmp_path), "step_3", model=model2, optimizer=opt2)
-    assert_state_equal(_cpu(model2.state_dict()), expected_model)
-    loaded = _cpu(opt2.state_dict())
+    assert_state_equal(host_copy(model2.state_dict()), expected_model)
+    loaded = host_copy(opt2.state_dict())
     if kind == "zero1":
         assert_state_equal(loaded["base_state"], expected_opt["base_state"])
         assert_state_equal(loaded["sharded_master_weights"], expected_opt["sharded_master_weights"])
