@@ -9,6 +9,7 @@ stream that the training stream waits for at the end.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -342,4 +343,15 @@ def _place_xla(slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     views = [v for v, _ in slots]
     placed = module._XLAC._xla_tensors_from_aten(views, [str(t.device) for _, t in slots])
     for (_, target), new in zip(slots, placed, strict=True):
+        _settle_alias_updates(target)
         module._XLAC._replace_xla_tensor(target, new)
+
+
+def _settle_alias_updates(target: torch.Tensor) -> None:
+    """Apply an in-place update made through an alias of ``target`` (``p.detach().zero_()``, ``dcp.load`` into a
+    state dict) before its data is replaced: functionalization would otherwise regenerate ``target`` from that
+    alias at its next use, and the loaded bytes would be lost."""
+    sync = getattr(torch, "_functionalize_sync", None)
+    if sync is not None:
+        with contextlib.suppress(RuntimeError):  # not a functional tensor: nothing is pending
+            sync(target)

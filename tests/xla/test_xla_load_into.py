@@ -69,3 +69,22 @@ def test_device_loads_use_few_bulk_transfers_and_bounded_host_buffers(tmp_path, 
 def test_dict_target_with_device_tensors_is_a_device_target():
     live = {"w": torch.zeros(4).to(torch_xla.device())}
     assert isinstance(adapters.load_target(live, "model"), DeviceLoadTarget)
+
+
+@pytest.mark.parametrize("use_xser", [False, True], ids=["plain", "xser"])
+def test_a_load_lands_in_parameters_updated_in_place_through_an_alias(tmp_path, use_xser):
+    """``p.detach().zero_()`` (or ``dcp.load`` into ``model.state_dict()``) leaves an update pending on each
+    parameter; the streamed load must win over it (it used to be regenerated from the alias at the next use, so
+    the weights kept their zeros while the inline biases loaded)."""
+    torch_xla = pytest.importorskip("torch_xla")
+    device = torch_xla.device()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.LayerNorm(512), torch.nn.Linear(512, 64)).to(device)
+    torch_xla.sync()
+    nxd.save_checkpoint(str(tmp_path), "step_0", model=model, use_xser=use_xser)
+    expected = {k: v.cpu().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.detach().zero_()
+    nxd.load_checkpoint(str(tmp_path), "step_0", model=model)
+    assert_state_equal({k: v.cpu() for k, v in model.state_dict().items()}, expected)
