@@ -2,7 +2,7 @@
 # The test command: lint, then the suite on plain CPU (torch 2.13), then again on the XLA CPU device
 # (torch 2.9.0 + torch-xla 2.9.0, PJRT_DEVICE=CPU, NXD_CKPT_TEST_DEVICE=xla: training state on the XLA device).
 # Environments are built on first use and cached (~/.cache/nxd-ckpt/envs): cpu ~1.3 GB, xla ~7.5 GB (PyPI's torch
-# 2.9.0 is the CUDA build); the suite takes about 30 minutes on 2 cores. See scripts/setup_env.sh.
+# 2.9.0 is the CUDA build); the suite takes 30-55 minutes on 2 cores. See scripts/setup_env.sh.
 # pytest removes the temporary directories of passing tests at the end (pyproject: tmp_path_retention_policy).
 # Set NXD_CKPT_LANES="cpu" or "xla" to run one lane; extra arguments go to pytest. Suites marked
 # device_independent (file-protocol and storage fault injection: no state on a device) run in the CPU lane only.
