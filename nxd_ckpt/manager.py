@@ -27,7 +27,6 @@ from nxd_ckpt import adapters
 from nxd_ckpt.dist.coordinator import Coordinator, group_identity
 from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.format import layout, tags
-from nxd_ckpt.format.describe import TagDescription, describe
 from nxd_ckpt.format.metadata import FORMAT_VERSION
 from nxd_ckpt.load.pipeline import LoadPipeline, LoadServices
 from nxd_ckpt.load.report import RestoreReport
@@ -51,7 +50,6 @@ __all__ = [
     "RestoreReport",
     "SaveOptions",
     "SaveReport",
-    "describe_checkpoint",
 ]
 
 
@@ -293,8 +291,3 @@ class CheckpointManager:
             tier_runtime=self._tier,
             on_restore=self._set_restore,
         )
-
-
-def describe_checkpoint(storage: Storage, tag: str) -> TagDescription:
-    """Layout facts of a saved tag (kept for callers of the old name): ``format.describe.describe``."""
-    return describe(storage, tag)

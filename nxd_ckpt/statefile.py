@@ -123,9 +123,6 @@ def _load_small(storage: Storage, path: str, load: Callable[[Any], Any]) -> Any:
 # ----------------------------------------------------------------------------------------------- writing
 
 
-balance = plan.balance  # kept for callers of the old name: the split is decided in plan.py
-
-
 def tensors_to_write(
     state: Any, *, xser_encoding: bool = False, replicas: Sequence[int] | None = None, rank: int = 0
 ) -> list[torch.Tensor]:
@@ -250,7 +247,7 @@ def read_xser(
         header = _read_header(storage, path, trusted)
     else:
         header = group.shared(lambda: _read_header(storage, path, trusted), what)
-    parts = balance(header.sizes, group.size if group else 1)
+    parts = plan.balance(header.sizes, group.size if group else 1)
     through_page_cache = (
         group is not None and group.same_host and storage.host_page_cache and replica_reads_mode() == "auto"
     )
