@@ -30,10 +30,10 @@ from nxd_ckpt.format import layout, tags
 from nxd_ckpt.format.metadata import FORMAT_VERSION
 from nxd_ckpt.load.pipeline import LoadPipeline, LoadServices
 from nxd_ckpt.load.report import RestoreReport
-from nxd_ckpt.options import LoadOptions, SaveOptions, load_options, save_options
+from nxd_ckpt.options import LoadOptions, SaveOptions, load_options, resolve_budget, save_options
 from nxd_ckpt.parallel_state import current_topology
-from nxd_ckpt.save import budget, staging
 from nxd_ckpt.save import pipeline as save_pipeline
+from nxd_ckpt.save import staging
 from nxd_ckpt.save.pipeline import SavePipeline, SaveServices
 from nxd_ckpt.save.report import SaveReport
 from nxd_ckpt.save.writer import AsyncWriter
@@ -86,7 +86,7 @@ class CheckpointManager:
         self._retention_jobs: list[Future] = []
         self.memory_tier = memory_tier
         self.host_memory_budget = host_memory_budget
-        budget.resolve_budget(host_memory_budget)  # a bad value fails here, not at the first save
+        resolve_budget(host_memory_budget)  # a bad value fails here, not at the first save
         self._tier_runtime: TierRuntime | None = None
         self._tier_key: tuple | None = None
         self.last_restore: RestoreReport | None = None

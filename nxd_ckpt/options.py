@@ -16,11 +16,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from nxd_ckpt import rank_state
+from nxd_ckpt import knobs
 from nxd_ckpt.device.backend import SnapshotBudget, resolve_snapshot_budget
 from nxd_ckpt.dist.coordinator import resolve_timeout
 from nxd_ckpt.format import layout
-from nxd_ckpt.save import budget
 from nxd_ckpt.tier.memory import MemoryTier
 
 logger = logging.getLogger("nxd_ckpt")
@@ -29,6 +28,9 @@ SAVE_ERROR_POLICIES = ("raise", "warn")
 """``on_save_error``: raise a failed save on every rank, or log it and keep training."""
 
 _Options = TypeVar("_Options", "SaveOptions", "LoadOptions")
+
+RANK_STATE_MODES = ("per_rank", "gather")
+"""``rank_state_mode``: one file per rank, or every rank's state gathered into one file by the master."""
 
 SAVE_ITEMS = ("model", "optimizer", "scheduler", "user_content")
 """The state NxD's ``save_checkpoint`` takes, in the order it is listed in a tag's metadata."""
@@ -79,13 +81,13 @@ class SaveOptions:
                 f"num_kept_ckpts must be None or -1 (keep all, as in NxD) or an integer >= 1, got {kept!r}"
             )
         _check_workers(self.num_workers)
-        if self.rank_state_mode not in rank_state.MODES:
-            modes = ", ".join(map(repr, rank_state.MODES))
+        if self.rank_state_mode not in RANK_STATE_MODES:
+            modes = ", ".join(map(repr, RANK_STATE_MODES))
             raise ValueError(f"rank_state_mode must be one of {modes}, got {self.rank_state_mode!r}")
         _check_tier(self.memory_tier)
         _check_zero1_dcp(self.use_zero1_dcp, self.avoid_saving_lower_precision_weights)
         object.__setattr__(self, "timeout_s", resolve_timeout(self.timeout))
-        object.__setattr__(self, "budget_bytes", budget.resolve_budget(self.host_memory_budget))
+        object.__setattr__(self, "budget_bytes", resolve_budget(self.host_memory_budget))
         object.__setattr__(self, "device_budget", resolve_snapshot_budget(self.device_snapshot_budget))
 
     @property
@@ -190,3 +192,21 @@ def _check_zero1_dcp(use_zero1_dcp: bool, avoid_saving_lower_precision_weights: 
             "use_zero1_dcp=True: nxd_ckpt writes ZeRO-1 optimizer state as NxD's per-rank files "
             "(optim/dp_rank_XX_tp_rank_XX_pp_rank_XX.pt), not torch Distributed Checkpoint files"
         )
+
+
+def resolve_budget(value: int | str | None) -> int | None:
+    """The budget of one save in bytes: ``value`` (an integer or a size such as ``"512MiB"``), else
+    ``NXD_CKPT_HOST_MEMORY_BUDGET``, else None (no limit)."""
+    if value is None:
+        return knobs.host_memory_budget()
+    if isinstance(value, str):
+        parsed = knobs.parse_size(value)
+        if parsed is None:
+            raise ValueError(
+                f"host_memory_budget={value!r} is not a size; use bytes (an integer > 0) or a size such as '512MiB', "
+                "'2GiB' or '1.5GB'"
+            )
+        return parsed
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"host_memory_budget must be None, bytes (an integer > 0) or a size string, got {value!r}")
+    return value

@@ -25,6 +25,7 @@ from nxd_ckpt.dist.coordinator import Coordinator
 from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.errors import FormatError, LayoutMismatchError
 from nxd_ckpt.format import layout
+from nxd_ckpt.options import RANK_STATE_MODES
 from nxd_ckpt.rng import capture_rng_state, keep_streams_through_first_iterator, restore_rng_state
 from nxd_ckpt.storage import Storage
 
@@ -32,7 +33,6 @@ logger = logging.getLogger("nxd_ckpt")
 
 FORMAT = "nxd_ckpt.rank_state"
 FORMAT_VERSION = 1
-MODES = ("per_rank", "gather")
 SINGLE_KEY = "rank_state"
 """Key under which a single (non-dict) per-rank object is stored."""
 _SKIP_HINT = (
@@ -140,8 +140,8 @@ def stage_for_save(
 
 
 def validate_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"rank_state_mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+    if mode not in RANK_STATE_MODES:
+        raise ValueError(f"rank_state_mode must be one of {', '.join(map(repr, RANK_STATE_MODES))}, got {mode!r}")
 
 
 def files_read(tag: str, rank: int) -> list[str]:

@@ -28,7 +28,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from nxd_ckpt import knobs, pages
+from nxd_ckpt import pages
 from nxd_ckpt.errors import CheckpointTimeoutError
 from nxd_ckpt.storage import DelegatingStorage, Storage
 
@@ -251,21 +251,3 @@ class _ReleasingStorage(DelegatingStorage):
                 yield f
         finally:
             self._stager.file_written()
-
-
-def resolve_budget(value: int | str | None) -> int | None:
-    """The budget of one save in bytes: ``value`` (an integer or a size such as ``"512MiB"``), else
-    ``NXD_CKPT_HOST_MEMORY_BUDGET``, else None (no limit)."""
-    if value is None:
-        return knobs.host_memory_budget()
-    if isinstance(value, str):
-        parsed = knobs.parse_size(value)
-        if parsed is None:
-            raise ValueError(
-                f"host_memory_budget={value!r} is not a size; use bytes (an integer > 0) or a size such as '512MiB', "
-                "'2GiB' or '1.5GB'"
-            )
-        return parsed
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"host_memory_budget must be None, bytes (an integer > 0) or a size string, got {value!r}")
-    return value

@@ -13,7 +13,8 @@ import threading
 import pytest
 import torch
 
-from nxd_ckpt.save.budget import BudgetedStager, resolve_budget
+from nxd_ckpt.options import resolve_budget
+from nxd_ckpt.save.budget import BudgetedStager
 from nxd_ckpt.testing.residency import MincoreUnavailable, resident_fraction
 
 MIB = 1 << 20
