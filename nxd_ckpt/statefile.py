@@ -26,7 +26,6 @@ from nxd_ckpt.dist.replicas import ReplicaGroup
 from nxd_ckpt.errors import FormatError, StorageError
 from nxd_ckpt.format import layout
 from nxd_ckpt.pages import prefaulted
-from nxd_ckpt.save import plan
 from nxd_ckpt.serialization import plain, readinto, torchzip, xser
 from nxd_ckpt.serialization.inmemory import BufferReader, allocate
 from nxd_ckpt.storage import Storage
@@ -126,9 +125,13 @@ def _load_small(storage: Storage, path: str, load: Callable[[Any], Any]) -> Any:
 def tensors_to_write(
     state: Any, *, xser_encoding: bool = False, replicas: Sequence[int] | None = None, rank: int = 0
 ) -> list[torch.Tensor]:
-    """The tensors ``write_state_file`` will need from ``state`` on this rank (``plan.tensors_of_write``)."""
-    write = plan.StateWrite("state", "", state, tuple(replicas) if replicas else (rank,), xser_encoding)
-    return plan.tensors_of_write(write, rank)
+    """The tensors ``write_state_file`` reads from ``state`` on this rank, in about the order it reads them: all of
+    them for a plain file; for xser, the ones inlined in the reference file and this rank's share of the tensor
+    files (``xser.replica_share``)."""
+    if not xser_encoding:
+        return list({id(t): t for _, t in tree.leaves(state)}.values())
+    inline, files = xser.classify(state, inline_below=inline_below_bytes())
+    return inline + [files[tid] for tid in xser.replica_share(files, replicas or (rank,), rank)]
 
 
 def write_state_file(
@@ -157,7 +160,7 @@ def write_state_file(
     ref_data, tensors = xser.encode(state, inline_below=inline_below_bytes(), host=host)
     sizes = [xser.tensor_nbytes(t) for t in tensors]
     index = replicas.index(rank)
-    share = plan.xser_share(tensors, replicas, rank)
+    share = xser.replica_share(tensors, replicas, rank)
     jobs: list[tuple[str, Callable[[], None]]] = []
     if index == 0:
         jobs.append((path, lambda: _write(storage, path, lambda f: xser.save_ref(ref_data, f))))
@@ -247,7 +250,7 @@ def read_xser(
         header = _read_header(storage, path, trusted)
     else:
         header = group.shared(lambda: _read_header(storage, path, trusted), what)
-    parts = plan.balance(header.sizes, group.size if group else 1)
+    parts = xser.balance(header.sizes, group.size if group else 1)
     through_page_cache = (
         group is not None and group.same_host and storage.host_page_cache and replica_reads_mode() == "auto"
     )

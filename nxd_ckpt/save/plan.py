@@ -3,9 +3,9 @@ frozen plan items (NxD's replication patterns as a function of the layout).
 
 ``plan_save`` says which files this rank writes (model and replicated optimizer by DP rank 0 of each (TP, PP)
 coordinate, or spread over the DP replicas for xser; ZeRO-1 shards by every rank; scheduler and user content by
-the master). ``xser_share`` says which tensor files of a replicated xser state file this rank writes, and
-``tensors_to_write`` which tensors this rank's writers will read (so staging copies only those). The writer
-(``statefile.write_state_file``) and the manager both ask these, so they cannot disagree.
+the master); ``tensors_to_write`` which tensors this rank's writers will read (so staging copies only those), as
+the writer itself decides it (``statefile.tensors_to_write``; which tensor files of a replicated xser state file
+a replica writes: ``xser.replica_share``), so the two cannot disagree.
 """
 
 from __future__ import annotations
@@ -16,11 +16,9 @@ from typing import Any
 
 import torch
 
-from nxd_ckpt import knobs
+from nxd_ckpt import statefile
 from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.format import layout
-from nxd_ckpt.serialization import xser
-from nxd_ckpt.tree import iter_tensors
 
 STATE_KINDS = ("model", "optimizer")
 """Kinds whose files are state files (plain or xser, possibly spread over replicas); the rest are plain."""
@@ -64,7 +62,7 @@ def plan_save(
     scheduler and user content by the master (global rank 0).
 
     With ``use_xser`` (default: ``spread_replicated``) model and optimizer files are xser, and every DP replica
-    gets the replicated files too: each writes only its share of the tensor files (``xser_share``).
+    gets the replicated files too: each writes only its share of the tensor files (``xser.replica_share``).
     """
     xser_files = spread_replicated if use_xser is None else use_xser
     spread = spread_replicated or xser_files
@@ -91,36 +89,11 @@ def plan_save(
     return writes
 
 
-def balance(sizes: Sequence[int], parts: int) -> list[list[int]]:
-    """Indices of ``sizes`` split into ``parts`` bins of about equal total: largest first, each onto the
-    lightest bin (ties to the lower index and bin), so every replica computes the same split."""
-    bins: list[list[int]] = [[] for _ in range(parts)]
-    loads = [0] * parts
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        target = min(range(parts), key=lambda b: (loads[b], b))
-        bins[target].append(i)
-        loads[target] += sizes[i]
-    return [sorted(b) for b in bins]
-
-
-def xser_share(tensors: Sequence[torch.Tensor], replicas: Sequence[int], rank: int) -> list[int]:
-    """The tids of an xser state file's tensor files that ``rank`` writes, in the order it writes them
-    (largest first); the replicas split the files by ``balance``."""
-    replicas = tuple(replicas) if replicas else (rank,)
-    if rank not in replicas:
-        raise ValueError(f"rank {rank} is not one of the replicas {replicas} of this state file")
-    sizes = [xser.tensor_nbytes(t) for t in tensors]
-    share = balance(sizes, len(replicas))[replicas.index(rank)]
-    return sorted(share, key=lambda i: -sizes[i])
-
-
 def tensors_of_write(write: StateWrite, rank: int) -> list[torch.Tensor]:
-    """The tensors the writer of ``write`` reads on ``rank``, in about the order it reads them: all of them for
-    a plain file; for xser, the ones inlined in the reference file and this rank's share of the tensor files."""
-    if not write.xser:
-        return list({id(t): t for _, t in iter_tensors(write.state)}.values())
-    inline, files = xser.classify(write.state, inline_below=knobs.xser_inline_bytes())
-    return inline + [files[tid] for tid in xser_share(files, write.replicas, rank)]
+    """The tensors the writer of ``write`` reads on ``rank``, in about the order it reads them
+    (``statefile.tensors_to_write``: all of them for a plain file; for xser, the inlined ones and this rank's
+    share of the tensor files)."""
+    return statefile.tensors_to_write(write.state, xser_encoding=write.xser, replicas=write.replicas, rank=rank)
 
 
 def tensors_to_write(writes: Sequence[StateWrite], rank: int) -> list[torch.Tensor]:

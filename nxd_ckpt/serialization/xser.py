@@ -18,7 +18,7 @@ import io
 import pickle
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 import numpy as np
@@ -324,3 +324,29 @@ def _read_exactly(f: IO[bytes], buffer: torch.Tensor, what: str) -> None:
         if not n:
             raise FormatError(f"{what} is truncated: expected {nbytes} bytes of tensor data, found {done}")
         done += n
+
+
+# ----------------------------------------------------------------------------------------------- replicas
+
+
+def balance(sizes: Sequence[int], parts: int) -> list[list[int]]:
+    """Indices of ``sizes`` split into ``parts`` bins of about equal total: largest first, each onto the
+    lightest bin (ties to the lower index and bin), so every replica computes the same split."""
+    bins: list[list[int]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        target = min(range(parts), key=lambda b: (loads[b], b))
+        bins[target].append(i)
+        loads[target] += sizes[i]
+    return [sorted(b) for b in bins]
+
+
+def replica_share(tensors: Sequence[torch.Tensor], replicas: Sequence[int], rank: int) -> list[int]:
+    """The tids of an xser state file's tensor files that ``rank`` writes, in the order it writes them
+    (largest first); the replicas split the files by ``balance``."""
+    replicas = tuple(replicas) if replicas else (rank,)
+    if rank not in replicas:
+        raise ValueError(f"rank {rank} is not one of the replicas {replicas} of this state file")
+    sizes = [tensor_nbytes(t) for t in tensors]
+    share = balance(sizes, len(replicas))[replicas.index(rank)]
+    return sorted(share, key=lambda i: -sizes[i])

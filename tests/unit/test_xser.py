@@ -16,7 +16,6 @@ import torch
 
 from nxd_ckpt import statefile
 from nxd_ckpt.errors import FormatError, UnsafeCheckpointError
-from nxd_ckpt.save import plan
 from nxd_ckpt.serialization import xser
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.fakes import assert_state_equal
@@ -162,12 +161,12 @@ def test_untrusted_reader_refuses_pickled_code(tmp_path):
 
 def test_balance_splits_bytes_evenly_and_deterministically():
     sizes = [100, 90, 80, 10, 10, 5, 5, 0, 60, 40]
-    parts = plan.balance(sizes, 2)
+    parts = xser.balance(sizes, 2)
     assert sorted(i for p in parts for i in p) == list(range(len(sizes)))
     loads = [sum(sizes[i] for i in p) for p in parts]
-    assert abs(loads[0] - loads[1]) <= max(sizes) and plan.balance(sizes, 2) == parts
-    assert plan.balance(sizes, 1) == [list(range(len(sizes)))]
-    assert plan.balance([7], 3) == [[0], [], []]
+    assert abs(loads[0] - loads[1]) <= max(sizes) and xser.balance(sizes, 2) == parts
+    assert xser.balance(sizes, 1) == [list(range(len(sizes)))]
+    assert xser.balance([7], 3) == [[0], [], []]
 
 
 def test_replicas_each_write_a_share_and_only_the_first_writes_ref_and_info(tmp_path):
