@@ -99,6 +99,26 @@ def test_no_import_circles():
     assert _cycles(graph) == []
 
 
+def test_no_circles_between_units():
+    """Each sub-package (``save/``, ``load/``, ``device/``...) counts as one unit beside the top-level modules: no
+    two units import each other, directly or through others."""
+    units: dict[str, set[str]] = {}
+    for module, deps in _graph().items():
+        if module == PACKAGE:
+            continue
+        unit = module.split(".")[1]
+        units.setdefault(unit, set())
+        for dep in deps:
+            if dep != PACKAGE and dep.split(".")[1] != unit:
+                units[unit].add(dep.split(".")[1])
+                units.setdefault(dep.split(".")[1], set())
+    assert _cycles(units) == []
+
+
+def test_a_circle_between_units_is_found():
+    assert _cycles({"save": {"statefile"}, "statefile": {"save"}, "tree": set()}) != []
+
+
 LAYERS = [
     {"errors", "knobs", "lazy", "tree", "rng", "pages"},
     {"storage", "serialization", "dist", "xla"},
