@@ -103,7 +103,6 @@ class DeviceTransfer:
         self._pinned: list[torch.Tensor] = list(lent)
         """Pinned buffers taken from ``pool`` (``lent``: those of ``arrived``), given back by ``close``."""
         self._chunk = chunk_bytes if chunk_bytes is not None else knobs.xla_transfer_batch_bytes()
-        self.nbytes = sum(nbytes(s) for s in sources) + sum(nbytes(c) for c in self._arrived.values())
         self.device_bytes_held = sum(nbytes(s) for s in sources)
         """Bytes of sources still referenced by this transfer (an async save's snapshot shrinks as it arrives)."""
         self.allocated_bytes = 0
