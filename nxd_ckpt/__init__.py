@@ -66,13 +66,13 @@ if TYPE_CHECKING:
         save_checkpoint,
     )
     from nxd_ckpt.compat import g_iostate
-    from nxd_ckpt.dist.topology import Topology
     from nxd_ckpt.format.sharding import ShardingRecord, TensorSharding
     from nxd_ckpt.inspect import Checkpoint, open_checkpoint
     from nxd_ckpt.load.report import RestoreReport
     from nxd_ckpt.manager import CheckpointManager
     from nxd_ckpt.options import LoadOptions, SaveOptions
     from nxd_ckpt.parallel_state import destroy_model_parallel, initialize_model_parallel
+    from nxd_ckpt.ranks.topology import Topology
     from nxd_ckpt.save.report import SaveReport
     from nxd_ckpt.tier.memory import MemoryTier
     from nxd_ckpt.tools.verification import VerifyReport, verify

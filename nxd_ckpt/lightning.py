@@ -33,10 +33,10 @@ from types import ModuleType
 from typing import Any
 
 from nxd_ckpt import api, xla
-from nxd_ckpt.dist import coordinator
 from nxd_ckpt.format import layout, tags
 from nxd_ckpt.format.describe import describe
 from nxd_ckpt.options import LoadOptions, SaveOptions
+from nxd_ckpt.ranks import coordinator
 from nxd_ckpt.save.report import SaveReport
 from nxd_ckpt.storage import Storage, storage_for
 

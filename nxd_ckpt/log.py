@@ -21,7 +21,7 @@ ALL_RANKS_ENV = "NXD_CKPT_LOG_ALL_RANKS"
 
 def process_rank() -> int:
     """This process's global rank: torch.distributed's once initialised, else the launcher's RANK, else 0."""
-    from nxd_ckpt.dist import coordinator as dist
+    from nxd_ckpt.ranks import coordinator as dist
 
     if dist.is_distributed():
         return dist.world_rank()

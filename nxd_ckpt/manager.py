@@ -24,14 +24,14 @@ from concurrent.futures import Future
 from typing import Any
 
 from nxd_ckpt import adapters
-from nxd_ckpt.dist.coordinator import Coordinator, group_identity
-from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.format import layout, tags
 from nxd_ckpt.format.metadata import FORMAT_VERSION
 from nxd_ckpt.load.pipeline import LoadPipeline, LoadServices
 from nxd_ckpt.load.report import RestoreReport
 from nxd_ckpt.options import LoadOptions, SaveOptions, load_options, resolve_budget, save_options
 from nxd_ckpt.parallel_state import current_topology
+from nxd_ckpt.ranks.coordinator import Coordinator, group_identity
+from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.save import pipeline as save_pipeline
 from nxd_ckpt.save import staging
 from nxd_ckpt.save.pipeline import SavePipeline, SaveServices

@@ -14,8 +14,8 @@ import os
 import sys
 from types import ModuleType
 
-from nxd_ckpt.dist import coordinator as dist
-from nxd_ckpt.dist.topology import LayoutError, RankGroups, Topology, build_nxd_groups, detect_platform
+from nxd_ckpt.ranks import coordinator as dist
+from nxd_ckpt.ranks.topology import LayoutError, RankGroups, Topology, build_nxd_groups, detect_platform
 
 _configured: RankGroups | None = None
 

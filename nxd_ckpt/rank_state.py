@@ -21,11 +21,11 @@ from typing import Any
 
 from nxd_ckpt import statefile
 from nxd_ckpt.device.transfer import to_host
-from nxd_ckpt.dist.coordinator import Coordinator
-from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.errors import FormatError, LayoutMismatchError
 from nxd_ckpt.format import layout
 from nxd_ckpt.options import RANK_STATE_MODES
+from nxd_ckpt.ranks.coordinator import Coordinator
+from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.rng import capture_rng_state, keep_streams_through_first_iterator, restore_rng_state
 from nxd_ckpt.storage import Storage
 

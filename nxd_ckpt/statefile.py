@@ -22,10 +22,10 @@ import torch
 
 from nxd_ckpt import knobs, tree
 from nxd_ckpt.device.load import LoadTarget
-from nxd_ckpt.dist.replicas import ReplicaGroup
 from nxd_ckpt.errors import FormatError, StorageError
 from nxd_ckpt.format import layout
 from nxd_ckpt.pages import prefaulted
+from nxd_ckpt.ranks.replicas import ReplicaGroup
 from nxd_ckpt.serialization import plain, readinto, torchzip, xser
 from nxd_ckpt.serialization.inmemory import BufferReader, allocate
 from nxd_ckpt.storage import Storage

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, BinaryIO, TypeVar
 
-from nxd_ckpt.dist.coordinator import stall_limit_s
 from nxd_ckpt.errors import CheckpointError, CheckpointTimeoutError, StorageStallError
+from nxd_ckpt.ranks.coordinator import stall_limit_s
 from nxd_ckpt.storage.base import DelegatingStorage, Storage
 
 T = TypeVar("T")

@@ -20,7 +20,7 @@ import time
 def _rank(rank: int, world: int, port: int, steps: int, out: mp.Queue) -> None:
     import torch.distributed as tdist
 
-    from nxd_ckpt.dist.coordinator import Coordinator
+    from nxd_ckpt.ranks.coordinator import Coordinator
     from nxd_ckpt.testing import rendezvous
 
     rendezvous.init_process_group(port, rank, world)

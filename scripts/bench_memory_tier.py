@@ -111,7 +111,7 @@ def rank_main(total_mib: int, repeats: int, ckpt: str, mem: str, out: str) -> No
     import torch.distributed as dist
 
     import nxd_ckpt as nxd
-    from nxd_ckpt.dist.coordinator import Coordinator
+    from nxd_ckpt.ranks.coordinator import Coordinator
 
     rank, world = dist.get_rank(), dist.get_world_size()
     coord = Coordinator()

@@ -50,9 +50,9 @@ sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
-from nxd_ckpt.dist.topology import Topology  # noqa: E402
 from nxd_ckpt.format import tags  # noqa: E402
 from nxd_ckpt.manager import CheckpointManager  # noqa: E402
+from nxd_ckpt.ranks.topology import Topology  # noqa: E402
 from nxd_ckpt.save import commit  # noqa: E402
 from nxd_ckpt.storage import LocalStorage  # noqa: E402
 from nxd_ckpt.testing.counting import RequestCountingStorage  # noqa: E402
@@ -408,7 +408,7 @@ def process_rank(layers: int, elems: int, directory: str, out_dir: str) -> None:
     of the second save (counted by wrapping the store the coordinator uses) go to ``out_dir/<rank>.json``."""
     import torch.distributed as dist
 
-    from nxd_ckpt.dist import coordinator
+    from nxd_ckpt.ranks import coordinator
     from nxd_ckpt.testing.counting import CountingStore, StoreTally
 
     tally, wrapped = StoreTally(), {}
@@ -491,7 +491,7 @@ def store_release_s(n: int, rounds: int = 3) -> float:
     server's work is timed, not the waiters' (a job's ranks wake on their own nodes)."""
     import subprocess
 
-    from nxd_ckpt.dist.coordinator import local_store
+    from nxd_ckpt.ranks.coordinator import local_store
 
     cpus = os.sched_getaffinity(0)
     with contextlib.suppress(OSError):
@@ -523,7 +523,7 @@ def store_release_s(n: int, rounds: int = 3) -> float:
 
 def serve_store() -> None:
     """The child of ``StoreProcess``: a TCPStore server; prints its port, serves until its stdin closes."""
-    from nxd_ckpt.dist.coordinator import local_store
+    from nxd_ckpt.ranks.coordinator import local_store
 
     store = local_store(1800.0)
     print(store.port, flush=True)

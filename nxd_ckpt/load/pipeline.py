@@ -30,9 +30,6 @@ import torch
 
 from nxd_ckpt import adapters, statefile, xla
 from nxd_ckpt import rank_state as rank_states
-from nxd_ckpt.dist import replicas as replica_reads
-from nxd_ckpt.dist.coordinator import Coordinator
-from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.errors import FormatError, IntegrityError, LayoutMismatchError, RemoteRankError
 from nxd_ckpt.format import integrity, layout, tags
 from nxd_ckpt.format.describe import TagDescription, describe
@@ -41,6 +38,9 @@ from nxd_ckpt.load import reshard, zero1_io
 from nxd_ckpt.load.report import RestoreReport
 from nxd_ckpt.log import format_bytes, format_rate
 from nxd_ckpt.options import LoadOptions
+from nxd_ckpt.ranks import replicas as replica_reads
+from nxd_ckpt.ranks.coordinator import Coordinator
+from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.storage import Storage
 from nxd_ckpt.tier.memory import MemoryChoice, MemoryTier, Report, choose_memory_tag
 from nxd_ckpt.tier.runtime import TierRuntime

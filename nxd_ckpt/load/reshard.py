@@ -27,7 +27,6 @@ from typing import Any
 import torch
 
 from nxd_ckpt import adapters, statefile
-from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.errors import FormatError, IntegrityError, ReshardError, StateMismatchError
 from nxd_ckpt.format import layout
 from nxd_ckpt.format.describe import TagDescription
@@ -47,6 +46,7 @@ from nxd_ckpt.format.sharding import (
 )
 from nxd_ckpt.inspect import open_for_partial_reads
 from nxd_ckpt.load import zero1
+from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.serialization import structure as zip_structure
 from nxd_ckpt.serialization import torchzip, xser
 from nxd_ckpt.storage import Storage

@@ -18,12 +18,12 @@ from typing import Any
 import torch
 
 from nxd_ckpt import pages, statefile, tree
-from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.errors import FormatError
 from nxd_ckpt.format import layout
 from nxd_ckpt.format.describe import TagDescription
 from nxd_ckpt.load import zero1
 from nxd_ckpt.load.zero1 import EntryPath
+from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.serialization import torchzip, xser
 from nxd_ckpt.storage import Storage
 from nxd_ckpt.storage.local import publish, temp_name

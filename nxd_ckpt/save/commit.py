@@ -17,7 +17,8 @@ import pickle
 import time
 from typing import Any
 
-from nxd_ckpt.dist.coordinator import (
+from nxd_ckpt.errors import CheckpointTimeoutError
+from nxd_ckpt.ranks.coordinator import (
     RankFailure,
     all_arrived_key,
     arrive,
@@ -26,7 +27,6 @@ from nxd_ckpt.dist.coordinator import (
     resolve_timeout,
     wait_for_key,
 )
-from nxd_ckpt.errors import CheckpointTimeoutError
 
 _PREFIX = "nxd_ckpt/commit"
 

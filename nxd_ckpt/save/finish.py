@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from nxd_ckpt.dist.coordinator import RankFailure, mark_origin
-from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.errors import CheckpointTimeoutError
 from nxd_ckpt.format import layout, tags
 from nxd_ckpt.format.metadata import TagMetadata, write_metadata
 from nxd_ckpt.format.sharding import ShardingRecord
+from nxd_ckpt.ranks.coordinator import RankFailure, mark_origin
+from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.save.commit import CommitBarrier
 from nxd_ckpt.storage import Storage
 from nxd_ckpt.watchdog import StorageMonitor, run_watched

@@ -33,12 +33,12 @@ from nxd_ckpt import adapters, statefile, tree
 from nxd_ckpt import rank_state as rank_states
 from nxd_ckpt.device.backend import on_device
 from nxd_ckpt.device.transfer import DeviceTransfer
-from nxd_ckpt.dist.coordinator import Coordinator
-from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.format import integrity, layout, sharding, tags
 from nxd_ckpt.format.metadata import metadata_path, write_metadata
 from nxd_ckpt.format.sharding import ShardingRecord
 from nxd_ckpt.options import SaveOptions
+from nxd_ckpt.ranks.coordinator import Coordinator
+from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.save import budget, finish, plan, staging
 from nxd_ckpt.save.commit import CommitBarrier
 from nxd_ckpt.save.finish import CommitTarget

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from nxd_ckpt import statefile
-from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.format import layout
+from nxd_ckpt.ranks.topology import Topology
 
 STATE_KINDS = ("model", "optimizer")
 """Kinds whose files are state files (plain or xser, possibly spread over replicas); the rest are plain."""

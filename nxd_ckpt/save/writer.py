@@ -34,8 +34,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from nxd_ckpt.dist.coordinator import format_exception
 from nxd_ckpt.errors import AsyncSaveError
+from nxd_ckpt.ranks.coordinator import format_exception
 
 logger = logging.getLogger("nxd_ckpt")
 

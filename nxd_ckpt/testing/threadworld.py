@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from nxd_ckpt.dist import coordinator as nxd_dist
-from nxd_ckpt.dist.coordinator import Coordinator
+from nxd_ckpt.ranks import coordinator as nxd_dist
+from nxd_ckpt.ranks.coordinator import Coordinator
 from nxd_ckpt.testing.counting import CountingStore, StoreTally
 
 T = TypeVar("T")

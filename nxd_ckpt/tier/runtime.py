@@ -3,7 +3,7 @@ per-restore steps (writing a rank's share, replicating it, copying it to durable
 
 Set-up (``TierRuntime``) happens on the training thread, at the first save or load through the tier: rank 0
 makes the job's token, every rank starts its file server and the addresses are exchanged (two small steps of
-``nxd_ckpt.dist``). After that a save's tier work runs on the writer thread with no collective: files go to the
+``nxd_ckpt.ranks``). After that a save's tier work runs on the writer thread with no collective: files go to the
 node's memory directory, then straight to the peers' file servers (``transport.py``); the save's store-based
 commit (``save/commit.py``) tells every rank whether the save succeeded everywhere.
 """
@@ -16,8 +16,8 @@ import os
 import secrets
 from typing import Any
 
-from nxd_ckpt.dist.coordinator import Coordinator, stall_limit_s
 from nxd_ckpt.format import integrity, layout
+from nxd_ckpt.ranks.coordinator import Coordinator, stall_limit_s
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.tier.memory import (
     Marker,

@@ -189,7 +189,7 @@ def _counted_restore_job(ckpt: str, mem: str) -> None:
     """Issue 27: a restore's fixed cost is its world-wide steps. Set-up is one step (addresses, the job's token
     and the host names together), the restore reuses the layout it agreed on, and a plain tag makes no replica
     groups (only xser files share reads between replicas)."""
-    from nxd_ckpt.dist.coordinator import Coordinator
+    from nxd_ckpt.ranks.coordinator import Coordinator
 
     rank = dist.get_rank()
     os.environ["NXD_CKPT_MEMORY_TIER_HOST"] = "127.0.0.1"
@@ -260,7 +260,7 @@ def test_a_restore_from_memory_takes_few_world_wide_steps(tmp_path):
 
 def _gather_and_master_job() -> None:
     """One step carries every rank's object and rank 0's result, or rank 0's error raised on every rank."""
-    from nxd_ckpt.dist.coordinator import Coordinator
+    from nxd_ckpt.ranks.coordinator import Coordinator
 
     coord = Coordinator()
     rank = coord.rank

@@ -12,10 +12,10 @@ import torch.distributed as dist
 
 import nxd_ckpt as nxd
 from nxd_ckpt import statefile
-from nxd_ckpt.dist import replicas
-from nxd_ckpt.dist.coordinator import Coordinator
-from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.errors import FormatError
+from nxd_ckpt.ranks import replicas
+from nxd_ckpt.ranks.coordinator import Coordinator
+from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.counting import ReadCountingStorage
 from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_steps

@@ -17,9 +17,9 @@ from typing import Any, BinaryIO
 import pytest
 
 import nxd_ckpt as nxd
-from nxd_ckpt.dist import coordinator as dist
 from nxd_ckpt.errors import CheckpointTimeoutError, StorageStallError
 from nxd_ckpt.format import layout
+from nxd_ckpt.ranks import coordinator as dist
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.fakes import make_training
 from nxd_ckpt.testing.multiprocess import run_with_ranks

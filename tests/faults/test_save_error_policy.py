@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
-from nxd_ckpt.dist import coordinator as dist
+from nxd_ckpt.ranks import coordinator as dist
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.fakes import TinyMLP, make_training, train_steps
 from nxd_ckpt.testing.multiprocess import run_with_ranks

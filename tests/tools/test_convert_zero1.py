@@ -420,9 +420,9 @@ def _views(root: str) -> dict:
     import io
 
     from nxd_ckpt import cli
-    from nxd_ckpt.dist.topology import Topology
     from nxd_ckpt.format.describe import describe
     from nxd_ckpt.load import zero1_io
+    from nxd_ckpt.ranks.topology import Topology
 
     def run_cli(*args: str) -> tuple[int, str]:
         out = io.StringIO()

@@ -121,7 +121,7 @@ def test_a_circle_between_units_is_found():
 
 LAYERS = [
     {"errors", "knobs", "lazy", "tree", "rng", "pages"},
-    {"storage", "serialization", "dist", "xla"},
+    {"storage", "serialization", "ranks", "xla"},
     {"format", "log", "watchdog", "parallel_state", "device"},
     {"save", "load", "statefile", "adapters", "rank_state", "inspect", "tier", "options"},
     {"manager", "tools", "testing"},

@@ -3,7 +3,7 @@ client (each forwarded to the real store)."""
 
 from __future__ import annotations
 
-from nxd_ckpt.dist import coordinator
+from nxd_ckpt.ranks import coordinator
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.counting import CountingStore, RequestCountingStorage
 

@@ -13,9 +13,9 @@ from typing import Any, BinaryIO
 import pytest
 
 import nxd_ckpt as nxd
-from nxd_ckpt.dist import coordinator as dist
-from nxd_ckpt.dist.coordinator import RankFailure, raise_failures, resolve_timeout
 from nxd_ckpt.errors import CheckpointTimeoutError, RemoteRankError, StorageStallError
+from nxd_ckpt.ranks import coordinator as dist
+from nxd_ckpt.ranks.coordinator import RankFailure, raise_failures, resolve_timeout
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.fakes import make_training
 
@@ -79,20 +79,20 @@ def _dcp_file_format_only(source: str) -> bool:
 
 
 def test_only_dist_talks_to_torch_distributed():
-    """Every collective, process group and store access of the library goes through nxd_ckpt/dist/coordinator.py.
+    """Every collective, process group and store access of the library goes through nxd_ckpt/ranks/coordinator.py.
     nxd_ckpt/testing/ is excluded: it is the test harness that starts process groups (run_with_ranks); so is the
     DCP file-format module, as long as it uses only torch.distributed.checkpoint, without a process group."""
     offenders = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()
-        if rel.startswith("dist/") or rel.startswith("testing/"):
+        if rel.startswith("ranks/") or rel.startswith("testing/"):
             continue
         if rel == _DCP_FILE_FORMAT and _dcp_file_format_only(path.read_text()):
             continue
         lines = _imports_torch_distributed(path.read_text())
         if lines:
             offenders[rel] = lines
-    assert offenders == {}, f"only nxd_ckpt/dist/coordinator.py may use torch.distributed; also used in {offenders}"
+    assert offenders == {}, f"only nxd_ckpt/ranks/coordinator.py may use torch.distributed; also used in {offenders}"
 
 
 def test_the_dcp_exception_is_narrow():

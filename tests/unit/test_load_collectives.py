@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from nxd_ckpt import LayoutMismatchError
-from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.errors import IntegrityError
 from nxd_ckpt.format import integrity, layout
 from nxd_ckpt.manager import CheckpointManager
+from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.threadworld import ThreadWorld
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
-from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.errors import CheckpointError
 from nxd_ckpt.format import layout, manifests
 from nxd_ckpt.manager import CheckpointManager
+from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.save import plan
 from nxd_ckpt.storage import DelegatingStorage, LocalStorage
 from nxd_ckpt.testing.threadworld import ThreadWorld

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from nxd_ckpt import parallel_state
-from nxd_ckpt.dist.topology import LayoutError, RankGroups, Topology, build_nxd_groups, detect_platform
+from nxd_ckpt.ranks.topology import LayoutError, RankGroups, Topology, build_nxd_groups, detect_platform
 from nxd_ckpt.testing import fake_nxd
 
 

@@ -8,13 +8,13 @@ import os
 import pytest
 import torch
 
-from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.errors import FormatError, IntegrityError, LayoutMismatchError, RemoteRankError, StorageError
 from nxd_ckpt.format import layout
 from nxd_ckpt.format.describe import describe
 from nxd_ckpt.format.metadata import read_metadata
 from nxd_ckpt.load import pipeline as load_pipeline
 from nxd_ckpt.load.pipeline import Outcome, settle
+from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.save import finish
 from nxd_ckpt.save.commit import CommitBarrier
 from nxd_ckpt.save.finish import CommitTarget

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.errors import InvalidTagError
 from nxd_ckpt.format import layout
+from nxd_ckpt.ranks.topology import Topology
 
 
 def test_rank_grid_is_row_major_pp_dp_tp():

@@ -608,9 +608,7 @@ class Coordinator:
         raise_failures([failure], local, self.rank)
         return [mine for mine, _, _ in gathered], value
 
-    def _on_master(
-        self, fn: Callable[[], Any], phase: str
-    ) -> tuple[Any, RankFailure | None, BaseException | None]:
+    def _on_master(self, fn: Callable[[], Any], phase: str) -> tuple[Any, RankFailure | None, BaseException | None]:
         """Rank 0: (``fn``'s result, None, None), or (None, its failure to send, the exception itself); other
         ranks: (None, None, None)."""
         if self.rank != 0:

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from nxd_ckpt.dist.coordinator import Coordinator, format_exception
-from nxd_ckpt.dist.topology import Topology
 from nxd_ckpt.errors import FormatError
+from nxd_ckpt.ranks.coordinator import Coordinator, format_exception
+from nxd_ckpt.ranks.topology import Topology
 
 PACK_BELOW_BYTES = 1 << 20
 """Tensors smaller than this are broadcast packed together (one collective per ``PACK_BYTES``), not one by one."""
@@ -65,9 +65,7 @@ class ReplicaGroup:
             raise FormatError(f"replica rank {self.ranks[0]} could not read {what}: {message}")
         return pickle.loads(payload)
 
-    def agree(
-        self, loaded: dict[int, torch.Tensor], error: BaseException | None, what: str
-    ) -> dict[int, torch.Tensor]:
+    def agree(self, loaded: dict[int, torch.Tensor], error: BaseException | None, what: str) -> dict[int, torch.Tensor]:
         """Replicas that each read every tensor raise together when any of them failed (one small collective)."""
         messages = self.all_gather_object(None if error is None else format_exception(error))
         if error is not None:
