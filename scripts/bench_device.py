@@ -54,6 +54,8 @@ before every timed operation):
                device, device memory is host memory: the report's ``device_snapshot_bytes``), and peak extra host
                memory (bench_memory.PeakRSS, sampler on) of an nxd async save until durable, a load of its tag into
                the live model and (memory_sync) a sync save, in untimed runs after the repetitions.
+Every nxd save also counts, in the call, this process's minor page faults (first touches of fresh memory) and
+XLA graph compiles: counters the machine's load does not change, which say where a first save's time goes.
 Once (rep 0), outside the timing: the state after every load equals the state saved, bit for bit (the live
 state is zeroed in place first), and an async save followed at once by two optimizer steps holds the state of
 the call. The tables at the end give the medians, the ratios the device-staging targets are stated in (steady
@@ -71,6 +73,7 @@ import inspect
 import json
 import math
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -216,6 +219,15 @@ class Device:
 
     def drop_floor_buffers(self) -> None:
         self._pinned = None
+
+    def compiles(self) -> int:
+        """Graphs compiled so far (XLA's CompileTime metric; CUDA compiles nothing here)."""
+        if self.kind != "xla":
+            return 0
+        import torch_xla.debug.metrics as met
+
+        data = met.metric_data("CompileTime")
+        return int(data[0]) if data else 0
 
     # memory
 
@@ -463,6 +475,11 @@ REPORT_FIELDS = (
 )
 
 
+def minor_faults() -> int:
+    """This process's minor page faults so far: first touches of fresh memory (counted, not timed: load-proof)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def report_fields(report: Any) -> dict[str, Any]:
     """The SaveReport's figures this benchmark knows about, those this nxd_ckpt has (getattr)."""
     return {k: getattr(report, k) for k in REPORT_FIELDS if hasattr(report, k)}
@@ -482,15 +499,18 @@ def nxd_save(
     import nxd_ckpt as nxd
 
     base = dev.mem_start()
+    faults, compiles = minor_faults(), dev.compiles()
     start = time.perf_counter()
     report = nxd.save_checkpoint(
         path, tag, model=tr.model, optimizer=tr.opt, use_xser=xser, async_save=async_save, **(extra or {})
     )
     call_s = time.perf_counter() - start
+    counters = {"call_minflt": minor_faults() - faults, "call_compiles": dev.compiles() - compiles}
     peak_call = dev.mem_peak(base)
     report.wait()
     durable_s = time.perf_counter() - start
     out = {"call_s": call_s, "durable_s": durable_s, "dev_peak_call": peak_call, "dev_peak": dev.mem_peak(base)}
+    out |= counters
     return out | {"report": report_fields(report)}
 
 
@@ -517,6 +537,8 @@ def describe_save(figures: dict[str, Any]) -> str:
     if r.get("staging_allocated_bytes"):
         details.append(f"host staging allocated {fmt_bytes(r['staging_allocated_bytes'])}")
     parts[0] += f" ({', '.join(details)})" if details else ""
+    if "call_minflt" in figures:
+        parts.append(f"{figures['call_minflt']} page faults and {figures['call_compiles']} graph compiles in the call")
     parts.append(f"durable after {figures['durable_s']:.3f} s")
     if figures.get("dev_peak") is not None:
         parts.append(
@@ -1008,6 +1030,8 @@ def build_summary(run: Run, first: dict | None, today: dict | None, meta: dict) 
     if first:
         row("nxd first async: blocked s", [first["call_s"]])
         row("nxd first async: durable s", [first["durable_s"]])
+        row("nxd first async: page faults in the call", [first.get("call_minflt")])
+        row("nxd first async: graph compiles in the call", [first.get("call_compiles")])
     for name, label in (
         ("nxd_async", "nxd async xser"),
         ("nxd_async_plain", "nxd async plain"),
@@ -1018,9 +1042,12 @@ def build_summary(run: Run, first: dict | None, today: dict | None, meta: dict) 
         row(f"{label}: report blocked_s", col(name, "blocked_s", "report"))
         row(f"{label}: device_direct_s", col(name, "device_direct_s", "report"))
         row(f"{label}: durable s", col(name, "durable_s"))
+        row(f"{label}: page faults in the call", col(name, "call_minflt"))
+        row(f"{label}: graph compiles in the call", col(name, "call_compiles"))
     if today:
         row("today's nxd first async: blocked s", [today["first"]["call_s"]])
         row("today's nxd first async: durable s", [today["first"]["durable_s"]])
+        row("today's nxd first async: page faults in the call", [today["first"].get("call_minflt")])
         row("today's nxd async xser: blocked s", [x["call_s"] for x in today["steady"]])
         row("today's nxd async xser: durable s", [x["durable_s"] for x in today["steady"]])
     row("nxd sync save (xser) s", col("nxd_sync", "call_s"))
