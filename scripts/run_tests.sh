@@ -2,7 +2,7 @@
 # The test command: lint, then the suite on plain CPU (torch 2.13), then again on the XLA CPU device
 # (torch 2.9.0 + torch-xla 2.9.0, PJRT_DEVICE=CPU, NXD_CKPT_TEST_DEVICE=xla: training state on the XLA device).
 # Environments are built on first use and cached (~/.cache/nxd-ckpt/envs): cpu ~1.3 GB, xla ~7.5 GB (PyPI's torch
-# 2.9.0 is the CUDA build); the suite takes 30-55 minutes on 2 cores. See scripts/setup_env.sh.
+# 2.9.0 is the CUDA build), the XLA one in the background while the cpu lane runs. See scripts/setup_env.sh.
 # pytest removes the temporary directories of passing tests at the end (pyproject: tmp_path_retention_policy).
 # Set NXD_CKPT_LANES="cpu" or "xla" to run one lane; extra arguments go to pytest. Suites marked
 # device_independent (file-protocol and storage fault injection: no state on a device) run in the CPU lane only.
@@ -12,9 +12,26 @@ cd "$root"
 lanes="${NXD_CKPT_LANES:-cpu xla}"
 status=0
 bins=()
+setup_dir="$(mktemp -d)"
+trap 'rm -rf "$setup_dir"' EXIT
+xla_setup_pid=""
 for lane in $lanes; do
   echo "================ lane: $lane ================"
-  py="$(bash scripts/setup_env.sh "$lane" | tail -n 1)"
+  if [ "$lane" = xla ] && [ -n "$xla_setup_pid" ]; then
+    echo "[xla] waiting for the XLA environment, built in the background during the cpu lane ..."
+    xla_setup_rc=0
+    wait "$xla_setup_pid" || xla_setup_rc=$?
+    cat "$setup_dir/xla.err" >&2
+    [ "$xla_setup_rc" -eq 0 ] || { echo "[xla] setting up the environment failed ($xla_setup_rc)" >&2; exit 1; }
+    py="$(tail -n 1 "$setup_dir/xla.out")"
+  else
+    py="$(bash scripts/setup_env.sh "$lane" | tail -n 1)"
+  fi
+  if [ "$lane" = cpu ] && [[ " $lanes " == *" xla "* ]]; then
+    # the XLA environment (a ~3 GB download on a fresh machine) builds while the cpu lane runs
+    bash scripts/setup_env.sh xla >"$setup_dir/xla.out" 2>"$setup_dir/xla.err" &
+    xla_setup_pid=$!
+  fi
   if [ "$lane" = cpu ]; then
     echo "[lint] ruff check + ruff format --check"
     "$py" -m ruff check nxd_ckpt tests scripts

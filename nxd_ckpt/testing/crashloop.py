@@ -10,7 +10,6 @@ knows exactly what it must hold.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -21,6 +20,7 @@ import torch
 
 import nxd_ckpt as nxd
 from nxd_ckpt.testing import rendezvous
+from nxd_ckpt.testing.multiprocess import rank_context
 
 TENSORS = 4
 ROWS = 256
@@ -76,8 +76,7 @@ class CrashLoop:
     options: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        self._ctx = mp.get_context("forkserver")
-        self._ctx.set_forkserver_preload([__name__])
+        self._ctx = rank_context(__name__)
 
     def run_once(self, delay: float) -> None:
         """Start the ranks at the step after the newest complete tag and SIGKILL all of them after ``delay`` s."""
@@ -140,8 +139,7 @@ def _retention_child(ckpt_dir: str, keep: int, kill_after: int) -> None:
 def run_retention(ckpt_dir: str, keep: int, kill_after: int = -1) -> int:
     """Run retention in a forked process killed at its ``kill_after``-th deletion; return the deletions made
     by a run that finished (-1 when it was killed)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
+    ctx = rank_context(__name__)
     p = ctx.Process(target=_retention_child, args=(ckpt_dir, keep, kill_after), daemon=True)
     p.start()
     p.join(timeout=60)
@@ -179,8 +177,7 @@ def run_resave(
     """Save ``tag`` with the state of ``version`` (``model_state(version)``, user content ``{"version": v}``) in a
     forked process killed at its ``kill_after``-th filesystem mutation; return the mutations a run that finished
     made (-1 when it was killed)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
+    ctx = rank_context(__name__)
     p = ctx.Process(target=_resave_child, args=(ckpt_dir, tag, version, kill_after, dict(options or {})), daemon=True)
     p.start()
     p.join(timeout=120)

@@ -4,8 +4,11 @@
     def test_dp4(tmp_path):
         ...  # runs on 4 processes; torch.distributed is initialised (gloo), rank from dist.get_rank()
 
-The decorated function is re-imported by module and name in each child (spawn, as on a real cluster), so it
-must live at module level. Each rank's exception and traceback is reported by the parent.
+The decorated function is re-imported by module and name in each child, so it must live at module level. Each
+rank's exception and traceback is reported by the parent. Ranks are fresh processes forked from a forkserver that
+imported torch (and torch_xla, nxd_ckpt, where the parent uses them) once per test session, so a rank starts in a
+fraction of a second instead of importing torch again; each rank gets the parent's environment as it is at the
+call (monkeypatched variables included), not the server's.
 
 ``ranks_per_node`` numbers the ranks as torchrun does on several nodes (LOCAL_RANK, LOCAL_WORLD_SIZE and
 GROUP_RANK per simulated node); ``sigkill_ok`` accepts ranks that end by SIGKILL (a simulated crash) as passed.
@@ -31,7 +34,18 @@ from typing import Any
 from nxd_ckpt.testing import rendezvous
 
 _RANK_ENV = "NXD_CKPT_TEST_RANK"
+_HARNESS_PID_ENV = "NXD_CKPT_TEST_HARNESS_PID"
 _GROUP_TIMEOUT_S = 120.0
+_PRELOAD = ("numpy", "torch", "torch_xla", "torch_xla.core.xla_model", "nxd_ckpt", "nxd_ckpt.testing.fakes")
+"""What the ranks' forkserver imports once, among the modules the parent has imported itself."""
+
+
+def rank_context(*modules: str) -> Any:
+    """The multiprocessing context test processes start from: a forkserver that preloads torch and friends (and
+    ``modules``); the preload list is fixed by whichever caller starts the server first in this process."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([m for m in _PRELOAD if m in sys.modules] + list(modules))
+    return ctx
 
 
 def _rank_main(
@@ -45,8 +59,13 @@ def _rank_main(
     sys_path: list[str],
     extra_env: dict[str, str],
     ranks_per_node: int | None = None,
+    environ: dict[str, str] | None = None,
+    harness_pid: int = 0,
 ) -> None:
     sys.path[:] = sys_path
+    if environ is not None:  # the parent's environment at the call, not the forkserver's at its start
+        os.environ.clear()
+        os.environ.update(environ)
     per_node = ranks_per_node or world_size
     os.environ.update(
         {
@@ -58,6 +77,7 @@ def _rank_main(
             "LOCAL_WORLD_SIZE": str(per_node),
             "GROUP_RANK": str(rank // per_node),
             _RANK_ENV: str(rank),
+            _HARNESS_PID_ENV: str(harness_pid),
             **extra_env,
         }
     )
@@ -87,6 +107,11 @@ def _rank_main(
             pass
 
 
+def harness_pid() -> int:
+    """In a rank: the process that started it and serves its store (a rank's OS parent is the forkserver)."""
+    return int(os.environ[_HARNESS_PID_ENV])
+
+
 def run_on_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -99,7 +124,7 @@ def run_on_ranks(
     """Run module-level function ``fn(**kwargs)`` on ``world_size`` spawned gloo ranks; raise if any failed."""
     if ranks_per_node is not None and (ranks_per_node < 1 or world_size % ranks_per_node):
         raise ValueError(f"ranks_per_node={ranks_per_node} must divide world_size={world_size}")
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     store = rendezvous.serve_store(_GROUP_TIMEOUT_S)  # served here until every rank has ended
     port = int(store.port)
@@ -118,6 +143,8 @@ def run_on_ranks(
                 list(sys.path),
                 env or {},
                 ranks_per_node,
+                dict(os.environ),
+                os.getpid(),
             ),
             name=f"rank{r}",
         )

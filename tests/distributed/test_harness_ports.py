@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from nxd_ckpt.testing import rendezvous
-from nxd_ckpt.testing.multiprocess import run_on_ranks, run_with_ranks
+from nxd_ckpt.testing.multiprocess import harness_pid, run_on_ranks, run_with_ranks
 
 pytestmark = pytest.mark.device_independent
 
@@ -25,7 +25,7 @@ def test_the_store_is_served_before_its_port_is_handed_out():
 @run_with_ranks(2)
 def test_ranks_meet_at_the_store_their_parent_serves():
     port = int(os.environ["MASTER_PORT"])
-    assert rendezvous.served_by(port, timeout_s=5) == os.getppid()  # not a store rank 0 bound later
+    assert rendezvous.served_by(port, timeout_s=5) == harness_pid()  # not a store rank 0 bound later
     assert dist.get_world_size() == 2
 
 
