@@ -19,7 +19,7 @@ import torch
 from nxd_ckpt import knobs
 from nxd_ckpt.device.backend import SnapshotBudget, resolve_snapshot_budget
 from nxd_ckpt.format import layout
-from nxd_ckpt.ranks.coordinator import resolve_timeout
+from nxd_ckpt.ranks.deadlines import resolve_timeout
 from nxd_ckpt.tier.memory import MemoryTier
 
 logger = logging.getLogger("nxd_ckpt")

@@ -3,7 +3,7 @@
 xser files are written and read by a pool of threads, one tensor file per task, largest first. A replicated
 state (model, non-ZeRO optimizer) is spread over the DP replicas holding it: its tensors are binned by size so
 each replica writes about 1/DP of the bytes, and the first replica also writes the reference and info files.
-Replicas that load the same file read each tensor from storage once between them (``dist.replicas``), so a DP
+Replicas that load the same file read each tensor from storage once between them (``ranks.replicas``), so a DP
 group reads every byte from storage once, not DP times. Replicas on different hosts (or reading storage without
 a host page cache, e.g. S3) each read a share and broadcast it over gloo. Replicas on one host reading a local
 or POSIX filesystem share through the page cache instead: each starts with its own share, read from the device,

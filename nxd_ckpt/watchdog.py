@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager
 from typing import Any, BinaryIO, TypeVar
 
 from nxd_ckpt.errors import CheckpointError, CheckpointTimeoutError, StorageStallError
-from nxd_ckpt.ranks.coordinator import stall_limit_s
+from nxd_ckpt.ranks.deadlines import stall_limit_s
 from nxd_ckpt.storage.base import DelegatingStorage, Storage
 
 T = TypeVar("T")

@@ -15,7 +15,7 @@ Integrity: a whole file read here is checked against the tag's manifests as usua
 range cannot be (the checksum covers the whole file): such files are checked against their recorded size only
 (``nxd-ckpt verify`` checks the whole tag). A re-sharded rank reads parts of many source ranks' files, chosen
 by the tensors it covers, so its verifying storage holds the tag's whole manifest index (sent with the description in
-``LoadPipeline.resolve``: O(world) bytes per rank, accepted here), not the per-rank share a same-layout load gets.
+``candidates.resolve``: O(world) bytes per rank, accepted here), not the per-rank share a same-layout load gets.
 """
 
 from __future__ import annotations

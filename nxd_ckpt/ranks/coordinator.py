@@ -1,17 +1,17 @@
-"""The only module that talks to torch.distributed: the coordinator of every cross-rank step, with deadlines.
+"""The only module that talks to torch.distributed: the world this process is in (``world_rank``,
+``world_size``, ...) and the coordinator of every cross-rank step, with deadlines.
 
-Modelled on DCP's ``_DistWrapper``: each step is one collective that carries exceptions, so a failure on any
-rank is raised on every rank, as the same exception type, carrying the rank it came from (``origin_rank``).
-"Rank 0 computes, every rank receives" is ``Coordinator.master_computes``; "every rank does its part, all
-learn whether anyone failed" is ``Coordinator.run_all``. Without a process group every step just runs locally.
+Modelled on DCP's ``_DistWrapper``: each step is one collective that carries exceptions (``failures.py``), so a
+failure on any rank is raised on every rank, as the same exception type, carrying the rank it came from
+(``origin_rank``). "Rank 0 computes, every rank receives" is ``Coordinator.master_computes``; "every rank does
+its part, all learn whether anyone failed" is ``Coordinator.run_all``. Without a process group every step just
+runs locally.
 
-Deadlines: before a step's collective, every rank checks in on the c10d store and waits there for the others,
-in a blocking ``wait`` on a connection of its own (``wait_for_key``), so its store operations per step are a
-handful however long it waits. That wait has a deadline (``NXD_CKPT_TIMEOUT_S`` or the ``timeout=`` of the
-call): while it runs the master logs which ranks have not arrived and in which phase, and past it every
-waiting rank raises ``CheckpointTimeoutError`` naming the phase and the missing ranks, instead of sitting in
-a collective until the process group's own timeout (30 minutes by default) with nothing logged. The
-collective itself only starts once every rank is there. ``commit.py`` uses the same store waits.
+Deadlines: before a step's collective, every rank checks in on the c10d store and waits there for the others
+(``arrivals.py``), under a deadline (``NXD_CKPT_TIMEOUT_S`` or the ``timeout=`` of the call, ``deadlines.py``):
+past it every waiting rank raises ``CheckpointTimeoutError`` naming the phase and the missing ranks, instead of
+sitting in a collective until the process group's own timeout (30 minutes by default) with nothing logged. The
+collective itself only starts once every rank is there.
 
 XLA collectives do not work across processes on XLA:CPU and gloo must never see XLA tensors, so every
 exchange here is of Python objects or CPU tensors over a gloo group. When the default group is not gloo
@@ -23,38 +23,25 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import importlib
-import logging
 import socket
-import threading
-import time
-import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 
-from nxd_ckpt.errors import CheckpointTimeoutError, RemoteRankError
-
-logger = logging.getLogger("nxd_ckpt")
+from nxd_ckpt.errors import CheckpointTimeoutError
+from nxd_ckpt.ranks.arrivals import all_arrived_key, arrive, forget_step, give_up, missing_ranks, wait_for_key
+from nxd_ckpt.ranks.deadlines import resolve_timeout
+from nxd_ckpt.ranks.failures import RankFailure, raise_failures
 
 T = TypeVar("T")
 
-TIMEOUT_ENV = "NXD_CKPT_TIMEOUT_S"
-LEGACY_TIMEOUT_ENV = "NXD_CKPT_COMMIT_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 1800.0
-MAX_STALL_S = 300.0
-"""A storage call with no progress for min(deadline / 2, this) is a stall (see ``watchdog.py``)."""
-_LOG_NAMES = 16
-"""Missing ranks named in one "waiting for" log line (the error at the deadline names them all)."""
-_FIRST_POLL_S = 0.001
-"""First pause of a store that must be polled (no ``clone``); it doubles up to the log interval."""
 _PREFIX = "nxd_ckpt/step"
 
 
-# ----------------------------------------------------------------------------------------------- process state
+# ----------------------------------------------------------------------------------------------- the world
 def is_distributed() -> bool:
+    """Whether a default process group is up."""
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
@@ -101,8 +88,6 @@ def local_store(timeout_s: float) -> Any:
     thread: ``/etc/hosts`` has no entry for it, so the resolver asks DNS, and where DNS drops a query (on a
     machine without a reachable name server, about one in 25 here) the whole store stalls 5 s per connection,
     so a world of 1,024 thread ranks took minutes to connect."""
-    import socket
-
     import torch.distributed as dist
 
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -119,314 +104,6 @@ def local_store(timeout_s: float) -> Any:
         raise
     listener.detach()  # the store's server owns the descriptor now
     return store
-
-
-# ----------------------------------------------------------------------------------------------- deadlines
-def default_timeout_s() -> float:
-    """The deadline of every phase: ``NXD_CKPT_TIMEOUT_S`` (or the older ``NXD_CKPT_COMMIT_TIMEOUT_S``), default
-    1800 s (``knobs.timeout_s``)."""
-    from nxd_ckpt import knobs
-
-    return knobs.timeout_s()
-
-
-def resolve_timeout(timeout: float | None) -> float:
-    """The deadline for one call: its ``timeout=`` if given, else ``default_timeout_s()``."""
-    if timeout is None:
-        return default_timeout_s()
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds (or None for {TIMEOUT_ENV}), got {timeout!r}")
-    return float(timeout)
-
-
-def stall_limit_s(timeout_s: float) -> float:
-    """Seconds without storage progress that count as a stall: half the deadline (so a call that stopped moving
-    is told apart from one that only crawls), at most 5 minutes."""
-    return min(timeout_s / 2, MAX_STALL_S)
-
-
-def log_interval_s(timeout_s: float) -> float:
-    """How often the master repeats "waiting for ranks ...": four times per deadline, at most every 30 s."""
-    return min(30.0, max(0.25, timeout_s / 4))
-
-
-def _ranks_text(ranks: list[int] | tuple[int, ...]) -> str:
-    return "[" + ", ".join(map(str, ranks)) + "]"
-
-
-ARRIVAL_GROUP = 32
-"""Ranks that share one arrival key (a node's worth): each sets its own bit with one ``add``, and only the last
-of a group counts the group in at the step's shared counter, so a step costs the store about one operation per
-rank for the arrivals, and its shared keys see one operation per group, not per rank."""
-GAVE_UP = 1 << 40
-"""Added to a step's counters by the rank that gave up waiting: a late rank's own ``add`` then tells it so, with
-no extra store operation on the way of the ranks that are on time."""
-
-
-def _group_size(group: int, world: int) -> int:
-    return min(ARRIVAL_GROUP, world - group * ARRIVAL_GROUP)
-
-
-def arrive(store: Any, prefix: str, rank: int, world: int) -> bool:
-    """Check in at ``prefix`` on the store: one ``add`` of this rank's bit to its group's key; the group's last
-    rank marks the group complete and counts it in, and the last group sets ``all_arrived_key(prefix)``, which
-    the others wait for. True if a rank already gave up waiting at this step (this one is too late)."""
-    group, bit = divmod(rank, ARRIVAL_GROUP)
-    mask = int(store.add(f"{prefix}/g/{group}", 1 << bit))
-    if mask >= GAVE_UP:
-        return True
-    if mask == (1 << _group_size(group, world)) - 1:
-        store.set(f"{prefix}/c/{group}", b"1")
-        complete = int(store.add(f"{prefix}/n", 1))
-        if complete >= GAVE_UP:
-            return True
-        if complete == -(-world // ARRIVAL_GROUP):
-            store.set(all_arrived_key(prefix), b"1")
-    return False
-
-
-def missing_ranks(store: Any, prefix: str, world: int, limit: int | None = None) -> list[int]:
-    """Ranks that have not arrived at ``prefix`` (see ``arrive``), lowest first, at most ``limit`` of them. The
-    incomplete groups are found by bisection (``check`` of many keys answers whether all exist), then one read
-    of each one's bits: k missing ranks in g incomplete groups cost about 2g·log2(G/g) + g operations, not N."""
-    found: list[int] = []
-
-    def absent(lo: int, hi: int) -> None:
-        if (limit is not None and len(found) >= limit) or store.check([f"{prefix}/c/{g}" for g in range(lo, hi)]):
-            return
-        if hi - lo == 1:
-            mask = int(store.add(f"{prefix}/g/{lo}", 0)) % GAVE_UP
-            first = lo * ARRIVAL_GROUP
-            found.extend(first + b for b in range(_group_size(lo, world)) if not (mask >> b) & 1)
-            return
-        mid = (lo + hi) // 2
-        absent(lo, mid)
-        absent(mid, hi)
-
-    if world > 0:
-        absent(0, -(-world // ARRIVAL_GROUP))
-    return found if limit is None else found[:limit]
-
-
-def give_up(store: Any, prefix: str, rank: int, missing: list[int] | tuple[int, ...]) -> None:
-    """After a deadline at ``prefix``: the first rank to give up tells the late ranks (their own ``add`` at
-    arrival returns past ``GAVE_UP``) and names itself in ``<prefix>/gave_up``."""
-    if store.add(f"{prefix}/gave_up_by", 1) != 1:
-        return
-    store.set(f"{prefix}/gave_up", str(rank).encode())
-    store.add(f"{prefix}/n", GAVE_UP)
-    for group in sorted({r // ARRIVAL_GROUP for r in missing}):
-        store.add(f"{prefix}/g/{group}", GAVE_UP)
-
-
-def forget_step(store: Any, prefix: str, rank: int) -> None:
-    """Delete the keys of a finished step that ``rank`` owns: its group's (the group's first rank) and the
-    shared ones (rank 0); so no rank's deletions grow with the number of ranks. (A step at which a rank gave
-    up keeps its two ``gave_up`` keys: rare, and so nobody deletes two keys per step that almost never exist.)"""
-    keys = []
-    if rank % ARRIVAL_GROUP == 0:
-        group = rank // ARRIVAL_GROUP
-        keys += [f"{prefix}/g/{group}", f"{prefix}/c/{group}"]
-    if rank == 0:
-        keys += [f"{prefix}/n", all_arrived_key(prefix)]
-    with contextlib.suppress(Exception):
-        for key in keys:
-            store.delete_key(key)
-
-
-def all_arrived_key(prefix: str) -> str:
-    """Set once every rank has arrived at ``prefix``."""
-    return f"{prefix}/all"
-
-
-class _Waiters(threading.local):
-    """Per thread: a second connection to each store, for blocking waits (a wait holds its client's lock, so on
-    the shared client it would stall the other thread, training or writer, that uses the store meanwhile)."""
-
-    def __init__(self) -> None:
-        self.clients: dict[int, tuple[Any, Any]] = {}
-
-
-_waiters = _Waiters()
-
-
-def waiting_client(store: Any) -> Any | None:
-    """This thread's own connection to ``store`` for blocking waits (made once); None if the store cannot be
-    cloned (then waits poll with back-off)."""
-    entry = _waiters.clients.get(id(store))
-    if entry is None or entry[0] is not store:
-        try:
-            clone = store.clone()
-        except Exception:  # a store type without clone(): poll
-            clone = None
-        entry = (store, clone)
-        _waiters.clients[id(store)] = entry
-        while len(_waiters.clients) > _MAX_WAITERS:  # stores of process groups long destroyed: let them go
-            del _waiters.clients[next(iter(_waiters.clients))]
-    return entry[1]
-
-
-_MAX_WAITERS = 8
-"""Waiting connections kept per thread (one per store it waited on; a job has one store)."""
-
-
-def _wait_once(store: Any, waiter: Any | None, key: str, seconds: float) -> bool:
-    """Wait up to ``seconds`` for ``key``: one blocking ``wait`` on this thread's own connection (one store
-    operation however long it lasts), or without one a single ``check`` after sleeping; True once it is set."""
-    if waiter is None:
-        time.sleep(seconds)
-        return bool(store.check([key]))
-    import torch.distributed as dist
-
-    try:
-        waiter.wait([key], datetime.timedelta(seconds=max(seconds, 0.001)))
-        return True
-    except dist.DistStoreError as e:
-        if "timeout" not in str(e).lower():
-            raise
-        return False
-
-
-def wait_for_key(
-    store: Any,
-    key: str,
-    missing: Callable[[int | None], list[int]],
-    phase: str,
-    timeout_s: float,
-    *,
-    log: bool,
-    since: float | None = None,
-) -> None:
-    """Block until ``key`` is set on ``store``; log who is ``missing(limit)`` every few seconds (if ``log``; the
-    first few only, so a log line costs a bounded number of store operations); past ``timeout_s`` (counted from
-    ``since``, default now) raise CheckpointTimeoutError naming them all.
-
-    The number of store operations does not grow with the wait: a rank that does not log makes one blocking
-    ``wait`` per deadline; one that logs wakes up once per log line (``log_interval_s``: at most about
-    max(4, deadline / 30 s) times); a store without ``clone`` is polled with doubling pauses up to that interval.
-    """
-    start = time.monotonic() if since is None else since
-    interval = log_interval_s(timeout_s)
-    next_log = start + interval
-    waiter = waiting_client(store)
-    pause = _FIRST_POLL_S
-    while True:
-        now = time.monotonic()
-        remaining = timeout_s - (now - start)
-        if remaining <= 0:
-            if store.check([key]):
-                return
-            late = missing(None)
-            raise CheckpointTimeoutError(
-                f"timed out after {timeout_s:g} s in phase '{phase}' waiting for rank(s) {_ranks_text(late)}; "
-                f"those ranks are stuck or far behind (their own logs or errors say where). Raise {TIMEOUT_ENV} "
-                "or pass a larger timeout= if they are only slow",
-                phase=phase,
-                missing_ranks=late,
-            )
-        if log and now >= next_log:
-            names = missing(_LOG_NAMES + 1)
-            more = " and more" if len(names) > _LOG_NAMES else ""
-            logger.warning(
-                "waiting for rank(s) %s%s in phase '%s' (%.1f s so far, deadline in %.1f s)",
-                _ranks_text(names[:_LOG_NAMES]),
-                more,
-                phase,
-                now - start,
-                remaining,
-            )
-            next_log = now + interval
-        step = min(remaining, next_log - now) if log else remaining
-        if waiter is None:
-            step, pause = min(step, pause), min(pause * 2, interval)
-        if _wait_once(store, waiter, key, step):
-            return
-
-
-# ----------------------------------------------------------------------------------------------- failures
-@dataclass(frozen=True)
-class RankFailure:
-    """An exception of one rank, in a form every rank can receive and raise again as the same type."""
-
-    rank: int
-    phase: str
-    module: str
-    qualname: str
-    message: str
-    attributes: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, error: BaseException, rank: int, phase: str) -> RankFailure:
-        origin = getattr(error, "origin_rank", None)
-        attributes = {
-            k: v
-            for k, v in vars(error).items()
-            if k in ("phase", "missing_ranks", "path", "bytes_moved") and isinstance(v, (str, int, tuple, type(None)))
-        }
-        return cls(
-            rank=origin if isinstance(origin, int) else rank,
-            phase=phase,
-            module=type(error).__module__,
-            qualname=type(error).__qualname__,
-            message=str(error) or type(error).__name__,
-            attributes=attributes,
-        )
-
-    def describe(self) -> str:
-        return f"rank {self.rank} failed while {self.phase}: {self.qualname}: {self.message}"
-
-    def to_exception(self, also_failed: list[int] | None = None) -> BaseException:
-        """An exception of the original type (a RemoteRankError if it cannot be rebuilt here), whose message
-        names the rank and phase, with ``origin_rank`` set."""
-        others = f" (rank(s) {_ranks_text(also_failed)} failed too)" if also_failed else ""
-        text = f"rank {self.rank} failed while {self.phase}: {self.message}{others}"
-        error: BaseException
-        try:
-            cls: Any = importlib.import_module(self.module)
-            for part in self.qualname.split("."):
-                cls = getattr(cls, part)
-            if not (isinstance(cls, type) and issubclass(cls, Exception)):
-                raise TypeError("not an Exception class")
-            error = cls(text)
-        except Exception:
-            error = RemoteRankError(
-                f"rank {self.rank} failed while {self.phase}: {self.qualname}: {self.message}{others}"
-            )
-        for name, value in self.attributes.items():
-            with contextlib.suppress(Exception):
-                setattr(error, name, value)
-        with contextlib.suppress(Exception):
-            error.origin_rank = self.rank  # type: ignore[attr-defined]
-        return error
-
-
-def mark_origin(error: BaseException, rank: int) -> None:
-    """Record on ``error`` the rank it happened on (unless it already names one)."""
-    if getattr(error, "origin_rank", None) is None:
-        with contextlib.suppress(Exception):
-            error.origin_rank = rank  # type: ignore[attr-defined]
-
-
-def raise_failures(failures: list[RankFailure | None], local: BaseException | None, rank: int) -> None:
-    """Raise on this rank what ``failures`` (one entry per rank, None where the step succeeded) say: the
-    lowest failing rank's exception, as its own type, on every rank (the original object on that rank)."""
-    failed = sorted((f for f in failures if f is not None), key=lambda f: f.rank)
-    if not failed:
-        if local is not None:  # cannot happen when the local failure was gathered; kept for safety
-            raise local
-        return
-    first = failed[0]
-    if local is not None and first.rank == rank:
-        mark_origin(local, rank)
-        raise local
-    error = first.to_exception([f.rank for f in failed[1:]])
-    if local is not None:
-        raise error from local
-    raise error
-
-
-def format_exception(e: BaseException) -> str:
-    return "".join(traceback.format_exception_only(type(e), e)).strip()
 
 
 # ----------------------------------------------------------------------------------------------- the coordinator

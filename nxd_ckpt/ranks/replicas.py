@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from nxd_ckpt.errors import FormatError
-from nxd_ckpt.ranks.coordinator import Coordinator, format_exception
+from nxd_ckpt.ranks.coordinator import Coordinator
+from nxd_ckpt.ranks.failures import format_exception
 from nxd_ckpt.ranks.topology import Topology
 
 PACK_BELOW_BYTES = 1 << 20

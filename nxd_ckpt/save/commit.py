@@ -5,7 +5,7 @@ until all ranks arrived, writes ``done`` only if none failed, and publishes the 
 it (a synchronous save) wait for that outcome. Both waits have the save's deadline (``NXD_CKPT_TIMEOUT_S`` or
 ``timeout=``, counted from this rank's arrival): while waiting, rank 0 logs which ranks have not arrived, and
 past it the waiting rank raises CheckpointTimeoutError naming them. A failure travels as a ``RankFailure``, so
-every rank raises the same exception type. Arrivals are the coordinator's (``arrive``: one ``add`` per rank,
+every rank raises the same exception type. Arrivals go through ``ranks.arrivals`` (``arrive``: one ``add`` per rank,
 by arrival groups). Keys are namespaced per save and removed two saves later by their owners (a rank its
 failure report, a group's first rank the group's keys, rank 0 the shared ones), so no rank's store operations
 per save grow with the number of ranks, or with the wait (the waits are blocking ``wait_for_key`` calls).
@@ -18,15 +18,9 @@ import time
 from typing import Any
 
 from nxd_ckpt.errors import CheckpointTimeoutError
-from nxd_ckpt.ranks.coordinator import (
-    RankFailure,
-    all_arrived_key,
-    arrive,
-    forget_step,
-    missing_ranks,
-    resolve_timeout,
-    wait_for_key,
-)
+from nxd_ckpt.ranks.arrivals import all_arrived_key, arrive, forget_step, missing_ranks, wait_for_key
+from nxd_ckpt.ranks.deadlines import resolve_timeout
+from nxd_ckpt.ranks.failures import RankFailure
 
 _PREFIX = "nxd_ckpt/commit"
 

@@ -18,7 +18,7 @@ from nxd_ckpt.errors import CheckpointTimeoutError
 from nxd_ckpt.format import layout, tags
 from nxd_ckpt.format.metadata import TagMetadata, write_metadata
 from nxd_ckpt.format.sharding import ShardingRecord
-from nxd_ckpt.ranks.coordinator import RankFailure, mark_origin
+from nxd_ckpt.ranks.failures import RankFailure, mark_origin
 from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.save.commit import CommitBarrier
 from nxd_ckpt.storage import Storage

@@ -7,7 +7,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from nxd_ckpt.log import format_bytes, format_rate
-from nxd_ckpt.ranks.coordinator import format_exception
+from nxd_ckpt.ranks.failures import format_exception
 
 
 @dataclass

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from nxd_ckpt.errors import AsyncSaveError
-from nxd_ckpt.ranks.coordinator import format_exception
+from nxd_ckpt.ranks.failures import format_exception
 
 logger = logging.getLogger("nxd_ckpt")
 

@@ -17,7 +17,8 @@ import secrets
 from typing import Any
 
 from nxd_ckpt.format import integrity, layout
-from nxd_ckpt.ranks.coordinator import Coordinator, stall_limit_s
+from nxd_ckpt.ranks.coordinator import Coordinator
+from nxd_ckpt.ranks.deadlines import stall_limit_s
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.tier.memory import (
     Marker,

@@ -12,8 +12,9 @@ from nxd_ckpt.errors import FormatError, IntegrityError, LayoutMismatchError, Re
 from nxd_ckpt.format import layout
 from nxd_ckpt.format.describe import describe
 from nxd_ckpt.format.metadata import read_metadata
-from nxd_ckpt.load import pipeline as load_pipeline
-from nxd_ckpt.load.pipeline import Outcome, settle
+from nxd_ckpt.load.candidates import Outcome, settle
+from nxd_ckpt.load.read import loaded_bytes, missing_file_error
+from nxd_ckpt.load.read_plan import check_layout
 from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.save import finish
 from nxd_ckpt.save.commit import CommitBarrier
@@ -163,10 +164,10 @@ def test_settle_returns_when_all_loaded():
 # --------------------------------------------------------------------------------------------- choose and read
 def test_a_missing_state_file_says_why(tmp_path):
     storage = LocalStorage(str(tmp_path))
-    error = load_pipeline.missing_file_error(storage, "t/model/dp_rank_00_tp_rank_00_pp_rank_00.pt")
+    error = missing_file_error(storage, "t/model/dp_rank_00_tp_rank_00_pp_rank_00.pt")
     assert "is missing; the checkpoint is damaged or was saved without this state" in str(error)
     storage.write_bytes(layout.tag_path("t", layout.OPTIM_DIR, layout.DCP_METADATA_FILE), b"x")
-    error = load_pipeline.missing_file_error(storage, "t/optim/dp_rank_00_tp_rank_00_pp_rank_00.pt")
+    error = missing_file_error(storage, "t/optim/dp_rank_00_tp_rank_00_pp_rank_00.pt")
     assert "torch Distributed Checkpoint format" in str(error)
 
 
@@ -175,12 +176,12 @@ def test_check_layout_reshards_tp_changes_and_refuses_ep_changes(tmp_path):
     for tp in range(2):
         storage.write_bytes(f"t/model/{layout.state_file_name(0, tp, 0)}", b"x")
     info = describe(storage, "t")
-    assert load_pipeline.check_layout(info, Topology(tp_size=2, rank=0), "u", "t") is False
-    assert load_pipeline.check_layout(info, Topology(tp_size=1, rank=0), "u", "t") is True
+    assert check_layout(info, Topology(tp_size=2, rank=0), "u", "t") is False
+    assert check_layout(info, Topology(tp_size=1, rank=0), "u", "t") is True
     with pytest.raises(LayoutMismatchError, match="expert parallelism EP=1"):
-        load_pipeline.check_layout(info, Topology(tp_size=2, dp_size=2, ep_size=2, rank=0), "u", "t")
+        check_layout(info, Topology(tp_size=2, dp_size=2, ep_size=2, rank=0), "u", "t")
 
 
 def test_loaded_bytes_counts_modules_and_dicts():
     module = torch.nn.Linear(4, 2)
-    assert load_pipeline.loaded_bytes(module, {"x": torch.zeros(3)}, None) == (8 + 2) * 4 + 3 * 4
+    assert loaded_bytes(module, {"x": torch.zeros(3)}, None) == (8 + 2) * 4 + 3 * 4

@@ -84,7 +84,8 @@ def test_write_waves_wait_only_for_the_ranks_of_their_node():
 
 
 def test_missing_ranks_are_found_by_bisection_in_few_operations():
-    from nxd_ckpt.ranks.coordinator import arrive, local_store, missing_ranks
+    from nxd_ckpt.ranks.arrivals import arrive, missing_ranks
+    from nxd_ckpt.ranks.coordinator import local_store
     from nxd_ckpt.testing.counting import CountingStore
 
     store = CountingStore(local_store(10.0))
@@ -108,7 +109,8 @@ def test_missing_ranks_are_found_by_bisection_in_few_operations():
 def test_a_rank_arrives_with_one_store_operation_and_only_the_last_of_a_group_touches_shared_keys():
     """Arrival groups: 64 ranks make 64 + 2·2 + 1 operations in all (a bit each; per group the completion mark
     and the shared count; the last group sets 'all'), and the last rank of the world sets 'all'."""
-    from nxd_ckpt.ranks.coordinator import all_arrived_key, arrive, local_store
+    from nxd_ckpt.ranks.arrivals import all_arrived_key, arrive
+    from nxd_ckpt.ranks.coordinator import local_store
     from nxd_ckpt.testing.counting import CountingStore
 
     store = CountingStore(local_store(10.0))
