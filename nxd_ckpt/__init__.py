@@ -46,7 +46,7 @@ _LAZY = {
     "MemoryTier": "tier.memory",
     "destroy_model_parallel": "parallel_state",
     "initialize_model_parallel": "parallel_state",
-    "Topology": "dist.topology",
+    "Topology": "ranks.topology",
     "ShardingRecord": "format.sharding",
     "TensorSharding": "format.sharding",
     "VerifyReport": "tools.verification",
