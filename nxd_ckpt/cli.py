@@ -623,6 +623,7 @@ class Arg:
 
 
 def _arg(*flags: str, **options: Any) -> Arg:
+    """An Arg, spelled as ``add_argument``'s call."""
     return Arg(flags, options)
 
 
