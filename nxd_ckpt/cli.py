@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from nxd_ckpt import __version__
@@ -198,6 +199,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    """``inspect``: one object (``--object``), the tag's metadata (``--metadata``), or every state file's contents;
+    exit status 1 if a state file is damaged."""
     ckpt = _open(args)
     if args.object:
         return _show_object(ckpt, args.object, args.json)
@@ -205,6 +208,27 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     files = ckpt.files()
     if args.metadata:
         return _show_metadata(ckpt, lay, files, args)
+    state, damaged = _state_file_summaries(ckpt)
+    totals = _inspect_totals(files, state)
+    if args.json:
+        _print_json({**_tag_summary(ckpt, lay, files), "state_files": state, "totals": totals})
+        return EXIT_FAILED if damaged else EXIT_OK
+    _print_tag_header(ckpt, lay)
+    print("files:")
+    _print_table([[f"  {name}", human_bytes(size)] for name, size in _file_rows(files, args.files)])
+    for summary in state:
+        _print_state_file(ckpt, summary)
+    print(
+        f"\ntotal: {totals['state_files']} state files, {totals['tensors']} tensors, "
+        f"{human_bytes(totals['tensor_bytes'])} of tensor data; {totals['files']} files, "
+        f"{human_bytes(totals['file_bytes'])} on disk"
+    )
+    return EXIT_FAILED if damaged else EXIT_OK
+
+
+def _state_file_summaries(ckpt: Checkpoint) -> tuple[list[dict[str, Any]], bool]:
+    """One summary per state file (its objects, or the error reading it, also printed on stderr), and whether one
+    is damaged (a file refused for safety is not: the rest is still shown)."""
     state = []
     damaged = False
     for sf in ckpt.state_files():
@@ -229,69 +253,64 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         )
         if error is not None:
             _err(error)
-    totals = {
+    return state, damaged
+
+
+def _inspect_totals(files: list[tuple[str, int]], state: list[dict[str, Any]]) -> dict[str, int]:
+    """The last line of ``inspect``: files and bytes on storage, state files, tensors and their bytes."""
+    return {
         "files": len(files),
         "file_bytes": sum(size for _, size in files),
         "state_files": len(state),
         "tensors": sum(s["tensors"] for s in state),
         "tensor_bytes": sum(s["tensor_bytes"] for s in state),
     }
-    if args.json:
-        _print_json(
-            {
-                "checkpoint_dir": ckpt.storage.url,
-                "tag": ckpt.tag,
-                "complete": ckpt.complete,
-                "layout": lay.to_json(),
-                "metadata": ckpt.metadata,
-                "files": [{"path": p, "size": s} for p, s in files],
-                "state_files": state,
-                "totals": totals,
-            }
-        )
-        return EXIT_FAILED if damaged else EXIT_OK
+
+
+def _tag_summary(ckpt: Checkpoint, lay: Any, files: list[tuple[str, int]]) -> dict[str, Any]:
+    """What ``inspect --json`` shows of every tag, with or without ``--metadata``."""
+    return {
+        "checkpoint_dir": ckpt.storage.url,
+        "tag": ckpt.tag,
+        "complete": ckpt.complete,
+        "layout": lay.to_json(),
+        "metadata": ckpt.metadata,
+        "files": [{"path": p, "size": s} for p, s in files],
+    }
+
+
+def _print_tag_header(ckpt: Checkpoint, lay: Any) -> None:
+    """The first two lines of ``inspect``: the tag, whether it is complete, its layout."""
     print(f"checkpoint {ckpt.url} ({'complete' if ckpt.complete else 'INCOMPLETE: no done marker'})")
     print(f"layout: {lay.describe()}")
-    print("files:")
-    _print_table([[f"  {name}", human_bytes(size)] for name, size in _file_rows(files, args.files)])
-    for s in state:
-        rel = s["path"][len(ckpt.tag) + 1 :]
-        print(f"\n{rel}  [{s['prefix']}]  {s['encoding']}, {s['tensors']} tensors, {human_bytes(s['tensor_bytes'])}")
-        if s["error"] is not None:
-            print("  (not readable, see the message on stderr)")
-        rows = []
-        for o in s["objects"]:
-            name = o["path"][len(s["prefix"]) + 1 :]
-            if o["kind"] == "tensor":
-                rows.append([f"  {name}", o["dtype"], str(o["shape"]), human_bytes(o["nbytes"])])
-            else:
-                rows.append([f"  {name}", o["dtype"], "=", _short(o["value"])])
-        if rows:
-            _print_table(rows)
+
+
+def _print_state_file(ckpt: Checkpoint, summary: dict[str, Any]) -> None:
+    """One state file of ``inspect``: a title line, then one row per object (a tensor's dtype, shape and bytes)."""
+    rel = summary["path"][len(ckpt.tag) + 1 :]
     print(
-        f"\ntotal: {totals['state_files']} state files, {totals['tensors']} tensors, "
-        f"{human_bytes(totals['tensor_bytes'])} of tensor data; {totals['files']} files, "
-        f"{human_bytes(totals['file_bytes'])} on disk"
+        f"\n{rel}  [{summary['prefix']}]  {summary['encoding']}, {summary['tensors']} tensors, "
+        f"{human_bytes(summary['tensor_bytes'])}"
     )
-    return EXIT_FAILED if damaged else EXIT_OK
+    if summary["error"] is not None:
+        print("  (not readable, see the message on stderr)")
+    rows = []
+    for o in summary["objects"]:
+        name = o["path"][len(summary["prefix"]) + 1 :]
+        if o["kind"] == "tensor":
+            rows.append([f"  {name}", o["dtype"], str(o["shape"]), human_bytes(o["nbytes"])])
+        else:
+            rows.append([f"  {name}", o["dtype"], "=", _short(o["value"])])
+    if rows:
+        _print_table(rows)
 
 
 def _show_metadata(ckpt: Checkpoint, lay: Any, files: list[tuple[str, int]], args: argparse.Namespace) -> int:
     """``inspect --metadata``: layout, nxd_ckpt.json and files, without opening a state file (nor torch)."""
     if args.json:
-        _print_json(
-            {
-                "checkpoint_dir": ckpt.storage.url,
-                "tag": ckpt.tag,
-                "complete": ckpt.complete,
-                "layout": lay.to_json(),
-                "metadata": ckpt.metadata,
-                "files": [{"path": p, "size": s} for p, s in files],
-            }
-        )
+        _print_json(_tag_summary(ckpt, lay, files))
         return EXIT_OK
-    print(f"checkpoint {ckpt.url} ({'complete' if ckpt.complete else 'INCOMPLETE: no done marker'})")
-    print(f"layout: {lay.describe()}")
+    _print_tag_header(ckpt, lay)
     meta = ckpt.metadata
     print("metadata (nxd_ckpt.json):" if meta else "metadata: none (a tag written by NxD, or an unfinished save)")
     for key, value in (meta or {}).items():
@@ -577,10 +596,8 @@ def cmd_convert_zero1(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- parser
 
 
-_DIR_HELP = "checkpoint directory (the one holding the tag directories) or s3://bucket/prefix"
-
-
 def _positive_int(text: str) -> int:
+    """argparse type of the sizes and counts: a whole number >= 1."""
     try:
         value = int(text)
     except ValueError:
@@ -590,7 +607,249 @@ def _positive_int(text: str) -> int:
     return value
 
 
+@dataclass(frozen=True)
+class Arg:
+    """One command-line argument, declared once: argparse's ``add_argument(*flags, **options)``."""
+
+    flags: tuple[str, ...]
+    options: dict[str, Any]
+
+    def add_to(self, parser: argparse.ArgumentParser, command: str = "", **overrides: Any) -> None:
+        """Add it to ``parser``; ``{command}`` in the help names the subcommand."""
+        options = {**self.options, **overrides}
+        if isinstance(options.get("help"), str):
+            options["help"] = options["help"].replace("{command}", command)
+        parser.add_argument(*self.flags, **options)
+
+
+def _arg(*flags: str, **options: Any) -> Arg:
+    """An Arg, spelled as ``add_argument``'s call."""
+    return Arg(flags, options)
+
+
+_SHARDING_JSON = (
+    'JSON of name pattern -> partition dim, [dim, stride] or null (replicated), e.g. {"*.qkv_proj.weight": [0, 3], '
+    '"*": null}'
+)
+
+GLOBAL_ARGS = (
+    _arg("-v", "--verbose", action="store_true", help="log what nxd_ckpt does (to stderr)"),
+    _arg(
+        "--no-progress", dest="progress", action="store_false", help="no progress bars (they only show on a terminal)"
+    ),
+)
+"""The main parser's options; accepted after the subcommand too (hidden there, defaults stay the main parser's)."""
+
+SHARED_ARGS = {
+    "dir": _arg(
+        "dir", metavar="DIR", help="checkpoint directory (the one holding the tag directories) or s3://bucket/prefix"
+    ),
+    "tag": _arg("--tag", help="tag to {command} (default: the latest complete one)"),
+    "json": _arg("--json", action="store_true", help="machine-readable output"),
+    "allow-pickle": _arg(
+        "--allow-pickle", action="store_true", help="unpickle arbitrary classes (trusted checkpoints only)"
+    ),
+    "rename": _arg(
+        "--rename", metavar="FILE", help='JSON rename map: {"old": "new"} or {"exact": {...}, "patterns": [[re, repl]]}'
+    ),
+    "rename-pattern": _arg(
+        "--rename-pattern",
+        action="append",
+        metavar="REGEX=REPL",
+        help="rename names matching REGEX (re.sub replacement; repeatable, first match wins)",
+    ),
+    "sharding-spec": _arg(
+        "--sharding-spec",
+        metavar="FILE",
+        help="how tensors are split over TP ranks when no record says so: " + _SHARDING_JSON,
+    ),
+    "stage-map": _arg(
+        "--stage-map",
+        metavar="FILE",
+        help='for a PP change: JSON of name pattern -> target PP stage, e.g. {"layers.[0-3].*": 0, "*": 1}',
+    ),
+}
+"""The arguments several subcommands take, by name: a command lists the names it takes (``COMMANDS``)."""
+
+
+def _shared(name: str, **overrides: Any) -> Arg:
+    """A shared argument with this command's own wording (``help=``) or settings."""
+    arg = SHARED_ARGS[name]
+    return Arg(arg.flags, {**arg.options, **overrides})
+
+
+CommandArg = str | Arg | Callable[[argparse.ArgumentParser], Any]
+"""A name in SHARED_ARGS, an argument of one command, or a function adding a group of them (the converter's)."""
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: the function running it, its help (also its description), its arguments in --help order."""
+
+    name: str
+    run: Callable[[argparse.Namespace], int]
+    help: str
+    arguments: tuple[CommandArg, ...]
+
+    def add_to(self, subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
+        """Its subparser, with its arguments."""
+        parser = subparsers.add_parser(self.name, help=self.help, description=self.help, parents=parents)
+        parser.set_defaults(func=self.run)
+        for argument in self.arguments:
+            if isinstance(argument, str):
+                SHARED_ARGS[argument].add_to(parser, self.name)
+            elif isinstance(argument, Arg):
+                argument.add_to(parser, self.name)
+            else:
+                argument(parser)
+
+
+COMMANDS = (
+    Command(
+        "list",
+        cmd_list,
+        "list the tags of a checkpoint directory, oldest first: complete or not, latest, size, layout",
+        ("dir", "json"),
+    ),
+    Command(
+        "inspect",
+        cmd_inspect,
+        "show a checkpoint's state files and, per file, every tensor's shape, dtype and bytes, without loading "
+        "tensor data",
+        (
+            "dir",
+            "tag",
+            "json",
+            _arg("--files", action="store_true", help="list every file (default: one line per xser .tensors dir)"),
+            _arg("--object", metavar="PATH", help="print one object, e.g. model/tp00_pp00/fc1.weight"),
+            _arg(
+                "--metadata",
+                action="store_true",
+                help="layout, nxd_ckpt.json and files only (no state file is opened)",
+            ),
+            "allow-pickle",
+        ),
+    ),
+    Command(
+        "verify",
+        cmd_verify,
+        "check a checkpoint: done marker, every state file the layout needs, readable files, CRC-32s and recorded "
+        "checksums; exit status 1 if anything is wrong",
+        (
+            "dir",
+            "tag",
+            _arg("--all", action="store_true", help="verify every complete tag"),
+            _arg("--quick", action="store_true", help="check structure only, without reading tensor data"),
+            "json",
+        ),
+    ),
+    Command(
+        "convert-zero1",
+        cmd_convert_zero1,
+        "convert a tag's ZeRO-1 optimizer state between sharded and full, or to a new DP size; writes a complete, "
+        "verified tag ('done' last). NxD's flags (--input_dir TAG_FOLDER --output_dir TAG_FOLDER --convert_to_full "
+        "...) are accepted too",
+        (zero1_cli.add_arguments,),
+    ),
+    Command(
+        "prune",
+        cmd_prune,
+        "delete all but the newest N complete checkpoints (and incomplete ones older than those), 'done' first so a "
+        "crash never leaves a tag that looks complete",
+        (
+            "dir",
+            _arg("--keep", type=_positive_int, required=True, metavar="N", help="complete checkpoints to keep"),
+            _arg("--dry-run", action="store_true", help="only print what would be deleted"),
+        ),
+    ),
+    Command(
+        "export",
+        cmd_export,
+        "write a checkpoint's model state (any TP/PP layout: shards merged, stages joined) as one Hugging Face-style "
+        "safetensors set, one .safetensors file, or a torch Distributed Checkpoint (--format dcp)",
+        (
+            "dir",
+            "tag",
+            _arg(
+                "--out",
+                required=True,
+                metavar="PATH",
+                help="directory to create (safetensors set: model-0000i-of-0000N.safetensors + "
+                "model.safetensors.index.json; or a DCP checkpoint), or FILE.safetensors for one file",
+            ),
+            _arg("--format", choices=("safetensors", "dcp"), default="safetensors", help="default: safetensors"),
+            _arg(
+                "--max-shard-size",
+                default="5GB",
+                metavar="SIZE",
+                help="largest file of a safetensors set (default 5GB)",
+            ),
+            "rename",
+            "rename-pattern",
+            _shared(
+                "sharding-spec",
+                help="for tags saved at TP>1 without a sharding record (NxD-written): " + _SHARDING_JSON,
+            ),
+            _arg("--shard", metavar="PREFIX", help="export one state file as saved instead, e.g. model/tp01_pp00"),
+            _arg("--force", action="store_true", help="replace PATH if it exists (once the new one is complete)"),
+            "allow-pickle",
+        ),
+    ),
+    Command(
+        "reshard",
+        cmd_reshard,
+        "write a tag re-sharded for another TP/PP/DP layout as a new, verified tag ('done' last). A DP-only change "
+        "re-cuts ZeRO-1 optimizer shards (as convert-zero1); a TP/PP change streams the model one tensor at a time "
+        "(--model-only: the optimizer state is not carried; load_checkpoint re-shards it online)",
+        (
+            "dir",
+            "tag",
+            _arg("--tp", type=_positive_int, metavar="N", help="target tensor-parallel size (default: the tag's)"),
+            _arg("--pp", type=_positive_int, metavar="M", help="target pipeline-parallel size (default: the tag's)"),
+            _arg("--dp", type=_positive_int, metavar="K", help="target data-parallel size (ZeRO-1 shards)"),
+            _arg("--out", required=True, metavar="OUT", help="checkpoint directory to write the new tag into"),
+            _arg("--out-tag", metavar="TAG", help="tag name to write (default: the input's); must not exist"),
+            _arg("--model-only", action="store_true", help="TP/PP change: drop the optimizer state"),
+            _arg(
+                "--param-order",
+                metavar="FILE",
+                help='ZeRO-1 state NxD saved through DCP (use_zero1_dcp=True): JSON {"PP stage": [parameter names in '
+                "the optimizer's order]}, to write it as NxD's per-rank ZeRO-1 files for --dp",
+            ),
+            _arg(
+                "--num-workers", type=_positive_int, default=1, metavar="N", help="DP change: coordinates in parallel"
+            ),
+            "sharding-spec",
+            "stage-map",
+            "allow-pickle",
+        ),
+    ),
+    Command(
+        "import",
+        cmd_import,
+        "write whole-model weights (a safetensors file or set, or a DCP checkpoint) as an NxD-layout tag for a TP/PP "
+        "layout (model only; loads at any DP), verified, 'done' last",
+        (
+            _arg("source", metavar="SOURCE", help="a .safetensors file, a safetensors set directory or a DCP dir"),
+            _arg("--out", required=True, metavar="DIR", help="checkpoint directory to write the tag into"),
+            _arg("--tag", required=True, help="tag name to write (must not exist)"),
+            _arg("--tp", type=_positive_int, default=1, metavar="N", help="tensor-parallel size (default 1)"),
+            _arg("--pp", type=_positive_int, default=1, metavar="M", help="pipeline-parallel size (default 1)"),
+            _arg("--format", choices=("safetensors", "dcp"), help="default: detected from SOURCE"),
+            _arg("--xser", action="store_true", help="write xser model files (one file per tensor)"),
+            _shared("rename", help="JSON rename map applied to the source's names first"),
+            _shared("rename-pattern", help="rename by pattern (repeatable)"),
+            "sharding-spec",
+            "stage-map",
+            _shared("allow-pickle", help="DCP: unpickle .metadata without restrictions (trusted only)"),
+        ),
+    ),
+)
+"""Every subcommand, in --help order."""
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``nxd-ckpt`` parser: the global options, then one subparser per entry of COMMANDS."""
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Look into, check, prune and export nxd_ckpt / NeuronX Distributed checkpoints. "
@@ -598,179 +857,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit status: 0 success, 1 failure (or problems found), 2 usage error.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what nxd_ckpt does (to stderr)")
-    parser.add_argument(
-        "--no-progress", dest="progress", action="store_false", help="no progress bars (they only show on a terminal)"
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-
-    # The global options are accepted after the subcommand too (defaults stay the main parser's).
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    common.add_argument(
-        "--no-progress", dest="progress", action="store_false", default=argparse.SUPPRESS, help=argparse.SUPPRESS
-    )
-
-    def add(name: str, fn: Callable[[argparse.Namespace], int], help_text: str, **kw: Any) -> argparse.ArgumentParser:
-        parents = [common] if kw.get("add_help", True) else []
-        p = sub.add_parser(name, help=help_text, description=help_text, parents=parents, **kw)
-        p.set_defaults(func=fn)
-        return p
-
-    def tag_arg(p: argparse.ArgumentParser, what: str) -> None:
-        p.add_argument("--tag", help=f"tag to {what} (default: the latest complete one)")
-
-    p = add(
-        "list", cmd_list, "list the tags of a checkpoint directory, oldest first: complete or not, latest, size, layout"
-    )
-    p.add_argument("dir", metavar="DIR", help=_DIR_HELP)
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-
-    p = add(
-        "inspect",
-        cmd_inspect,
-        "show a checkpoint's state files and, per file, every tensor's shape, dtype and "
-        "bytes, without loading tensor data",
-    )
-    p.add_argument("dir", metavar="DIR", help=_DIR_HELP)
-    tag_arg(p, "inspect")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--files", action="store_true", help="list every file (default: one line per xser .tensors dir)")
-    p.add_argument("--object", metavar="PATH", help="print one object, e.g. model/tp00_pp00/fc1.weight")
-    p.add_argument(
-        "--metadata", action="store_true", help="layout, nxd_ckpt.json and files only (no state file is opened)"
-    )
-    p.add_argument("--allow-pickle", action="store_true", help="unpickle arbitrary classes (trusted checkpoints only)")
-
-    p = add(
-        "verify",
-        cmd_verify,
-        "check a checkpoint: done marker, every state file the layout needs, readable "
-        "files, CRC-32s and recorded checksums; exit status 1 if anything is wrong",
-    )
-    p.add_argument("dir", metavar="DIR", help=_DIR_HELP)
-    tag_arg(p, "verify")
-    p.add_argument("--all", action="store_true", help="verify every complete tag")
-    p.add_argument("--quick", action="store_true", help="check structure only, without reading tensor data")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-
-    p = add(
-        "convert-zero1",
-        cmd_convert_zero1,
-        "convert a tag's ZeRO-1 optimizer state between sharded and full, or to a new DP size; writes a "
-        "complete, verified tag ('done' last). NxD's flags (--input_dir TAG_FOLDER --output_dir TAG_FOLDER "
-        "--convert_to_full ...) are accepted too",
-    )
-    zero1_cli.add_arguments(p)
-
-    p = add(
-        "prune",
-        cmd_prune,
-        "delete all but the newest N complete checkpoints (and incomplete ones older than "
-        "those), 'done' first so a crash never leaves a tag that looks complete",
-    )
-    p.add_argument("dir", metavar="DIR", help=_DIR_HELP)
-    p.add_argument("--keep", type=_positive_int, required=True, metavar="N", help="complete checkpoints to keep")
-    p.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
-
-    p = add(
-        "export",
-        cmd_export,
-        "write a checkpoint's model state (any TP/PP layout: shards merged, stages joined) as one Hugging "
-        "Face-style safetensors set, one .safetensors file, or a torch Distributed Checkpoint (--format dcp)",
-    )
-    p.add_argument("dir", metavar="DIR", help=_DIR_HELP)
-    tag_arg(p, "export")
-    p.add_argument(
-        "--out",
-        required=True,
-        metavar="PATH",
-        help="directory to create (safetensors set: model-0000i-of-0000N.safetensors + model.safetensors.index.json; "
-        "or a DCP checkpoint), or FILE.safetensors for one file",
-    )
-    p.add_argument("--format", choices=("safetensors", "dcp"), default="safetensors", help="default: safetensors")
-    p.add_argument(
-        "--max-shard-size", default="5GB", metavar="SIZE", help="largest file of a safetensors set (default 5GB)"
-    )
-    p.add_argument(
-        "--rename", metavar="FILE", help='JSON rename map: {"old": "new"} or {"exact": {...}, "patterns": [[re, repl]]}'
-    )
-    p.add_argument(
-        "--rename-pattern",
-        action="append",
-        metavar="REGEX=REPL",
-        help="rename names matching REGEX (re.sub replacement; repeatable, first match wins)",
-    )
-    p.add_argument(
-        "--sharding-spec",
-        metavar="FILE",
-        help="for tags saved at TP>1 without a sharding record (NxD-written): JSON of name pattern -> partition "
-        'dim, [dim, stride] or null (replicated), e.g. {"*.qkv_proj.weight": [0, 3], "*": null}',
-    )
-    p.add_argument("--shard", metavar="PREFIX", help="export one state file as saved instead, e.g. model/tp01_pp00")
-    p.add_argument("--force", action="store_true", help="replace PATH if it exists (once the new one is complete)")
-    p.add_argument("--allow-pickle", action="store_true", help="unpickle arbitrary classes (trusted checkpoints only)")
-
-    def spec_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--sharding-spec",
-            metavar="FILE",
-            help="how tensors are split over TP ranks when no record says so: JSON of name pattern -> partition "
-            'dim, [dim, stride] or null (replicated), e.g. {"*.qkv_proj.weight": [0, 3], "*": null}',
-        )
-        p.add_argument(
-            "--stage-map",
-            metavar="FILE",
-            help='for a PP change: JSON of name pattern -> target PP stage, e.g. {"layers.[0-3].*": 0, "*": 1}',
-        )
-
-    p = add(
-        "reshard",
-        cmd_reshard,
-        "write a tag re-sharded for another TP/PP/DP layout as a new, verified tag ('done' last). A DP-only change "
-        "re-cuts ZeRO-1 optimizer shards (as convert-zero1); a TP/PP change streams the model one tensor at a time "
-        "(--model-only: the optimizer state is not carried; load_checkpoint re-shards it online)",
-    )
-    p.add_argument("dir", metavar="DIR", help=_DIR_HELP)
-    tag_arg(p, "re-shard")
-    p.add_argument("--tp", type=_positive_int, metavar="N", help="target tensor-parallel size (default: the tag's)")
-    p.add_argument("--pp", type=_positive_int, metavar="M", help="target pipeline-parallel size (default: the tag's)")
-    p.add_argument("--dp", type=_positive_int, metavar="K", help="target data-parallel size (ZeRO-1 shards)")
-    p.add_argument("--out", required=True, metavar="OUT", help="checkpoint directory to write the new tag into")
-    p.add_argument("--out-tag", metavar="TAG", help="tag name to write (default: the input's); must not exist")
-    p.add_argument("--model-only", action="store_true", help="TP/PP change: drop the optimizer state")
-    p.add_argument(
-        "--param-order",
-        metavar="FILE",
-        help='ZeRO-1 state NxD saved through DCP (use_zero1_dcp=True): JSON {"PP stage": [parameter names in the '
-        "optimizer's order]}, to write it as NxD's per-rank ZeRO-1 files for --dp",
-    )
-    p.add_argument(
-        "--num-workers", type=_positive_int, default=1, metavar="N", help="DP change: coordinates in parallel"
-    )
-    spec_args(p)
-    p.add_argument("--allow-pickle", action="store_true", help="unpickle arbitrary classes (trusted checkpoints only)")
-
-    p = add(
-        "import",
-        cmd_import,
-        "write whole-model weights (a safetensors file or set, or a DCP checkpoint) as an NxD-layout tag for a "
-        "TP/PP layout (model only; loads at any DP), verified, 'done' last",
-    )
-    p.add_argument("source", metavar="SOURCE", help="a .safetensors file, a safetensors set directory or a DCP dir")
-    p.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write the tag into")
-    p.add_argument("--tag", required=True, help="tag name to write (must not exist)")
-    p.add_argument("--tp", type=_positive_int, default=1, metavar="N", help="tensor-parallel size (default 1)")
-    p.add_argument("--pp", type=_positive_int, default=1, metavar="M", help="pipeline-parallel size (default 1)")
-    p.add_argument("--format", choices=("safetensors", "dcp"), help="default: detected from SOURCE")
-    p.add_argument("--xser", action="store_true", help="write xser model files (one file per tensor)")
-    p.add_argument("--rename", metavar="FILE", help="JSON rename map applied to the source's names first")
-    p.add_argument("--rename-pattern", action="append", metavar="REGEX=REPL", help="rename by pattern (repeatable)")
-    spec_args(p)
-    p.add_argument(
-        "--allow-pickle", action="store_true", help="DCP: unpickle .metadata without restrictions (trusted only)"
-    )
+    hidden_globals = argparse.ArgumentParser(add_help=False)
+    for arg in GLOBAL_ARGS:
+        arg.add_to(parser)
+        arg.add_to(hidden_globals, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers.required = True
+    for command in COMMANDS:
+        command.add_to(subparsers, parents=[hidden_globals])
     return parser
 
 

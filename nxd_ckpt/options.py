@@ -9,9 +9,11 @@ used; nothing in between repeats it.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -28,6 +30,7 @@ SAVE_ERROR_POLICIES = ("raise", "warn")
 """``on_save_error``: raise a failed save on every rank, or log it and keep training."""
 
 _Options = TypeVar("_Options", "SaveOptions", "LoadOptions")
+_Result = TypeVar("_Result")
 
 RANK_STATE_MODES = ("per_rank", "gather")
 """``rank_state_mode``: one file per rank, or every rank's state gathered into one file by the master."""
@@ -56,6 +59,8 @@ class SaveOptions:
     zero1_optimizer: bool = False
     use_zero1_dcp: bool = False
     avoid_saving_lower_precision_weights: bool = False
+    _: KW_ONLY
+    """NxD's parameters above (positional, in NxD's order), nxd_ckpt's below (keyword-only)."""
     rank_state: Any = None
     save_rng: bool = False
     rank_state_mode: str = "per_rank"
@@ -120,6 +125,8 @@ class LoadOptions:
     strict: bool = True
     use_zero1_dcp: bool = False
     """Accepted for NxD's signature: ZeRO-1 state is read from NxD's per-rank files whatever it says."""
+    _: KW_ONLY
+    """NxD's parameters above (positional, in NxD's order), nxd_ckpt's below (keyword-only)."""
     allow_pickle: bool = False
     rank_state: Any = None
     skip_rank_state: bool = False
@@ -140,6 +147,72 @@ class LoadOptions:
     def replace(self, **changes: Any) -> LoadOptions:
         """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def signature_from(
+    cls: type[_Options], first: str
+) -> Callable[[Callable[[_Options], _Result]], Callable[..., _Result]]:
+    """Turn ``fn(options)`` into the public function taking ``cls``'s fields as parameters: ``api``'s functions
+    have NxD's signatures without repeating them.
+
+    The parameters are the fields in order, NxD's positional-or-keyword, nxd_ckpt's keyword-only, with their
+    defaults; the first is named ``first`` as NxD names it (``checkpoint_dir_str``, ``path``). ``inspect.signature``
+    and ``help()`` show them. A call is bound as Python binds arguments (an unknown keyword raises TypeError naming
+    it and the accepted ones), then validated once by ``cls``.
+    """
+    signature = _signature_of(cls, first)
+
+    def decorate(fn: Callable[[_Options], _Result]) -> Callable[..., _Result]:
+        def public(*args: Any, **kwargs: Any) -> _Result:
+            return fn(_bind(cls, signature, fn.__name__, args, kwargs))
+
+        for name in ("__module__", "__name__", "__qualname__", "__doc__"):
+            setattr(public, name, getattr(fn, name))
+        public.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            return_annotation=fn.__annotations__.get("return", inspect.Signature.empty)
+        )
+        return public
+
+    return decorate
+
+
+def _signature_of(cls: type[_Options], first: str) -> inspect.Signature:
+    """``cls``'s init fields as parameters, the first one renamed ``first``."""
+    parameters = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        kind = inspect.Parameter.KEYWORD_ONLY if f.kw_only else inspect.Parameter.POSITIONAL_OR_KEYWORD
+        default = inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default
+        name = first if not parameters else f.name
+        parameters.append(inspect.Parameter(name, kind, default=default, annotation=f.type))
+    return inspect.Signature(parameters)
+
+
+def _bind(
+    cls: type[_Options], signature: inspect.Signature, function: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> _Options:
+    """``cls`` built from one call's arguments; TypeError, worded as Python's, for arguments it does not take."""
+    unknown = [name for name in kwargs if name not in signature.parameters]
+    if unknown:
+        raise TypeError(
+            f"{function}() got an unexpected keyword argument {unknown[0]!r}; the accepted ones are "
+            + ", ".join(signature.parameters)
+        )
+    positional = [p for p in signature.parameters.values() if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    if len(args) > len(positional):
+        required = sum(p.default is inspect.Parameter.empty for p in positional)
+        raise TypeError(
+            f"{function}() takes from {required} to {len(positional)} positional arguments (NxD's) but {len(args)} "
+            "were given; nxd_ckpt's own options are keyword-only"
+        )
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as e:  # a missing or repeated argument
+        raise TypeError(f"{function}() {'got ' if str(e).startswith('multiple') else ''}{e}") from None
+    arguments = dict(bound.arguments)
+    checkpoint_dir = arguments.pop(next(iter(signature.parameters)))  # NxD's name for it, the options' own
+    return cls(checkpoint_dir, **arguments)
 
 
 def save_options(checkpoint_dir: str | os.PathLike[str] | Any, tag: str | None = None, **keywords: Any) -> SaveOptions:

@@ -21,8 +21,10 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -77,11 +79,18 @@ class ConversionReport:
 
 @dataclass(frozen=True)
 class _InputLayout:
+    """The input tag as the converter reads it: its ZeRO-1 DP size (None: full), TP, PP, encoding, description."""
+
     src_dp: int | None
     tp: int
     pp: int
     xser: bool
     description: TagDescription
+
+    @property
+    def coordinates(self) -> list[tuple[int, int]]:
+        """Every (TP, PP) coordinate, TP fastest."""
+        return [(tp, pp) for pp in range(self.pp) for tp in range(self.tp)]
 
 
 # --------------------------------------------------------------------------------------------- public API
@@ -132,19 +141,9 @@ def convert_zero1(
             ),
         )
     start = time.perf_counter()
-    if convert_to_sharded is None:
-        convert_to_sharded = not convert_to_full
-    if convert_to_full == convert_to_sharded:
-        raise ValueError("choose exactly one of convert_to_full / convert_to_sharded")
-    if convert_to_sharded and (dp_size is None or not isinstance(dp_size, int) or dp_size < 1):
-        raise ValueError(f"--dp-size (dp_size) must be an integer >= 1 when converting to shards, got {dp_size!r}")
-    if not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"num_workers must be an integer >= 1, got {num_workers!r}")
-    in_root, in_tag = _split_tag_dir(input_dir, "input")
-    out_root, out_tag = _split_tag_dir(output_dir, "output")
+    _check_arguments(dp_size, convert_to_full, convert_to_sharded, num_workers)
+    in_root, in_tag, out_root, out_tag = _input_and_output(input_dir, output_dir)
     in_dir, out_dir = os.path.join(in_root, in_tag), os.path.join(out_root, out_tag)
-    if os.path.realpath(in_dir) == os.path.realpath(out_dir):
-        raise ValueError(f"output_dir must differ from input_dir ({in_dir}); write the conversion to a new tag")
     if convert_to_full and dp_size is not None:
         logger.warning("--dp-size %s is ignored when converting to full", dp_size)
 
@@ -158,12 +157,7 @@ def convert_zero1(
     report = ConversionReport(in_dir, out_dir, info.src_dp, dst_dp, info.tp, info.pp, info.xser)
     report.files_copied = offline_tag.carry_over(in_dir, out_dir, skip_dirs=(layout.OPTIM_DIR,))
 
-    coords = [(tp, pp) for pp in range(info.pp) for tp in range(info.tp)]
-    slots = sum(  # progress counts parameter slots; PP stages hold different parameters
-        len(ShardFile(in_storage, source_paths(in_tag, tp, pp, info.src_dp)[0], trusted=allow_pickle).shard_paths)
-        for tp, pp in coords
-    )
-    bar = _Progress(slots, enabled=progress)
+    bar = _Progress(_count_slots(in_storage, in_tag, info, trusted=allow_pickle), enabled=progress)
 
     def job(coord: tuple[int, int]) -> tuple[list[str], int]:
         return _convert_coordinate(
@@ -171,19 +165,7 @@ def convert_zero1(
         )
 
     try:
-        if num_workers == 1 or len(coords) == 1:
-            results = [job(c) for c in coords]
-        else:
-            with ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="convert_zero1") as pool:
-                futures = [pool.submit(job, c) for c in coords]
-                results, errors = [], []
-                for fut in futures:
-                    try:
-                        results.append(fut.result())
-                    except BaseException as e:  # all workers finish; the first error is raised
-                        errors.append(e)
-                if errors:
-                    raise errors[0]
+        results = _run_all(job, info.coordinates, num_workers)
     finally:
         bar.close()
     for files, nbytes in results:
@@ -194,6 +176,61 @@ def convert_zero1(
     report.seconds = time.perf_counter() - start
     logger.info("%s", report.summary())
     return report
+
+
+def _check_arguments(
+    dp_size: int | None, convert_to_full: bool, convert_to_sharded: bool | None, num_workers: int
+) -> None:
+    """ValueError for a bad direction (both or neither), ``dp_size`` (when converting to shards) or ``num_workers``."""
+    if convert_to_sharded is None:
+        convert_to_sharded = not convert_to_full
+    if convert_to_full == convert_to_sharded:
+        raise ValueError("choose exactly one of convert_to_full / convert_to_sharded")
+    if convert_to_sharded and (dp_size is None or not isinstance(dp_size, int) or dp_size < 1):
+        raise ValueError(f"--dp-size (dp_size) must be an integer >= 1 when converting to shards, got {dp_size!r}")
+    if not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"num_workers must be an integer >= 1, got {num_workers!r}")
+
+
+def _input_and_output(
+    input_dir: str | os.PathLike[str], output_dir: str | os.PathLike[str]
+) -> tuple[str, str, str, str]:
+    """(input root, input tag, output root, output tag) of two local tag directories, which must differ."""
+    in_root, in_tag = _split_tag_dir(input_dir, "input")
+    out_root, out_tag = _split_tag_dir(output_dir, "output")
+    in_dir, out_dir = os.path.join(in_root, in_tag), os.path.join(out_root, out_tag)
+    if os.path.realpath(in_dir) == os.path.realpath(out_dir):
+        raise ValueError(f"output_dir must differ from input_dir ({in_dir}); write the conversion to a new tag")
+    return in_root, in_tag, out_root, out_tag
+
+
+def _count_slots(storage: LocalStorage, tag: str, info: _InputLayout, *, trusted: bool) -> int:
+    """The progress bar's total: parameter slots of every (TP, PP) coordinate (PP stages hold different ones)."""
+    return sum(
+        len(ShardFile(storage, source_paths(tag, tp, pp, info.src_dp)[0], trusted=trusted).shard_paths)
+        for tp, pp in info.coordinates
+    )
+
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+def _run_all(job: Callable[[_T], _R], items: list[_T], num_workers: int) -> list[_R]:
+    """``job`` over ``items``, ``num_workers`` at a time; every job finishes, then the first error is raised."""
+    if num_workers == 1 or len(items) == 1:
+        return [job(item) for item in items]
+    with ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="convert_zero1") as pool:
+        futures = [pool.submit(job, item) for item in items]
+        results, errors = [], []
+        for fut in futures:
+            try:
+                results.append(fut.result())
+            except BaseException as e:  # all workers finish; the first error is raised
+                errors.append(e)
+        if errors:
+            raise errors[0]
+    return results
 
 
 # --------------------------------------------------------------------------------------------- input / output

@@ -30,6 +30,8 @@ from nxd_ckpt.tools.safetensors_io import SafetensorsSource, TensorEntry
 
 @dataclass
 class ImportReport:
+    """What an import did: the source and its format, the target layout, tensors and bytes, files, the time."""
+
     source: str
     format: str
     out: str
@@ -126,33 +128,11 @@ def import_weights(
     if not os.path.exists(source):
         raise CheckpointError(f"{source}: no such file or directory")
     fmt = format or detect_format(source)
-    if fmt == "dcp":
-        src: SafetensorsSource | dcp_io.DcpSource = dcp_io.DcpSource(source, allow_pickle=allow_pickle)
-        raw = [TensorEntry(n, d, s) for n, d, s in src.entries()]
-    elif fmt == "safetensors":
-        src = SafetensorsSource(source)
-        raw = src.entries()
-    else:
-        raise ValueError(f"unknown import format {fmt!r}; choose safetensors or dcp")
-    if not raw:
-        raise CheckpointError(f"{source} holds no tensors to import")
+    src, raw = _open_source(source, fmt, allow_pickle)
     names = (rename or RenameMap()).apply([e.name for e in raw])
     entries = [TensorEntry(names[e.name], e.dtype, e.shape) for e in raw]
     original = {names[e.name]: e.name for e in raw}
-    if sharding is None:
-        if tp > 1:
-            raise ReshardError(
-                f"importing at TP={tp} needs to know along which dimension each tensor is split: pass a sharding spec "
-                '(--sharding-spec FILE: name pattern -> partition dim, e.g. {"*.qkv_proj.weight": [0, 3], '
-                '"*.o_proj.weight": 1, "*": null}) or, from Python, a model built at the target TP'
-            )
-        sharding = {"*": None}
-    if pp > 1 and stage_of is None:
-        raise ReshardError(
-            f"importing at PP={pp} needs a stage map (--stage-map FILE: JSON of name pattern -> PP stage, e.g. "
-            '{"embed.*": 0, "layers.[0-3].*": 0, "*": 1})'
-        )
-    record = _source_record(entries, sharding, tp)
+    record = _source_record(entries, _check_layout_inputs(sharding, stage_of, tp, pp), tp)
     target = model_writer.plan(entries, record, tp, pp, stage_of, where=source)
     out_root = os.path.abspath(os.fspath(out_dir))
     storage = offline_tag.begin(out_root, tag, overwrite_hint="")
@@ -166,20 +146,64 @@ def import_weights(
 
     try:
         report.files = model_writer.write_model(storage, tag, target, read, xser=use_xser, progress=progress)
-        meta = TagMetadata(
-            tag=tag,
-            created_at=time.time(),
-            tp=tp,
-            pp=pp,
-            xser=use_xser,
-            items=("model",),
-            torch_version=torch.__version__,
-            converted_from={"path": source, "format": fmt},
-            sharding=target.record,
-        )
-        offline_tag.commit(storage, meta)
+        offline_tag.commit(storage, _metadata(tag, target, source, fmt, use_xser))
     except BaseException:
         shutil.rmtree(os.path.join(out_root, tag), ignore_errors=True)  # never complete ('done' comes last)
         raise
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _open_source(
+    source: str, fmt: str, allow_pickle: bool
+) -> tuple[SafetensorsSource | dcp_io.DcpSource, list[TensorEntry]]:
+    """The reader of ``source`` in format ``fmt`` and its tensors' names, dtypes and shapes (at least one)."""
+    if fmt == "dcp":
+        src: SafetensorsSource | dcp_io.DcpSource = dcp_io.DcpSource(source, allow_pickle=allow_pickle)
+        raw = [TensorEntry(n, d, s) for n, d, s in src.entries()]
+    elif fmt == "safetensors":
+        src = SafetensorsSource(source)
+        raw = src.entries()
+    else:
+        raise ValueError(f"unknown import format {fmt!r}; choose safetensors or dcp")
+    if not raw:
+        raise CheckpointError(f"{source} holds no tensors to import")
+    return src, raw
+
+
+def _check_layout_inputs(
+    sharding: shd.ShardingRecord | Mapping[str, shd.SpecValue] | torch.nn.Module | None,
+    stage_of: Callable[[str], int | None] | None,
+    tp: int,
+    pp: int,
+) -> shd.ShardingRecord | Mapping[str, shd.SpecValue] | torch.nn.Module:
+    """``sharding`` (every tensor whole when None at TP=1); ReshardError when TP>1 lacks it or PP>1 a stage map."""
+    if sharding is None:
+        if tp > 1:
+            raise ReshardError(
+                f"importing at TP={tp} needs to know along which dimension each tensor is split: pass a sharding spec "
+                '(--sharding-spec FILE: name pattern -> partition dim, e.g. {"*.qkv_proj.weight": [0, 3], '
+                '"*.o_proj.weight": 1, "*": null}) or, from Python, a model built at the target TP'
+            )
+        sharding = {"*": None}
+    if pp > 1 and stage_of is None:
+        raise ReshardError(
+            f"importing at PP={pp} needs a stage map (--stage-map FILE: JSON of name pattern -> PP stage, e.g. "
+            '{"embed.*": 0, "layers.[0-3].*": 0, "*": 1})'
+        )
+    return sharding
+
+
+def _metadata(tag: str, target: model_writer.ModelPlan, source: str, fmt: str, use_xser: bool) -> TagMetadata:
+    """The imported tag's nxd_ckpt.json: a model-only tag at the target layout, with its sharding record."""
+    return TagMetadata(
+        tag=tag,
+        created_at=time.time(),
+        tp=target.tp,
+        pp=target.pp,
+        xser=use_xser,
+        items=("model",),
+        torch_version=torch.__version__,
+        converted_from={"path": source, "format": fmt},
+        sharding=target.record,
+    )

@@ -38,6 +38,8 @@ logger = logging.getLogger("nxd_ckpt.reshard")
 
 @dataclass
 class ReshardReport:
+    """What a re-shard did: the layouts before and after, tensors and bytes written, the files, the time."""
+
     source: str
     out: str
     src: tuple[int | None, int, int]
@@ -91,30 +93,16 @@ def reshard(
             files do not hold.
     """
     start = time.perf_counter()
-    if ckpt.storage.local_path("") is None:
-        raise CheckpointError(
-            f"{ckpt.url}: reshard reads local checkpoints; copy the tag to local disk first (or use convert-zero1, "
-            "which streams S3 tags through local scratch space, for a DP change)"
-        )
-    for name, value in (("--tp", tp), ("--pp", pp), ("--dp", dp)):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a whole number of at least 1, got {value!r}")
+    _check_request(ckpt, tp, pp, dp)
     desc = ckpt.description()
     if desc.tp is None or desc.pp is None:
         raise CheckpointError(f"{ckpt.url} has no model or optimizer files to tell its layout")
-    src_tp, src_pp = desc.tp, desc.pp
-    dst_tp, dst_pp = tp or src_tp, pp or src_pp
-    out_tag = layout.validate_tag(out_tag or ckpt.tag)
-    out_root = os.path.abspath(os.fspath(out_dir))
-    out_tag_dir = os.path.join(out_root, out_tag)
-    in_tag_dir = os.path.join(ckpt.storage.local_path(""), ckpt.tag)
-    if os.path.realpath(out_tag_dir) == os.path.realpath(in_tag_dir):
-        raise ValueError(f"the output {out_tag_dir} is the input tag; write the re-sharded tag to a new one")
-    if os.path.lexists(out_tag_dir):
-        raise CheckpointError(f"{out_tag_dir} already exists; reshard writes a new tag, choose another --out/--out-tag")
-    src = (desc.dp, src_tp, src_pp)
+    src = (desc.dp, desc.tp, desc.pp)
+    dst_tp, dst_pp = tp or desc.tp, pp or desc.pp
+    out_root, out_tag = _new_tag(ckpt, out_dir, out_tag)
+    same_model_layout = (dst_tp, dst_pp) == (desc.tp, desc.pp)
     dcp_optim = ckpt.storage.exists(layout.tag_path(ckpt.tag, layout.OPTIM_DIR, layout.DCP_METADATA_FILE))
-    if dcp_optim and (dst_tp, dst_pp) == (src_tp, src_pp) and not model_only:
+    if dcp_optim and same_model_layout and not model_only:
         return _reshard_zero1_dcp(ckpt, desc, out_root, out_tag, dp, param_order, src, start)
     if dcp_optim and not model_only:
         raise ReshardError(
@@ -123,7 +111,7 @@ def reshard(
             "(--dp K --param-order FILE); pass --model-only to re-shard the model (and scheduler, user content) "
             "without it"
         )
-    if (dst_tp, dst_pp) == (src_tp, src_pp):
+    if same_model_layout:
         return _reshard_dp(ckpt, desc, out_root, out_tag, dp, model_only, num_workers, src, start)
     has_optimizer = "optimizer" in desc.saved_items or "optimizer" in desc.present_items or dcp_optim
     if has_optimizer and not model_only:
@@ -133,11 +121,56 @@ def reshard(
             "load the tag at the new layout with load_checkpoint, which re-shards the optimizer as it loads"
         )
     model = CheckpointModel(ckpt, sharding)
-    entries = model.entries()
-    target = model_writer.plan(entries, model.record, dst_tp, dst_pp, stage_of, where=ckpt.url)
-    storage = offline_tag.begin(out_root, out_tag, overwrite_hint="")
+    target = model_writer.plan(model.entries(), model.record, dst_tp, dst_pp, stage_of, where=ckpt.url)
+    out_tag_dir = os.path.join(out_root, out_tag)
     report = ReshardReport(ckpt.url, out_tag_dir, src, (None, dst_tp, dst_pp), model_only=has_optimizer)
-    report.largest_tensor_bytes = max((e.nbytes for e in entries), default=0)
+    _write_model(ckpt, desc, model, target, out_root, out_tag, report, progress)
+    report.seconds = time.perf_counter() - start
+    logger.info("%s", report.summary())
+    return report
+
+
+def _check_request(ckpt: Checkpoint, tp: int | None, pp: int | None, dp: int | None) -> None:
+    """CheckpointError for a source on remote storage, ValueError for a size that is not a whole number >= 1."""
+    if ckpt.storage.local_path("") is None:
+        raise CheckpointError(
+            f"{ckpt.url}: reshard reads local checkpoints; copy the tag to local disk first (or use convert-zero1, "
+            "which streams S3 tags through local scratch space, for a DP change)"
+        )
+    for name, value in (("--tp", tp), ("--pp", pp), ("--dp", dp)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a whole number of at least 1, got {value!r}")
+
+
+def _new_tag(ckpt: Checkpoint, out_dir: str | os.PathLike[str], out_tag: str | None) -> tuple[str, str]:
+    """(checkpoint directory, tag) of the output: a valid tag name (default: the input's) that does not exist yet
+    and is not the input itself."""
+    out_tag = layout.validate_tag(out_tag or ckpt.tag)
+    out_root = os.path.abspath(os.fspath(out_dir))
+    out_tag_dir = os.path.join(out_root, out_tag)
+    in_tag_dir = os.path.join(ckpt.storage.local_path(""), ckpt.tag)
+    if os.path.realpath(out_tag_dir) == os.path.realpath(in_tag_dir):
+        raise ValueError(f"the output {out_tag_dir} is the input tag; write the re-sharded tag to a new one")
+    if os.path.lexists(out_tag_dir):
+        raise CheckpointError(f"{out_tag_dir} already exists; reshard writes a new tag, choose another --out/--out-tag")
+    return out_root, out_tag
+
+
+def _write_model(
+    ckpt: Checkpoint,
+    desc: Any,
+    model: CheckpointModel,
+    target: model_writer.ModelPlan,
+    out_root: str,
+    out_tag: str,
+    report: ReshardReport,
+    progress: Callable[[int], None] | None,
+) -> None:
+    """TP or PP changes: the model one tensor at a time into the ``target`` files, scheduler and user content
+    carried over, committed ('done' last); the tag is removed again on failure. Counts into ``report``."""
+    out_tag_dir = os.path.join(out_root, out_tag)
+    storage = offline_tag.begin(out_root, out_tag, overwrite_hint="")
+    report.largest_tensor_bytes = max((e.nbytes for e in target.entries), default=0)
 
     def read(name: str) -> torch.Tensor:
         tensor = model.read(name)
@@ -148,32 +181,36 @@ def reshard(
     try:
         report.files = model_writer.write_model(storage, out_tag, target, read, xser=desc.xser, progress=progress)
         carried = _carry_top_level(ckpt, out_tag_dir)
-        items = tuple(i for i in ("model", *carried) if i in desc.saved_items or i == "model")
-        base = desc.metadata or TagMetadata(tag=out_tag, created_at=None)
-        meta = base.with_changes(
-            tag=out_tag,
-            created_at=time.time() if base.created_at is None else base.created_at,
-            tp=dst_tp,
-            pp=dst_pp,
-            dp=None,
-            cp=None,
-            world_size=None,
-            zero1=False,
-            zero1_dp_size=None,
-            zero1_full=None,
-            xser=desc.xser,
-            items=items,
-            torch_version=base.torch_version or torch.__version__,
-            converted_from={"tag": ckpt.tag, "dp": desc.dp, "tp": src_tp, "pp": src_pp},
-            sharding=target.record,
-        )
-        offline_tag.commit(storage, meta)
+        offline_tag.commit(storage, _model_metadata(ckpt, desc, out_tag, target, carried))
     except BaseException:
         shutil.rmtree(out_tag_dir, ignore_errors=True)  # never complete: 'done' comes last
         raise
-    report.seconds = time.perf_counter() - start
-    logger.info("%s", report.summary())
-    return report
+
+
+def _model_metadata(
+    ckpt: Checkpoint, desc: Any, out_tag: str, target: model_writer.ModelPlan, carried: list[str]
+) -> TagMetadata:
+    """The re-sharded tag's nxd_ckpt.json: the source's (a fresh one for NxD-written tags) with the new layout,
+    its sharding record, and no optimizer."""
+    items = tuple(i for i in ("model", *carried) if i in desc.saved_items or i == "model")
+    base = desc.metadata or TagMetadata(tag=out_tag, created_at=None)
+    return base.with_changes(
+        tag=out_tag,
+        created_at=time.time() if base.created_at is None else base.created_at,
+        tp=target.tp,
+        pp=target.pp,
+        dp=None,
+        cp=None,
+        world_size=None,
+        zero1=False,
+        zero1_dp_size=None,
+        zero1_full=None,
+        xser=desc.xser,
+        items=items,
+        torch_version=base.torch_version or torch.__version__,
+        converted_from={"tag": ckpt.tag, "dp": desc.dp, "tp": desc.tp, "pp": desc.pp},
+        sharding=target.record,
+    )
 
 
 def _carry_top_level(ckpt: Checkpoint, out_tag_dir: str) -> list[str]:

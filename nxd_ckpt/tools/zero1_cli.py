@@ -29,7 +29,16 @@ SCRIPT_PROG = "convert_zero1_checkpoint.py"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The converter's flags (hyphenated, with NxD's underscore spellings as aliases)."""
+    """The converter's flags (hyphenated, with NxD's underscore spellings as aliases): input, output, mode, run."""
+    _add_input_arguments(parser)
+    _add_output_arguments(parser)
+    _add_mode_arguments(parser)
+    _add_run_arguments(parser)
+    return parser
+
+
+def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
+    """The input: DIR and --tag like the other commands, or NxD's --input-dir naming the tag folder."""
     parser.add_argument(
         "dir",
         metavar="DIR",
@@ -44,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         metavar="PATH",
         help="NxD's spelling of DIR: the tag folder to read (e.g. ckpts/step_1200)",
     )
+
+
+def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """The output, one of two: --out (a checkpoint directory, with --out-tag) or NxD's --output-dir (a tag folder)."""
     out = parser.add_mutually_exclusive_group(required=True)
     out.add_argument(
         "--out", metavar="DIR", help="checkpoint directory to write the converted tag into (same tag name)"
@@ -56,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="NxD's form: the tag folder to write (e.g. ckpts_dp2/step_1200); must not hold a checkpoint",
     )
     parser.add_argument("--out-tag", metavar="TAG", help="with --out: the tag name to write (default: the input's)")
+
+
+def _add_mode_arguments(parser: argparse.ArgumentParser) -> None:
+    """What to convert to, one of two: full, or shards for --dp-size."""
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument(
         "--to-full",
@@ -74,6 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="write optim/dp_rank_.. shards for --dp-size",
     )
     parser.add_argument("--dp-size", "--dp_size", dest="dp_size", type=int, metavar="N", help="DP size of the output")
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """How to run: workers, overwriting, trusting pickles, the progress bar."""
     parser.add_argument(
         "--num-workers",
         "--num_workers",
@@ -92,7 +113,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="read pickled classes (runs code from the files: trusted checkpoints only)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar (it only shows on a terminal anyway)")
-    return parser
 
 
 def build_parser(prog: str = SCRIPT_PROG) -> argparse.ArgumentParser:

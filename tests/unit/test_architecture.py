@@ -147,3 +147,44 @@ def test_dependencies_point_down_the_layers():
         if d != PACKAGE and _layer(d) > _layer(m)
     )
     assert upward == [], "modules importing from a higher layer:\n" + "\n".join(upward)
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> list[tuple[str, int, int]]:
+    """(name, first line, body lines) of each function in ``source`` whose body, docstring aside, is over ``limit``
+    lines (nested functions counted in their parent too, and on their own)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        body = node.body
+        if len(body) > 1 and ast.get_docstring(node, clean=False) is not None:
+            body = body[1:]
+        lines = (node.end_lineno or node.lineno) - body[0].lineno + 1
+        if lines > limit:
+            out.append((node.name, node.lineno, lines))
+    return out
+
+
+def test_no_function_over_60_lines():
+    """A newcomer reads a function in one screen: steps go into named functions (the testing/ harnesses aside)."""
+    offenders = []
+    for module, path in sorted(_modules().items()):
+        if module.startswith(f"{PACKAGE}.testing"):
+            continue
+        with open(path) as f:
+            offenders += [f"{module}.{name} (line {line}): {n} lines" for name, line, n in long_functions(f.read())]
+    assert not offenders, f"functions over {MAX_FUNCTION_LINES} lines (docstring aside):\n" + "\n".join(offenders)
+
+
+def test_a_long_function_is_found():
+    """The checker counts body lines without the docstring: 61 statements fail, 60 (plus a docstring) pass."""
+
+    def source(statements: int) -> str:
+        body = "".join(f"    x{i} = {i}\n" for i in range(statements))
+        return f'def long():\n    """A docstring\n    over two lines."""\n{body}'
+
+    assert long_functions(source(61)) == [("long", 1, 61)]
+    assert long_functions(source(60)) == []

@@ -215,3 +215,23 @@ def test_manager_takes_options_or_arguments_not_both(tmp_path):
     with pytest.raises(TypeError, match="either a LoadOptions or the load's arguments"):
         manager.load(LoadOptions(ckpt), "b")
     manager.finalize()
+
+
+def test_an_unknown_or_extra_argument_is_refused_as_python_would(tmp_path):
+    """The signature comes from the options' fields: an unknown keyword is named with the accepted ones, and only
+    NxD's parameters are positional (in the functions and in the options)."""
+    unknown = r"^save_checkpoint\(\) got an unexpected keyword argument 'use_xsr'; "
+    accepted = r"the accepted ones are checkpoint_dir_str, tag, model, optimizer, .*, device_snapshot_budget$"
+    with pytest.raises(TypeError, match=unknown + accepted):
+        api.save_checkpoint(str(tmp_path), "t", use_xsr=True)
+    with pytest.raises(TypeError, match=r"^load_checkpoint\(\) got an unexpected keyword argument 'stict'; .* path, "):
+        api.load_checkpoint(str(tmp_path), stict=True)
+    with pytest.raises(TypeError, match=r"takes from 2 to 13 positional arguments \(NxD's\) but 14 were given"):
+        api.save_checkpoint(str(tmp_path), "t", *([None] * 4), *([False] * 8))
+    with pytest.raises(TypeError, match=r"takes from 1 to 8 positional arguments \(NxD's\) but 9 were given"):
+        api.load_checkpoint(str(tmp_path), *([None] * 8))
+    with pytest.raises(TypeError, match=r"^save_checkpoint\(\) missing a required argument: 'tag'"):
+        api.save_checkpoint(str(tmp_path))
+    with pytest.raises(TypeError):
+        SaveOptions(str(tmp_path), "t", *([None] * 4), 8, *([False] * 6), None)  # rank_state is keyword-only
+    assert not os.listdir(tmp_path)
