@@ -2,9 +2,10 @@
 
 It owns what lives between calls: the coordinator of the current process group (and the store namespace and
 save counter of its commits), the background writer thread, the staging buffers reused by async saves, the
-memory tier's run-time, and the reports of earlier saves. Each ``save`` builds a ``SaveOptions`` (or takes one),
-waits for the previous save, and runs ``save.pipeline.SavePipeline``; each ``load`` runs
-``load.pipeline.LoadPipeline``. The steps themselves live in those modules.
+memory tier's run-time, and the writer jobs of earlier saves. Each ``save`` builds a ``SaveOptions`` (or takes one),
+waits for the previous save, runs ``save.pipeline.SavePipeline`` over plain values (``SaveServices``) and records
+the ``SaveOutcome`` it returns; each ``load`` runs ``load.pipeline.LoadPipeline``. The steps themselves live in
+those modules.
 
 Async saves (``async_save=True``): the caller pays for staging only; the write and the store-based commit run
 as one job on the ``writer.AsyncWriter`` thread, retention as a second job after it. A new save first waits for
