@@ -245,8 +245,13 @@ class CheckpointManager:
         with coord.deadline(options.timeout_s):
             outcome = SavePipeline(self._save_services(coord, timer)).run(options, report)
         self._record(outcome)
-        if outcome.error is not None:
-            raise outcome.error
+        error = outcome.error
+        del outcome
+        if error is not None:
+            try:
+                raise error
+            finally:
+                del error  # this frame, in the traceback, must not keep the error alive (as Future.result does)
         return report
 
     def _record(self, outcome: SaveOutcome) -> None:

@@ -223,7 +223,6 @@ class SavePipeline:
         ``report`` instead."""
         ctx: SaveContext | None = None
         retention: Future | None = None
-        error: BaseException | None = None
         try:
             ctx, captured = self.begin(options, report)
             stage_start = self.timer.now()
@@ -240,12 +239,18 @@ class SavePipeline:
                 log_save(report, self.coord)
         except Exception as e:
             if options.on_save_error == "raise":
-                error = e
-            else:
-                warn_failed(report, e)
-                report.blocked_s = self.timer.since()
+                return self.outcome(ctx, retention, e)
+            warn_failed(report, e)
+            report.blocked_s = self.timer.since()
         except BaseException as e:
-            error = e
+            return self.outcome(ctx, retention, e)
+        return self.outcome(ctx, retention)
+
+    def outcome(
+        self, ctx: SaveContext | None, retention: Future | None, error: BaseException | None = None
+    ) -> SaveOutcome:
+        """What ``run`` hands back (returned from inside its ``except``, so that no frame of the error's traceback
+        keeps the error itself alive)."""
         return SaveOutcome(ctx.seq if ctx is not None else None, self.job, retention, error)
 
     # ------------------------------------------------------------------ begin
