@@ -2,9 +2,10 @@
 
 It owns what lives between calls: the coordinator of the current process group (and the store namespace and
 save counter of its commits), the background writer thread, the staging buffers reused by async saves, the
-memory tier's run-time, and the reports of earlier saves. Each ``save`` builds a ``SaveOptions`` (or takes one),
-waits for the previous save, and runs ``save.pipeline.SavePipeline``; each ``load`` runs
-``load.pipeline.LoadPipeline``. The steps themselves live in those modules.
+memory tier's run-time, and the writer jobs of earlier saves. Each ``save`` builds a ``SaveOptions`` (or takes one),
+waits for the previous save, runs ``save.pipeline.SavePipeline`` over plain values (``SaveServices``) and records
+the ``SaveOutcome`` it returns; each ``load`` runs ``load.pipeline.LoadPipeline``. The steps themselves live in
+those modules.
 
 Async saves (``async_save=True``): the caller pays for staging only; the write and the store-based commit run
 as one job on the ``writer.AsyncWriter`` thread, retention as a second job after it. A new save first waits for
@@ -17,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -34,7 +34,7 @@ from nxd_ckpt.ranks.coordinator import Coordinator, group_identity
 from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.save import pipeline as save_pipeline
 from nxd_ckpt.save import staging
-from nxd_ckpt.save.pipeline import SavePipeline, SaveServices
+from nxd_ckpt.save.pipeline import SaveOutcome, SavePipeline, SaveServices, SaveTimer
 from nxd_ckpt.save.report import SaveReport
 from nxd_ckpt.save.writer import AsyncWriter
 from nxd_ckpt.storage import Storage, storage_for
@@ -81,8 +81,9 @@ class CheckpointManager:
         self._seq = 0
         self._async_writer: AsyncWriter | None = None
         self._staging_pool = staging.StagingPool(max_sets=2)
-        self._warned: list[str] = []
-        """Background save failures under ``on_save_error="warn"``, reported by the next SaveReport."""
+        self._save_jobs: list[Future[str | None]] = []
+        """Async saves' writer jobs since the last save: failures they report under ``on_save_error="warn"`` go
+        into the next SaveReport."""
         self._retention_jobs: list[Future] = []
         self.memory_tier = memory_tier
         self.host_memory_budget = host_memory_budget
@@ -123,19 +124,13 @@ class CheckpointManager:
         return self._tier_runtime
 
     def _writer(self) -> AsyncWriter:
+        """The background writer (made on first use; its thread starts with its first job)."""
         if self._async_writer is None:
             self._async_writer = AsyncWriter()
         return self._async_writer
 
-    def _next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
-
     def _queued_retention(self, future: Future) -> None:
         self._retention_jobs = [f for f in self._retention_jobs if not f.done()] + [future]
-
-    def _record_background_failure(self, description: str) -> None:
-        self._warned.append(description)
 
     def _set_restore(self, report: RestoreReport) -> None:
         self.last_restore = report
@@ -230,7 +225,7 @@ class CheckpointManager:
     ) -> SaveReport:
         """Save a checkpoint (``api.save_checkpoint`` documents the options); every rank must call it. Takes a
         ``SaveOptions``, or builds one from the same arguments as ``save_checkpoint``."""
-        call_start = time.perf_counter()
+        timer = SaveTimer()
         options = save_options(checkpoint_dir, tag, **keywords)
         if options.memory_tier is None and self.memory_tier is not None:
             options = options.replace(memory_tier=self.memory_tier)
@@ -238,7 +233,7 @@ class CheckpointManager:
             options = options.replace(host_memory_budget=self.host_memory_budget)
         save_pipeline.refuse_unsavable(options)
         waited = self._settle_background()
-        earlier_failures, self._warned = self._warned, []
+        earlier_failures = self._background_failures()
         coord = self.coordinator()
         report = SaveReport(
             tag=options.tag,
@@ -247,16 +242,38 @@ class CheckpointManager:
             waited_s=waited,
             earlier_failures=earlier_failures,
         )
-        report._started = call_start
-        try:
-            with coord.deadline(options.timeout_s):
-                SavePipeline(self._save_services(coord)).run(options, report)
-        except Exception as e:
-            if options.on_save_error == "raise":
-                raise
-            save_pipeline.warn_failed(report, e)
-        report.blocked_s = time.perf_counter() - call_start
+        with coord.deadline(options.timeout_s):
+            outcome = SavePipeline(self._save_services(coord, timer)).run(options, report)
+        self._record(outcome)
+        error = outcome.error
+        del outcome
+        if error is not None:
+            try:
+                raise error
+            finally:
+                del error  # this frame, in the traceback, must not keep the error alive (as Future.result does)
         return report
+
+    def _record(self, outcome: SaveOutcome) -> None:
+        """What a save handed back: the sequence number it used, its writer jobs (retention is waited for by tag
+        listings, a save job's warned failure is reported by the next save)."""
+        if outcome.seq is not None:
+            self._seq = outcome.seq
+        if outcome.job is not None:
+            self._save_jobs.append(outcome.job)
+        if outcome.retention is not None:
+            self._queued_retention(outcome.retention)
+
+    def _background_failures(self) -> list[str]:
+        """The failures ended async saves returned under ``on_save_error="warn"``, in order, each reported once."""
+        jobs, self._save_jobs = self._save_jobs, []
+        failures: list[str] = []
+        for job in jobs:
+            if not job.done():
+                self._save_jobs.append(job)
+            elif not job.cancelled() and job.exception() is None and (failure := job.result()) is not None:
+                failures.append(failure)
+        return failures
 
     def load(
         self, checkpoint_dir: str | os.PathLike[str] | LoadOptions, tag: str | None = None, **keywords: Any
@@ -269,18 +286,17 @@ class CheckpointManager:
         self._settle_background()
         return LoadPipeline(self._load_services(self.coordinator())).run(options)
 
-    def _save_services(self, coord: Coordinator) -> SaveServices:
+    def _save_services(self, coord: Coordinator, timer: SaveTimer) -> SaveServices:
         return SaveServices(
             coordinator=coord,
             session=self._session,
+            seq=self._seq + 1,
+            writer=self._writer(),
+            staging_pool=self._staging_pool,
+            timer=timer,
             topology=self.topology,
             storage_for=self._storage_for,
-            staging_pool=self._staging_pool,
-            writer=self._writer,
-            next_seq=self._next_seq,
             tier_runtime=self._tier,
-            on_background_failure=self._record_background_failure,
-            on_retention_queued=self._queued_retention,
         )
 
     def _load_services(self, coord: Coordinator) -> LoadServices:

@@ -3,11 +3,17 @@
 ``SavePipeline.run`` composes them; each is a method or function testable alone (``testing.threadworld`` runs
 the whole pipeline in one process with one thread per rank).
 
-  begin      every rank's layout is checked; rank 0 marks the tag as being saved (a complete one is re-saved
-             beside it) and every rank learns the save's identity (``SaveContext``);
-  plan       which state files this rank writes (``plan.plan_save``) and its per-rank state files;
-  stage      a training-safe host copy (async: ``staging.StagingPool``) or a thread fetching device tensors
-             ahead of the writers (sync); the only step an async save blocks on besides ``begin``;
+  begin      every rank's layout is checked; the per-rank state (data loaders, RNG) and the model's state dict
+             are captured as they are at the call (the per-rank state gathered to rank 0 in "gather" mode);
+             rank 0 marks the tag as being saved (a complete one is re-saved beside it) and every rank learns the
+             save's identity (``SaveContext``);
+  plan       every file this rank writes, one value (``plan.SavePlan``): its state files (``plan.plan_save``),
+             then its per-rank state files;
+  stage      every copy, by one strategy: pooled (async: a training-safe host copy in ``staging.StagingPool``,
+             then the write is handed to the writer thread), budgeted (async under a host memory budget: the
+             write is handed over first and the call copies what fits the budget while it writes, waiting for
+             the rest: ``budget.BudgetedStager``), or live (sync: a thread fetching device tensors ahead of the
+             writers); the only step an async save blocks on besides ``begin`` and ``plan``;
   write      this rank's files, durable, with its manifest (or into the memory tier, its peers, and every
              ``durable_every``-th time the checkpoint directory), watched for stalls;
   commit     ``finish.commit``: ranks arrive on the c10d store, rank 0 writes metadata and ``done`` last;
@@ -15,8 +21,9 @@ the whole pipeline in one process with one thread per rank).
 
 Steps write and commit use no collectives, so an async save runs them as one job on the writer thread. A
 rank that fails before writing still arrives (with its error), so rank 0's commit never waits for it in vain.
-The per-process state these steps need (coordinator, writer thread, staging pool, tier run-time, the save
-counter) belongs to the manager and is lent through ``SaveServices``.
+The manager hands a save its per-process objects and this call's number and clock (``SaveServices``); the
+save hands back what the manager keeps (``SaveOutcome``: the sequence number it used, its writer jobs, the
+error to raise). The pipeline alone fills in the ``SaveReport``, reading every duration off one ``SaveTimer``.
 """
 
 from __future__ import annotations
@@ -52,25 +59,70 @@ from nxd_ckpt.watchdog import StorageMonitor, WatchedStorage, run_watched
 logger = logging.getLogger("nxd_ckpt")
 
 
+class SaveTimer:
+    """The one clock of a save (``time.perf_counter``), started at the call: every duration in its SaveReport is
+    read off it."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+
+    @staticmethod
+    def now() -> float:
+        """A reading to measure a step from (``since``)."""
+        return time.perf_counter()
+
+    def since(self, start: float | None = None) -> float:
+        """Seconds since ``start`` (a ``now`` reading), or since the call."""
+        return time.perf_counter() - (self.started if start is None else start)
+
+
 @dataclass(frozen=True)
 class SaveServices:
-    """What the manager lends a save: its per-process state, as values and callbacks."""
+    """What the manager hands one save: its per-process objects, and this call's number and clock."""
 
     coordinator: Coordinator
     session: str
     """The store namespace of this manager's commits (identical on every rank)."""
-    topology: Callable[[], Topology]
-    storage_for: Callable[[Any], Storage]
+    seq: int
+    """The number this save takes once ``begin`` agrees on it: one more than the last begun save's (identical on
+    every rank); handed back in ``SaveOutcome.seq``."""
+    writer: AsyncWriter
+    """The background writer thread (its thread starts with its first job)."""
     staging_pool: staging.StagingPool
-    writer: Callable[[], AsyncWriter]
-    """The background writer thread (started on first use)."""
-    next_seq: Callable[[], int]
-    """The number of the next save of this manager (identical on every rank)."""
+    timer: SaveTimer
+    """Started at the call, before the wait for the previous save."""
+    topology: Callable[[], Topology]
+    """Read inside ``begin``'s first collective, so that a rank failing to read it fails the save on every rank."""
+    storage_for: Callable[[Any], Storage]
+    """The checkpoint directory's storage (the manager's injected factory)."""
     tier_runtime: Callable[[MemoryTier, str, Topology], TierRuntime]
-    """The memory tier's run-time state for a checkpoint directory (set up collectively on first use)."""
-    on_background_failure: Callable[[str], None]
-    """An async save failed under ``on_save_error="warn"``: reported by the next save's SaveReport."""
-    on_retention_queued: Callable[[Future], None]
+    """The memory tier's run-time state for a checkpoint directory (set up collectively on first use, and kept by
+    the manager for later saves and loads)."""
+
+
+@dataclass(frozen=True)
+class SaveOutcome:
+    """What one save hands back to the manager, whether it succeeded or not."""
+
+    seq: int | None = None
+    """The sequence number it used (None when it failed before ``begin`` agreed on the save)."""
+    job: Future[str | None] | None = None
+    """Async saves: the write-and-commit job on the writer thread; its result is the failure it reported under
+    ``on_save_error="warn"`` (None when it succeeded), for the next save's ``earlier_failures``."""
+    retention: Future | None = None
+    """Rank 0: the retention job queued behind the save."""
+    error: BaseException | None = None
+    """The error the caller raises (``on_save_error="raise"``, or not an ``Exception``); under "warn" a failure is
+    recorded in the SaveReport instead."""
+
+
+@dataclass(frozen=True)
+class Captured:
+    """What ``begin`` read from the live objects, as it was at the call: the model's state dict and this rank's
+    per-rank state files (path, host state; copies for async saves)."""
+
+    model: Any
+    rank_files: list[tuple[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -83,6 +135,8 @@ class SaveContext:
     seq: int
     coordinator: Coordinator
     session: str
+    runtime: TierRuntime | None = None
+    """The memory tier's run-time, when the save goes through the tier."""
     tier: TierSave | None = None
     """This rank's part of the save in the memory tier, if one is used."""
 
@@ -122,68 +176,109 @@ class Staged:
     writes: list[plan.StateWrite]
     lease: staging.StagedState | None = None
     """Async saves: the pooled host copy, handed back as soon as the files are written."""
+    pool: staging.StagingPool | None = None
+    """The pool the lease came from."""
     fetcher: DeviceTransfer | budget.BudgetedStager | None = None
     """Device tensors: their host copies, arriving on a background thread ahead of the writers (from the device
     snapshot of an async save, from the live tensors of a sync one); async saves under a host memory budget: the
-    copies the training thread makes in ``run`` while the writer writes."""
+    copies the training thread makes in ``stage`` while the writer writes."""
 
     def host(self) -> Callable[[Any], Any] | None:
         return self.fetcher.host if self.fetcher is not None else None
 
+    def close(self, monitor: StorageMonitor) -> tuple[BaseException | None, int]:
+        """After the write: stop the fetcher and hand the copies back (never to be reused once ``monitor`` gave
+        up on the write: an abandoned writer thread may still read them). Returns the fetcher's unseen error and
+        the pinned host bytes a device transfer of an async save allocated."""
+        error: BaseException | None = None
+        pinned = 0
+        if self.fetcher is not None:
+            try:  # an unseen transfer error fails this rank's write, before it arrives
+                self.fetcher.close()
+            except BaseException as e:
+                error = e
+            if isinstance(self.fetcher, DeviceTransfer) and self.lease is not None:
+                pinned = self.fetcher.allocated_bytes  # pinned on the transfer thread
+        if self.lease is not None:
+            self.lease.release()
+            if monitor.cancelled and self.pool is not None:
+                self.pool.clear()
+        return error, pinned
+
 
 class SavePipeline:
-    """The steps of one save on one rank, over the services the manager lends."""
+    """The steps of one save on one rank, over what the manager hands it."""
 
     def __init__(self, services: SaveServices) -> None:
         self.services = services
         self.coord = services.coordinator
+        self.timer = services.timer
+        self.job: Future[str | None] | None = None
+        """Async saves: the write-and-commit job, once ``stage`` handed the write to the writer thread."""
 
     # ------------------------------------------------------------------ composition
-    def run(self, options: SaveOptions, report: SaveReport) -> None:
-        """Save ``options`` on this rank (every rank calls it); async saves return once staged."""
+    def run(self, options: SaveOptions, report: SaveReport) -> SaveOutcome:
+        """Save ``options`` on this rank (every rank calls it); async saves return once staged. Never raises: the
+        outcome carries the error to raise; under ``on_save_error="warn"`` a failure is logged and recorded in
+        ``report`` instead."""
+        ctx: SaveContext | None = None
+        retention: Future | None = None
+        try:
+            ctx, captured = self.begin(options, report)
+            stage_start = self.timer.now()
+            planned = self.plan(ctx, captured)
+            if ctx.runtime is not None:
+                ctx = self.enter_tier(ctx, ctx.runtime, planned)
+            staged = self.stage(ctx, planned, report, stage_start)
+            if not options.async_save:
+                self.write_and_commit(ctx, staged, report, waves=options.num_workers)
+            # Deletions go to the writer thread, after 'done' (the commit): the training thread never waits for them.
+            retention = self.queue_retention(ctx, report)
+            report.blocked_s = self.timer.since()
+            if not options.async_save:
+                log_save(report, self.coord)
+        except Exception as e:
+            if options.on_save_error == "raise":
+                return self.outcome(ctx, retention, e)
+            warn_failed(report, e)
+            report.blocked_s = self.timer.since()
+        except BaseException as e:
+            return self.outcome(ctx, retention, e)
+        return self.outcome(ctx, retention)
+
+    def outcome(
+        self, ctx: SaveContext | None, retention: Future | None, error: BaseException | None = None
+    ) -> SaveOutcome:
+        """What ``run`` hands back (returned from inside its ``except``, so that no frame of the error's traceback
+        keeps the error itself alive)."""
+        return SaveOutcome(ctx.seq if ctx is not None else None, self.job, retention, error)
+
+    # ------------------------------------------------------------------ begin
+    def begin(self, options: SaveOptions, report: SaveReport) -> tuple[SaveContext, Captured]:
+        """Every rank's layout, checked; the state read from the live objects (``capture``); the save counted by
+        the memory tier; then the tag marked and the save agreed on (``mark_tag``)."""
         coord = self.coord
         if report.waited_s >= 0.001 and coord.rank == 0:
             logger.info("save of %s waited %.2f s for the previous save to finish writing", options.tag,
                         report.waited_s)  # fmt: skip
         topo = coord.run_all(self.services.topology, f"starting checkpoint {options.tag!r}")  # checked everywhere
         storage = self.services.storage_for(options.checkpoint_dir)
-        # Per-rank state (data loaders, RNG) is captured first: in "gather" mode this is a collective.
-        rank_files = rank_states.stage_for_save(
-            coord, topo, options.tag, options.rank_state, save_rng=options.save_rng, mode=options.rank_state_mode,
-            copy_state=options.async_save,
-        )  # fmt: skip
-        model_sd = adapters.model_state(options.model) if options.model is not None else None
-        share = sharding_share(coord, topo, options, model_sd) if options.model is not None else None
+        captured = capture(coord, topo, options)
+        share = sharding_share(coord, topo, options, captured.model) if options.model is not None else None
         runtime = self.services.tier_runtime(options.memory_tier, storage.url, topo) if options.memory_tier else None
         durable = runtime.count_save() if runtime is not None else True
-        ctx = self.begin(options, storage, topo, share, durable)
+        ctx = self.mark_tag(options, storage, topo, share, durable, runtime)
         report.checkpoint_dir = storage.url
-        stage_start = time.perf_counter()
-        writes = plan_writes(ctx, model_sd)
-        if runtime is not None:
-            ctx = self.enter_tier(ctx, runtime, writes)
-        staged = self.stage(ctx, writes, report)
-        staged.writes += [plan.StateWrite("rank_state", path, state, (coord.rank,)) for path, state in rank_files]
-        report.staging_s = time.perf_counter() - stage_start
-        if options.async_save:
-            report.blocked_s = time.perf_counter() - report._started  # set first: the job logs it
-            job = self.services.writer().submit(lambda: self.background_job(ctx, staged, report), f"save {ctx.tag}")
-            report._future = job
-            if isinstance(staged.fetcher, budget.BudgetedStager):  # copies what fits, waits for the rest
-                staged.fetcher.stage()
-                report.budget_wait_s = staged.fetcher.waited_s
-                report.staging_s = time.perf_counter() - stage_start
-        else:
-            self.write_and_commit(ctx, staged, report, waves=options.num_workers)
-        # Deletions go to the writer thread, after 'done' (the commit): the training thread never waits for them.
-        self.queue_retention(ctx, report)
-        report.blocked_s = time.perf_counter() - report._started
-        if not options.async_save:
-            log_save(report, coord)
+        return ctx, captured
 
-    # ------------------------------------------------------------------ begin
-    def begin(
-        self, options: SaveOptions, storage: Storage, topo: Topology, share: ShardingShare, durable: bool
+    def mark_tag(
+        self,
+        options: SaveOptions,
+        storage: Storage,
+        topo: Topology,
+        share: ShardingShare,
+        durable: bool,
+        runtime: TierRuntime | None = None,
     ) -> SaveContext:
         """Rank 0 marks the tag as being saved (a complete one is re-saved beside it) and receives every rank's
         ``share`` of the sharding record; all ranks agree on the save: one world-wide step. A save to the memory
@@ -195,7 +290,6 @@ class SavePipeline:
             f"starting checkpoint {tag!r}",
         )
         record = merge_sharding(shares) if shares is not None and options.model is not None else None
-        seq = self.services.next_seq()
         target = tags.ResaveStorage(storage, tag) if resave else storage
         monitor = StorageMonitor(f"writing {tag!r} on rank {coord.rank}", options.timeout_s, url=storage.url)
         commit_target = CommitTarget(
@@ -214,68 +308,108 @@ class SavePipeline:
             durable=durable,
             root=storage,
         )
-        return SaveContext(options, commit_target, seq, coord, self.services.session)
+        return SaveContext(options, commit_target, self.services.seq, coord, self.services.session, runtime)
 
-    def enter_tier(self, ctx: SaveContext, runtime: TierRuntime, writes: list[plan.StateWrite]) -> SaveContext:
+    # ------------------------------------------------------------------ plan
+    def plan(self, ctx: SaveContext, captured: Captured) -> plan.SavePlan:
+        """Every file this rank writes: its state files, then the per-rank state files ``begin`` captured."""
+        state_files = plan_writes(ctx, captured.model)
+        return plan.SavePlan(tuple(state_files), plan.rank_state_writes(captured.rank_files, self.coord.rank))
+
+    def enter_tier(self, ctx: SaveContext, runtime: TierRuntime, planned: plan.SavePlan) -> SaveContext:
         """Before staging: a node that cannot hold the save fails it here, on every rank."""
         coord = self.coord
-        rank_bytes = sum(t.numel() * t.element_size() for t in plan.tensors_to_write(writes, coord.rank))
+        rank_bytes = sum(t.numel() * t.element_size() for t in plan.tensors_to_write(planned.state_files, coord.rank))
         with ctx.arrive_on_failure():
             coord.run_all(lambda: runtime.check_budget(ctx.tag, rank_bytes), "memory tier: checking the budget")
         tier = runtime.begin_save(ctx.tag, ctx.commit.created_at, coord.world_size, ctx.monitor)
         return replace(ctx, tier=tier)
 
     # ------------------------------------------------------------------ stage
-    def stage(self, ctx: SaveContext, writes: list[plan.StateWrite], report: SaveReport) -> Staged:
-        """Async: a training-safe copy in reused host buffers, handed back once the files are durable. Sync:
-        device tensors are copied to the host by a thread running ahead of the writers (one sync for all)."""
-        rank = self.coord.rank
+    def stage(self, ctx: SaveContext, planned: plan.SavePlan, report: SaveReport, stage_start: float) -> Staged:
+        """Every copy of the save, by the strategy its options choose: budgeted (``stage_budgeted``), pooled
+        (``stage_pooled``) or live (``stage_live``). An async save's write is handed to the writer thread here
+        (``hand_off``); ``staging_s`` runs from ``stage_start`` (before ``plan``)."""
+        options = ctx.options
+        if options.async_save and options.budget_bytes is not None:
+            return self.stage_budgeted(ctx, planned, report, stage_start)
         with ctx.arrive_on_failure():
-            if ctx.options.async_save and ctx.options.budget_bytes is not None:  # staged in pieces by ``run``
-                stager = budget.BudgetedStager(
-                    plan.tensors_to_write(writes, rank), ctx.options.budget_bytes, ctx.options.timeout_s
-                )
-                stager.watch(ctx.storage)  # a written file frees the copies it was written from
-                if ctx.tier is not None:
-                    stager.watch(ctx.tier.storage)
-                return Staged(list(writes), fetcher=stager)
-            if ctx.options.async_save:
-                needed = {id(t) for t in plan.tensors_to_write(writes, rank)}
-                lease = self.services.staging_pool.stage(
-                    [w.state for w in writes], needed=needed, device_budget=ctx.options.device_budget
-                )
-                report.staging_allocated_bytes = lease.allocated_bytes
-                if lease.snapshot is not None:
-                    report.device_snapshot_bytes = lease.snapshot.snapshot_bytes
-                    report.device_direct_bytes = lease.snapshot.direct_bytes
-                    report.device_direct_s = lease.snapshot.direct_s
-                    report.device_budget_bytes = lease.snapshot.budget_bytes
-                staged = [w.with_state(state) for w, state in zip(writes, lease.trees, strict=True)]
-                return Staged(staged, lease=lease, fetcher=lease.transfer)
-            device = list({id(t): t for t in plan.tensors_to_write(writes, rank) if on_device(t)}.values())
-            if device:  # training is blocked in the call: the live tensors are the sources
-                return Staged(list(writes), fetcher=DeviceTransfer(device, device))
-            return Staged(list(writes))
+            staged = self.stage_pooled(ctx, planned, report) if options.async_save else self.stage_live(ctx, planned)
+        report.staging_s = self.timer.since(stage_start)
+        if options.async_save:
+            self.hand_off(ctx, staged, report)
+        return staged
+
+    def stage_pooled(self, ctx: SaveContext, planned: plan.SavePlan, report: SaveReport) -> Staged:
+        """Async: a training-safe copy of the state files in reused host buffers (device tensors: a copy on the
+        device, brought to the host by a transfer thread), handed back once the files are written. The per-rank
+        state files are copies already (``begin``)."""
+        pool, files = self.services.staging_pool, planned.state_files
+        needed = {id(t) for t in plan.tensors_to_write(files, self.coord.rank)}
+        lease = pool.stage([w.state for w in files], needed=needed, device_budget=ctx.options.device_budget)
+        report.staging_allocated_bytes = lease.allocated_bytes
+        if lease.snapshot is not None:
+            report.device_snapshot_bytes = lease.snapshot.snapshot_bytes
+            report.device_direct_bytes = lease.snapshot.direct_bytes
+            report.device_direct_s = lease.snapshot.direct_s
+            report.device_budget_bytes = lease.snapshot.budget_bytes
+        copies = [w.with_state(state) for w, state in zip(files, lease.trees, strict=True)]
+        return Staged([*copies, *planned.rank_state_files], lease=lease, pool=pool, fetcher=lease.transfer)
+
+    def stage_budgeted(
+        self, ctx: SaveContext, planned: plan.SavePlan, report: SaveReport, stage_start: float
+    ) -> Staged:
+        """Async under a host memory budget: the write is handed over first, reading live tensors where no copy
+        exists yet; the call then copies what fits the budget ahead of the writer and returns once no file still
+        needs a live tensor (``budget.BudgetedStager``)."""
+        options = ctx.options
+        with ctx.arrive_on_failure():
+            stager = budget.BudgetedStager(
+                plan.tensors_to_write(planned.state_files, self.coord.rank), options.budget_bytes, options.timeout_s
+            )
+            stager.watch(ctx.storage)  # a written file frees the copies it was written from
+            if ctx.tier is not None:
+                stager.watch(ctx.tier.storage)
+        staged = Staged(planned.writes, fetcher=stager)
+        report.staging_s = self.timer.since(stage_start)
+        self.hand_off(ctx, staged, report)
+        stager.stage()  # copies what fits, waits for the rest
+        report.budget_wait_s = stager.waited_s
+        report.staging_s = self.timer.since(stage_start)
+        return staged
+
+    def stage_live(self, ctx: SaveContext, planned: plan.SavePlan) -> Staged:
+        """Sync: training is blocked in the call, so the live tensors are the sources; device tensors are copied
+        to the host by a thread running ahead of the writers (one sync for all)."""
+        tensors = plan.tensors_to_write(planned.state_files, self.coord.rank)
+        device = list({id(t): t for t in tensors if on_device(t)}.values())
+        return Staged(planned.writes, fetcher=DeviceTransfer(device, device) if device else None)
+
+    def hand_off(self, ctx: SaveContext, staged: Staged, report: SaveReport) -> None:
+        """Async: write and commit become one job on the writer thread (``self.job``), which ``report`` follows."""
+        report.blocked_s = self.timer.since()  # set first: the job logs it
+        self.job = self.services.writer.submit(lambda: self.background_job(ctx, staged, report), f"save {ctx.tag}")
+        report.track(self.job)
 
     # ------------------------------------------------------------------ write + commit
-    def background_job(self, ctx: SaveContext, staged: Staged, report: SaveReport) -> None:
-        """An async save's writer job: write and commit; under ``on_save_error="warn"`` a failure is logged
-        and reported by the next save instead of raised by it."""
+    def background_job(self, ctx: SaveContext, staged: Staged, report: SaveReport) -> str | None:
+        """An async save's writer job: write and commit. Under ``on_save_error="warn"`` a failure is logged and
+        returned (the next save reports it) instead of raised."""
         try:
             self.write_and_commit(ctx, staged, report, waves=None)
         except Exception as e:
             if ctx.options.on_save_error == "raise":
                 raise
             warn_failed(report, e)
-            self.services.on_background_failure(f"{ctx.tag}: {report.error}")
-            return
+            return f"{ctx.tag}: {report.error}"
         log_save(report, self.coord)
+        return None
 
     def write_and_commit(self, ctx: SaveContext, staged: Staged, report: SaveReport, waves: int | None) -> None:
         """Write this rank's files, then run the commit. ``waves`` bounds concurrent writers per host for
         synchronous saves (it uses barriers); background writes pass None (no collectives)."""
         coord, topo = self.coord, ctx.commit.topology
-        write_start = time.perf_counter()
+        write_start = self.timer.now()
         error: BaseException | None = None
         try:
             if waves is not None and coord.distributed and waves < topo.local_world_size:
@@ -287,22 +421,14 @@ class SavePipeline:
                 self.write(ctx, staged, report)
         except BaseException as e:
             error = e
-        report.write_s = time.perf_counter() - write_start
-        if staged.fetcher is not None:
-            try:  # an unseen transfer error fails this rank's write, before it arrives
-                staged.fetcher.close()
-            except BaseException as e:
-                error = error or e
-            if isinstance(staged.fetcher, DeviceTransfer) and ctx.options.async_save:
-                report.staging_allocated_bytes += staged.fetcher.allocated_bytes  # pinned on the transfer thread
-        if staged.lease is not None:
-            staged.lease.release()
-            if ctx.monitor.cancelled:  # an abandoned writer thread may still read them: never reuse them
-                self.services.staging_pool.clear()
+        report.write_s = self.timer.since(write_start)
+        fetch_error, pinned = staged.close(ctx.monitor)
+        error = error or fetch_error
+        report.staging_allocated_bytes += pinned
         try:
             finish.commit(ctx.barrier(), ctx.commit, coord.rank, error)
         finally:
-            report.total_s = time.perf_counter() - report._started
+            report.total_s = self.timer.since()
         report.completed = True
 
     def write(self, ctx: SaveContext, staged: Staged, report: SaveReport) -> None:
@@ -340,17 +466,18 @@ class SavePipeline:
         report.files_written = len(written)
 
     # ------------------------------------------------------------------ retention
-    def queue_retention(self, ctx: SaveContext, report: SaveReport) -> None:
-        """Rank 0: retention as a writer job behind the save (it runs only if the save was committed)."""
+    def queue_retention(self, ctx: SaveContext, report: SaveReport) -> Future | None:
+        """Rank 0: retention as a writer job behind the save (it runs only if the save was committed); its
+        Future, or None where no retention runs (other ranks, ``num_kept_ckpts`` unset, a memory-only save)."""
         kept = ctx.options.kept_ckpts
         if self.coord.rank != 0 or kept is None or not ctx.commit.durable:
-            return
+            return None
 
         def after_commit() -> None:
             if report.completed:
                 finish.retention(ctx.storage, kept, protect=ctx.tag)
 
-        self.services.on_retention_queued(self.services.writer().submit(after_commit, f"retention after {ctx.tag}"))
+        return self.services.writer.submit(after_commit, f"retention after {ctx.tag}")
 
 
 # ---------------------------------------------------------------------- steps as functions
@@ -373,6 +500,17 @@ def prepare_tag(storage: Storage, tag: str, durable: bool) -> tuple[float, bool]
     integrity.remove_manifests(storage, tag)  # stale ones (e.g. another world size) would fail verify
     storage.write_bytes(layout.tag_path(tag, layout.CHECKPOINT_MARKER), b"1")
     return time.time(), False
+
+
+def capture(coord: Coordinator, topo: Topology, options: SaveOptions) -> Captured:
+    """The state read from the live objects, first thing in a save: the per-rank state (a collective, a gather
+    in "gather" mode; copied for async saves), then the model's state dict."""
+    rank_files = rank_states.stage_for_save(
+        coord, topo, options.tag, options.rank_state, save_rng=options.save_rng, mode=options.rank_state_mode,
+        copy_state=options.async_save,
+    )  # fmt: skip
+    model_sd = adapters.model_state(options.model) if options.model is not None else None
+    return Captured(model_sd, rank_files)
 
 
 def plan_writes(ctx: SaveContext, model_sd: Any) -> list[plan.StateWrite]:

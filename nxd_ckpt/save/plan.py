@@ -1,11 +1,12 @@
 """Which state files each rank writes, and which tensors each write needs: decided once, as pure functions over
 frozen plan items (NxD's replication patterns as a function of the layout).
 
-``plan_save`` says which files this rank writes (model and replicated optimizer by DP rank 0 of each (TP, PP)
+``plan_save`` says which state files this rank writes (model and replicated optimizer by DP rank 0 of each (TP, PP)
 coordinate, or spread over the DP replicas for xser; ZeRO-1 shards by every rank; scheduler and user content by
 the master); ``tensors_to_write`` which tensors this rank's writers will read (so staging copies only those), as
 the writer itself decides it (``statefile.tensors_to_write``; which tensor files of a replicated xser state file
-a replica writes: ``xser.replica_share``), so the two cannot disagree.
+a replica writes: ``xser.replica_share``), so the two cannot disagree. ``SavePlan`` is the one value listing
+every file a rank writes in a save: those state files, then its per-rank state files (``rank_state_writes``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,26 @@ class StateWrite:
     def with_state(self, state: Any) -> StateWrite:
         """The same write of another copy of the state (e.g. the staged host copy)."""
         return replace(self, state=state)
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """Every file one rank writes in a save, in the order it writes them: its state files (``plan_save``), then
+    its per-rank state files (``rank_state_writes``), which staging leaves alone (they are captured as copies)."""
+
+    state_files: tuple[StateWrite, ...]
+    rank_state_files: tuple[StateWrite, ...] = ()
+
+    @property
+    def writes(self) -> list[StateWrite]:
+        """All of them, state files first."""
+        return [*self.state_files, *self.rank_state_files]
+
+
+def rank_state_writes(files: Sequence[tuple[str, Any]], rank: int) -> tuple[StateWrite, ...]:
+    """This rank's per-rank state files (``rank_state.stage_for_save``'s (path, host state) pairs) as plain
+    writes of this rank alone."""
+    return tuple(StateWrite("rank_state", path, state, (rank,)) for path, state in files)
 
 
 def plan_save(

@@ -1,5 +1,5 @@
-"""SaveReport: what one save cost and how it ended, filled in by the save pipeline (the write fields of an async
-save when its background write ends)."""
+"""SaveReport: what one save cost and how it ended. The manager builds it; the save pipeline alone fills it in
+(the write fields of an async save when its background write ends), its durations read off the save's one clock."""
 
 from __future__ import annotations
 
@@ -51,7 +51,6 @@ class SaveReport:
     earlier_failures: list[str] = field(default_factory=list)
     """Background saves that failed since the previous save under ``on_save_error="warn"``."""
     _future: Future | None = field(default=None, repr=False)
-    _started: float = field(default=0.0, repr=False)
 
     @property
     def throughput_gbps(self) -> float:
@@ -66,6 +65,10 @@ class SaveReport:
             f"{self.blocked_s:.3f} s{waited}, staging {self.staging_s:.3f} s, write {self.write_s:.2f} s "
             f"({format_rate(self.bytes_written, self.write_s)}), durable after {self.total_s:.2f} s"
         )
+
+    def track(self, job: Future) -> None:
+        """An async save goes on in ``job`` on the writer thread: ``wait`` blocks on it."""
+        self._future = job
 
     def wait(self) -> SaveReport:
         """Block until this save is durable on this rank (re-raises its error)."""

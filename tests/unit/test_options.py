@@ -16,7 +16,7 @@ from nxd_ckpt.errors import InvalidTagError
 from nxd_ckpt.load.pipeline import LoadPipeline
 from nxd_ckpt.manager import CheckpointManager
 from nxd_ckpt.options import LoadOptions, SaveOptions
-from nxd_ckpt.save.pipeline import SavePipeline
+from nxd_ckpt.save.pipeline import SaveOutcome, SavePipeline
 from nxd_ckpt.testing.fakes import TinyMLP, make_training, train_steps
 
 # NxD names the directory parameter differently in its two functions; the options call it checkpoint_dir.
@@ -94,7 +94,7 @@ def _non_default_load_arguments(tmp_path) -> dict:
 
 def test_every_save_argument_reaches_the_save_pipeline(tmp_path, monkeypatch):
     seen: list[SaveOptions] = []
-    monkeypatch.setattr(SavePipeline, "run", lambda self, options, report: seen.append(options))
+    monkeypatch.setattr(SavePipeline, "run", lambda self, options, report: seen.append(options) or SaveOutcome())
     arguments = _non_default_save_arguments(tmp_path)
     defaults = {n: p.default for n, p in inspect.signature(api.save_checkpoint).parameters.items()}
     assert all(
@@ -109,7 +109,7 @@ def test_every_save_argument_reaches_the_save_pipeline(tmp_path, monkeypatch):
 
 def test_avoid_saving_lower_precision_weights_reaches_the_save_pipeline(tmp_path, monkeypatch):
     seen: list[SaveOptions] = []
-    monkeypatch.setattr(SavePipeline, "run", lambda self, options, report: seen.append(options))
+    monkeypatch.setattr(SavePipeline, "run", lambda self, options, report: seen.append(options) or SaveOutcome())
     api.save_checkpoint(str(tmp_path), "t", model=TinyMLP(), avoid_saving_lower_precision_weights=True)
     assert seen[0].avoid_saving_lower_precision_weights is True
 
@@ -128,7 +128,7 @@ def test_every_load_argument_reaches_the_load_pipeline(tmp_path, monkeypatch):
 
 def test_positional_arguments_keep_nxds_order(tmp_path, monkeypatch):
     seen: list = []
-    monkeypatch.setattr(SavePipeline, "run", lambda self, options, report: seen.append(options))
+    monkeypatch.setattr(SavePipeline, "run", lambda self, options, report: seen.append(options) or SaveOutcome())
     monkeypatch.setattr(LoadPipeline, "run", lambda self, options: seen.append(options))
     model = TinyMLP()
     # NxD: (checkpoint_dir_str, tag, model, optimizer, scheduler, user_content, num_workers, use_xser, num_kept_ckpts,
