@@ -1,4 +1,4 @@
-"""Commit protocol of one save, over the c10d store (no collectives, so it is safe from a writer thread).
+"""The commit barrier of one save, over the c10d store (no collectives, so it is safe from a writer thread).
 
 Every rank calls ``arrive`` once its files are durable (or with the exception that stopped it). Rank 0 waits
 until all ranks arrived, writes ``done`` only if none failed, and publishes the outcome; ranks that must know

@@ -1,9 +1,9 @@
-"""The last steps of a save, after this rank's files are written: the commit and retention.
+"""The commit of a save, once this rank's files are written: ``done`` last, and the same outcome on every rank.
 
-``commit`` runs the store-based protocol of ``commit.py`` on every rank: each rank arrives (with its error, if
-any); rank 0 waits for all, writes the tag's metadata and ``done`` last (only if nobody failed) and publishes
-the outcome, which every other rank waits for. Every rank then raises the same failure, or none. ``retention``
-runs on rank 0 after a committed save and deletes what ``num_kept_ckpts`` no longer keeps.
+``commit`` runs over the commit barrier (``barrier.CommitBarrier``) on every rank: each rank arrives (with its
+error, if any); rank 0 waits for all, writes the tag's metadata and ``done`` last (only if nobody failed,
+``CommitTarget`` says where and what) and publishes the outcome, which every other rank waits for. Every rank
+then raises the same failure, or none. Retention comes after, in ``format.retention``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from nxd_ckpt.format.metadata import TagMetadata, write_metadata
 from nxd_ckpt.format.sharding import ShardingRecord
 from nxd_ckpt.ranks.coordinator import RankFailure, mark_origin
 from nxd_ckpt.ranks.topology import Topology
-from nxd_ckpt.save.commit import CommitBarrier
+from nxd_ckpt.save.barrier import CommitBarrier
 from nxd_ckpt.storage import Storage
 from nxd_ckpt.watchdog import StorageMonitor, run_watched
 
@@ -145,12 +145,3 @@ def _decide(barrier: CommitBarrier, target: CommitTarget) -> tuple[RankFailure |
             outcome, message=f"{outcome.message} (rank(s) {others} failed too; see their logs)"
         )
     return outcome, None
-
-
-def retention(storage: Storage, kept: int | None, protect: str) -> None:
-    """Rank 0, after ``done``: delete the complete tags ``kept`` no longer keeps (never ``protect``)."""
-    if kept is None:
-        return
-    deleted = tags.apply_retention(storage, kept, protect={protect})
-    if deleted:
-        logger.info("retention deleted %s", ", ".join(deleted))

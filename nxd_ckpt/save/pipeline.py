@@ -10,7 +10,7 @@ the whole pipeline in one process with one thread per rank).
              ahead of the writers (sync); the only step an async save blocks on besides ``begin``;
   write      this rank's files, durable, with its manifest (or into the memory tier, its peers, and every
              ``durable_every``-th time the checkpoint directory), watched for stalls;
-  commit     ``finish.commit``: ranks arrive on the c10d store, rank 0 writes metadata and ``done`` last;
+  commit     ``commit.commit``: ranks arrive on the c10d store, rank 0 writes metadata and ``done`` last;
   retention  rank 0, a writer job after the commit: what ``num_kept_ckpts`` no longer keeps is deleted.
 
 Steps write and commit use no collectives, so an async save runs them as one job on the writer thread. A
@@ -33,15 +33,15 @@ from nxd_ckpt import adapters, statefile, tree
 from nxd_ckpt import rank_state as rank_states
 from nxd_ckpt.device.backend import on_device
 from nxd_ckpt.device.transfer import DeviceTransfer
-from nxd_ckpt.format import integrity, layout, sharding, tags
+from nxd_ckpt.format import integrity, layout, retention, sharding, tags
 from nxd_ckpt.format.metadata import metadata_path, write_metadata
 from nxd_ckpt.format.sharding import ShardingRecord
 from nxd_ckpt.options import SaveOptions
 from nxd_ckpt.ranks.coordinator import Coordinator
 from nxd_ckpt.ranks.topology import Topology
-from nxd_ckpt.save import budget, finish, plan, staging
-from nxd_ckpt.save.commit import CommitBarrier
-from nxd_ckpt.save.finish import CommitTarget
+from nxd_ckpt.save import budget, commit, plan, staging
+from nxd_ckpt.save.barrier import CommitBarrier
+from nxd_ckpt.save.commit import CommitTarget
 from nxd_ckpt.save.report import SaveReport
 from nxd_ckpt.save.writer import AsyncWriter
 from nxd_ckpt.storage import Storage
@@ -300,7 +300,7 @@ class SavePipeline:
             if ctx.monitor.cancelled:  # an abandoned writer thread may still read them: never reuse them
                 self.services.staging_pool.clear()
         try:
-            finish.commit(ctx.barrier(), ctx.commit, coord.rank, error)
+            commit.commit(ctx.barrier(), ctx.commit, coord.rank, error)
         finally:
             report.total_s = time.perf_counter() - report._started
         report.completed = True
@@ -348,7 +348,7 @@ class SavePipeline:
 
         def after_commit() -> None:
             if report.completed:
-                finish.retention(ctx.storage, kept, protect=ctx.tag)
+                retention.apply_retention(ctx.storage, ctx.options.retention, protect={ctx.tag})
 
         self.services.on_retention_queued(self.services.writer().submit(after_commit, f"retention after {ctx.tag}"))
 
