@@ -11,7 +11,7 @@ handful however long it waits. That wait has a deadline (``NXD_CKPT_TIMEOUT_S`` 
 call): while it runs the master logs which ranks have not arrived and in which phase, and past it every
 waiting rank raises ``CheckpointTimeoutError`` naming the phase and the missing ranks, instead of sitting in
 a collective until the process group's own timeout (30 minutes by default) with nothing logged. The
-collective itself only starts once every rank is there. ``commit.py`` uses the same store waits.
+collective itself only starts once every rank is there. ``save/barrier.py`` uses the same store waits.
 
 XLA collectives do not work across processes on XLA:CPU and gloo must never see XLA tensors, so every
 exchange here is of Python objects or CPU tensors over a gloo group. When the default group is not gloo
