@@ -26,7 +26,6 @@ from typing import Any
 from nxd_ckpt import adapters
 from nxd_ckpt.format import layout, retention, tags
 from nxd_ckpt.format.metadata import FORMAT_VERSION
-from nxd_ckpt.format.retention import KeepLatest
 from nxd_ckpt.load.pipeline import LoadPipeline, LoadServices
 from nxd_ckpt.load.report import RestoreReport
 from nxd_ckpt.options import LoadOptions, SaveOptions, load_options, resolve_budget, save_options
@@ -190,7 +189,7 @@ class CheckpointManager:
 
         def job() -> list[str]:
             if names is None:
-                doomed = KeepLatest(num_kept).to_delete(tags.list_tags(storage, include_incomplete=True))
+                doomed = retention.KeepLatest(num_kept).to_delete(tags.list_tags(storage, include_incomplete=True))
             else:
                 doomed = names
             deleted = retention.delete_tags(storage, doomed, strict=strict)

@@ -31,6 +31,7 @@ class KeepLatest:
     n: int | None = None
 
     def __post_init__(self) -> None:
+        """The one rule for ``num_kept_ckpts``: None, -1 (stored as None) or an integer >= 1."""
         n = self.n
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < -1 or n == 0):
             raise ValueError(f"num_kept_ckpts must be None or -1 (keep all, as in NxD) or an integer >= 1, got {n!r}")

@@ -39,6 +39,7 @@ def _build(pl: ModuleType) -> dict[str, type]:
     ``nxd_ckpt.lightning`` exports it (so pickle finds it there)."""
 
     def make(name: str, bases: tuple[type, ...], doc: str | None, **attrs: Any) -> type:
+        """A class ``name`` over ``bases``, documented by ``doc``."""
         return type(name, bases, {"__module__": __package__, "__qualname__": name, "__doc__": doc, **attrs})
 
     accelerator = make("NxdXLAAccelerator", (AnyXLADevice, pl.accelerators.XLAAccelerator), AnyXLADevice.__doc__)

@@ -19,6 +19,7 @@ class SavesOnEveryRank:
     strategy behaves as Lightning's."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """An ``NxdCheckpointIO`` saves on every rank; any other CheckpointIO as Lightning's strategy has it."""
         io = self.checkpoint_io
         if isinstance(io, NxdCheckpointIOBase):
             io.save_on_every_rank(checkpoint, filepath, storage_options)
@@ -55,14 +56,17 @@ class AnyXLADevice:
 
     @staticmethod
     def is_available() -> bool:
+        """Wherever torch_xla is installed."""
         return xla.available()
 
     @staticmethod
     def auto_device_count() -> int:
+        """One XLA device per process."""
         return 1
 
     @staticmethod
     def parse_devices(devices: Any) -> int:
+        """Lightning's ``devices`` as a count of this process's XLA devices (``"auto"``: 1)."""
         if devices == "auto":
             return 1
         count = len(devices) if isinstance(devices, (list, tuple)) else devices
@@ -72,6 +76,7 @@ class AnyXLADevice:
 
     @staticmethod
     def get_parallel_devices(devices: Any) -> list:
+        """This process's XLA devices."""
         import torch
 
         return [torch.device("xla", i) for i in range(AnyXLADevice.parse_devices(devices))]
@@ -87,10 +92,11 @@ class TorchrunXLA(SavesOnEveryRank):
     still reduced by torch_xla (``XLAPrecision``). Outside torchrun it is Lightning's ``XLAStrategy`` (xmp.spawn).
     """
 
-    _lightning: ModuleType  # the Lightning package (set by ``_build``)
+    _lightning: ModuleType  # the Lightning package (set by ``factory``)
     _accelerator_class: type
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's arguments; the accelerator defaults to ``NxdXLAAccelerator``; torchrun is detected here."""
         if not args and kwargs.get("accelerator") is None:
             kwargs["accelerator"] = self._accelerator_class()
         super().__init__(*args, **kwargs)
@@ -101,29 +107,34 @@ class TorchrunXLA(SavesOnEveryRank):
 
     @property
     def checkpoint_io(self) -> Any:
+        """An ``NxdCheckpointIO`` as given; otherwise Lightning's (an ``XLACheckpointIO``)."""
         io = self._checkpoint_io
         return io if isinstance(io, NxdCheckpointIOBase) else super().checkpoint_io
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: Any) -> None:
+        """An ``NxdCheckpointIO`` is taken as is; any other goes through Lightning's check."""
         if isinstance(io, NxdCheckpointIOBase):
             self._checkpoint_io = io
         else:  # Lightning's own check (an XLACheckpointIO)
             self._lightning.strategies.XLAStrategy.checkpoint_io.fset(self, io)
 
     def _configure_launcher(self) -> None:
+        """No launcher under torchrun (it started every process); else Lightning's (xmp.spawn)."""
         if self._torchrun:
             self._launcher = None  # torchrun started every process
         else:
             super()._configure_launcher()
 
     def set_world_ranks(self) -> None:
+        """Ranks from torchrun's variables (as DDP reads them) under torchrun; else Lightning's XLA ranks."""
         if self._torchrun:
             self._lightning.strategies.DDPStrategy.set_world_ranks(self)
         else:
             super().set_world_ranks()
 
     def setup_distributed(self) -> None:
+        """Under torchrun: the default process group (an ``xla`` one if nobody made one); else Lightning's."""
         if not self._torchrun:
             return super().setup_distributed()
         if not coordinator.is_distributed():
@@ -132,15 +143,18 @@ class TorchrunXLA(SavesOnEveryRank):
         return self._lightning.strategies.DDPStrategy.setup_distributed(self)
 
     def _host_collectives(self) -> bool:
+        """Whether barrier, broadcast and reduce go through host copies (torchrun over a non-``xla`` group)."""
         return self._torchrun and coordinator.backend() not in (None, "xla")
 
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
+        """Lightning's barrier, over the coordinator when collectives go through host copies."""
         if self._host_collectives():
             api.get_manager().coordinator().barrier(f"Lightning barrier {name or ''}".strip())
         else:
             super().barrier(name, *args, **kwargs)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Lightning's broadcast, of a host copy over the coordinator when collectives go through host copies."""
         if not self._host_collectives():
             return super().broadcast(obj, src)
         device = getattr(obj, "device", None)
@@ -148,11 +162,13 @@ class TorchrunXLA(SavesOnEveryRank):
         return out.to(device) if device is not None else out
 
     def reduce(self, output: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        """Lightning's reduce, through host copies (``_host_reduce``) when collectives go through them."""
         if not self._host_collectives():
             return super().reduce(output, group, reduce_op)
         return _host_reduce(self, output, reduce_op)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Every rank saves, after a step that runs what XLA has pending."""
         xla.mark_step()  # as Lightning's XLA strategy: no rank enters the save with a graph pending
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
