@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 
 from nxd_ckpt import __version__
 from nxd_ckpt.errors import CheckpointError, UnsafeCheckpointError
-from nxd_ckpt.format import layout, tags
+from nxd_ckpt.format import layout, retention, tags
 from nxd_ckpt.inspect import Checkpoint, open_checkpoint
 from nxd_ckpt.lazy import lazy_module
 from nxd_ckpt.storage import DelegatingStorage, Storage, storage_for
@@ -436,20 +436,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_prune(args: argparse.Namespace) -> int:
     storage = _storage(args.dir, args.command)
+    doomed = retention.KeepLatest(args.keep).to_delete(tags.list_tags(storage, include_incomplete=True))
     if args.dry_run:
-        doomed = tags.tags_to_delete(tags.list_tags(storage, include_incomplete=True), args.keep)
         for name in doomed:
             print(f"would delete {name}")
         if not doomed:
             print(f"nothing to delete: at most {args.keep} complete checkpoints in {storage.url}")
         return EXIT_OK
-    expected = tags.tags_to_delete(tags.list_tags(storage, include_incomplete=True), args.keep)
-    deleted = tags.apply_retention(storage, args.keep)
+    deleted = retention.delete_tags(storage, doomed)
     for name in deleted:
         print(f"deleted {name}")
-    if not expected:
+    if not doomed:
         print(f"nothing to delete: at most {args.keep} complete checkpoints in {storage.url}")
-    failed = [n for n in expected if n not in deleted]
+    failed = [n for n in doomed if n not in deleted]
     for name in failed:
         _err(f"could not delete {storage.url}/{name} (see the warning above)")
     return EXIT_FAILED if failed else EXIT_OK

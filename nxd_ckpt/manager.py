@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from nxd_ckpt import adapters
-from nxd_ckpt.format import layout, tags
+from nxd_ckpt.format import layout, retention, tags
 from nxd_ckpt.format.metadata import FORMAT_VERSION
 from nxd_ckpt.load.pipeline import LoadPipeline, LoadServices
 from nxd_ckpt.load.report import RestoreReport
@@ -161,26 +161,36 @@ class CheckpointManager:
         return future
 
     def remove_tags(
-        self, checkpoint_dir: Any, names: list[str] | None, num_kept: int | None = None, *, wait: bool = False
+        self,
+        checkpoint_dir: Any,
+        names: list[str] | None,
+        num_kept: int | None = None,
+        *,
+        wait: bool = False,
+        strict: bool = True,
     ) -> Future | None:
-        """Rank 0: delete the tags ``names`` (``done`` first), or, without names, what keeping the newest
-        ``num_kept`` complete tags selects (``tags.remove_selection``), behind every save already queued
-        (``queue_deletion``); ``wait`` blocks until done and raises its error. Other ranks do nothing (NxD's
-        ``g_iostate.submit_remove``, which NxDT and optimum-neuron call, through ``nxd_ckpt.compat``)."""
-        for name in names or ():
-            layout.validate_tag(name)
+        """Rank 0: delete the tags ``names`` (``done`` first), or, without names, what ``KeepLatest(num_kept)``
+        no longer keeps, through this manager's storage (``retention.delete_tags``), behind every save already
+        queued (``queue_deletion``); ``wait`` blocks until done and raises its error. ``strict`` False logs a
+        failed deletion (and an invalid name) instead of raising it (Lightning's ``remove_checkpoint``). Other
+        ranks do nothing (NxD's ``g_iostate.submit_remove``, which NxDT and optimum-neuron call, through
+        ``nxd_ckpt.compat``)."""
+        if strict:
+            for name in names or ():
+                layout.validate_tag(name)
         if self.coordinator().rank != 0:
             return None
         storage = self._storage_for(checkpoint_dir)
 
         def job() -> list[str]:
-            doomed = names if names is not None else tags.remove_selection(storage, num_kept)
-            for name in doomed:
-                if storage.exists(name):
-                    tags.delete_tag(storage, name)
-            if doomed:
-                logger.info("removed checkpoint(s) %s from %s", ", ".join(doomed), storage.url)
-            return doomed
+            if names is None:
+                doomed = retention.KeepLatest(num_kept).to_delete(tags.list_tags(storage, include_incomplete=True))
+            else:
+                doomed = names
+            deleted = retention.delete_tags(storage, doomed, strict=strict)
+            if deleted:
+                logger.info("removed checkpoint(s) %s from %s", ", ".join(deleted), storage.url)
+            return deleted
 
         future = self.queue_deletion(job, name=f"remove {', '.join(names) if names else 'by retention'}")
         if wait:

@@ -21,6 +21,7 @@ import torch
 from nxd_ckpt import knobs
 from nxd_ckpt.device.backend import SnapshotBudget, resolve_snapshot_budget
 from nxd_ckpt.format import layout
+from nxd_ckpt.format.retention import KeepLatest
 from nxd_ckpt.ranks.deadlines import resolve_timeout
 from nxd_ckpt.tier.memory import MemoryTier
 
@@ -75,16 +76,14 @@ class SaveOptions:
     """``host_memory_budget`` in bytes, or ``NXD_CKPT_HOST_MEMORY_BUDGET`` when None; None: no limit."""
     device_budget: SnapshotBudget = field(init=False, repr=False)
     """``device_snapshot_budget``, or ``NXD_CKPT_DEVICE_SNAPSHOT_BUDGET`` when None (default: free device memory)."""
+    retention: KeepLatest | None = field(init=False, repr=False)
+    """What ``num_kept_ckpts`` keeps once this save is committed; None (``num_kept_ckpts`` None or -1): no retention."""
 
     def __post_init__(self) -> None:
         layout.validate_tag(self.tag)
         if self.on_save_error not in SAVE_ERROR_POLICIES:
             raise ValueError(f"on_save_error must be 'raise' or 'warn', got {self.on_save_error!r}")
-        kept = self.num_kept_ckpts
-        if kept is not None and (isinstance(kept, bool) or not isinstance(kept, int) or kept < -1 or kept == 0):
-            raise ValueError(
-                f"num_kept_ckpts must be None or -1 (keep all, as in NxD) or an integer >= 1, got {kept!r}"
-            )
+        retention = KeepLatest(self.num_kept_ckpts)  # validates num_kept_ckpts
         _check_workers(self.num_workers)
         if self.rank_state_mode not in RANK_STATE_MODES:
             modes = ", ".join(map(repr, RANK_STATE_MODES))
@@ -94,11 +93,7 @@ class SaveOptions:
         object.__setattr__(self, "timeout_s", resolve_timeout(self.timeout))
         object.__setattr__(self, "budget_bytes", resolve_budget(self.host_memory_budget))
         object.__setattr__(self, "device_budget", resolve_snapshot_budget(self.device_snapshot_budget))
-
-    @property
-    def kept_ckpts(self) -> int | None:
-        """How many complete tags retention keeps; None keeps all (NxD's ``-1`` included)."""
-        return None if self.num_kept_ckpts == -1 else self.num_kept_ckpts
+        object.__setattr__(self, "retention", None if retention.keeps_all else retention)
 
     @property
     def items(self) -> tuple[str, ...]:

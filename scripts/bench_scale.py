@@ -53,7 +53,7 @@ import torch  # noqa: E402
 from nxd_ckpt.format import tags  # noqa: E402
 from nxd_ckpt.manager import CheckpointManager  # noqa: E402
 from nxd_ckpt.ranks.topology import Topology  # noqa: E402
-from nxd_ckpt.save import commit  # noqa: E402
+from nxd_ckpt.save import barrier as commit_barrier  # noqa: E402
 from nxd_ckpt.storage import LocalStorage  # noqa: E402
 from nxd_ckpt.testing.counting import RequestCountingStorage  # noqa: E402
 from nxd_ckpt.testing.threadworld import ThreadCoordinator, ThreadWorld  # noqa: E402
@@ -228,12 +228,12 @@ for _name in (
 
 def _instrument_commit(clock: _Clock) -> None:
     """Record the commit's arrivals, rank 0's 'all arrived' and 'published', and each rank's 'outcome known'."""
-    barrier = commit.CommitBarrier
+    barrier = commit_barrier.CommitBarrier
 
     def wrap(name: str, before: str | None, after: str | None) -> None:
         real = getattr(barrier, name)
 
-        def method(self: commit.CommitBarrier, *args: Any, **kwargs: Any) -> Any:
+        def method(self: commit_barrier.CommitBarrier, *args: Any, **kwargs: Any) -> Any:
             if before:
                 clock.mark(self.seq, self.rank, before)
             result = real(self, *args, **kwargs)

@@ -1,9 +1,8 @@
-"""Tags in a checkpoint directory: which are complete, which is latest, what retention deletes.
+"""Tags in a checkpoint directory: which are complete, in which order, which is latest; re-saves of a tag.
 
 A tag is complete only when ``<tag>/done`` exists. Order: the creation time nxd_ckpt records in
 ``<tag>/nxd_ckpt.json`` (it survives copying a directory), else, for NxD-written tags, the modification time of
-``done``; the tag name breaks ties. Retention deletes ``done`` first, so a crash mid-deletion never leaves a tag
-that looks complete.
+``done``; the tag name breaks ties. What retention deletes, and how, is ``format.retention``'s (over this order).
 """
 
 from __future__ import annotations
@@ -42,6 +41,14 @@ class TagInfo:
     @property
     def sort_key(self) -> tuple:
         return (self.order_time, _natural_key(self.name))
+
+    def surely_before(self, other: TagInfo) -> bool:
+        """Whether this tag began before ``other`` beyond doubt: a whole-second mtime (S3) of an interrupted save
+        is only older once its second has ended before ``other`` began (else a save started just after ``other``
+        could be taken for an old leftover)."""
+        if self.time_resolution_s > 0:
+            return self.order_time + self.time_resolution_s <= other.order_time
+        return self.sort_key < other.sort_key
 
 
 def _natural_key(name: str) -> tuple:
@@ -232,62 +239,6 @@ def _why_empty(storage: Storage) -> str:
             return " (nothing is stored under this prefix)"
         return " (the directory does not exist)" if not os.path.isdir(storage.url) else " (the directory is empty)"
     return " (it holds no tag folder: no subdirectory with a 'checkpoint' or 'done' file)"
-
-
-def tags_to_delete(tags: list[TagInfo], keep: int, protect: set[str] = frozenset()) -> list[str]:
-    """Retention policy (pure): complete tags beyond the newest ``keep``, oldest first, then incomplete tags
-    surely older than the oldest kept complete one. Tags in ``protect`` (saves in flight) are never chosen."""
-    if keep < 1:
-        raise ValueError(f"num_kept_ckpts must be >= 1, got {keep}")
-    ordered = sorted(tags, key=lambda i: i.sort_key)
-    complete = [t for t in ordered if t.complete]
-    doomed = [t.name for t in complete[: max(0, len(complete) - keep)]]
-    kept = complete[-keep:] if complete else []
-    if kept:
-        doomed += [t.name for t in ordered if not t.complete and _surely_older(t, kept[0])]
-    return [name for name in doomed if name not in protect]
-
-
-def _surely_older(tag: TagInfo, than: TagInfo) -> bool:
-    """Whether ``tag`` began before ``than`` beyond doubt: a whole-second mtime (S3) of an interrupted save is
-    only older once its second has ended before ``than`` began (else a save started just after the newest kept
-    one could be taken for an old leftover and deleted)."""
-    if tag.time_resolution_s > 0:
-        return tag.order_time + tag.time_resolution_s <= than.order_time
-    return tag.sort_key < than.sort_key
-
-
-def delete_tag(storage: Storage, tag: str) -> None:
-    """Delete one tag: ``done`` first (so it stops counting as complete), then everything else. A tag that is a
-    symbolic link (Lightning's ``ModelCheckpoint(save_last="link")``) is unlinked; the tag it names is untouched."""
-    local = storage.local_path(layout.validate_tag(tag))
-    if local is not None and os.path.islink(local):
-        storage.delete(tag)
-        return
-    storage.delete(layout.tag_path(tag, layout.DONE_MARKER))
-    storage.sync_dirs([layout.validate_tag(tag)])
-    storage.delete_tree(tag)
-
-
-def apply_retention(storage: Storage, keep: int, protect: set[str] = frozenset()) -> list[str]:
-    """Delete what the retention policy selects; return the deleted tags. One failed deletion is logged."""
-    deleted = []
-    for name in tags_to_delete(list_tags(storage, include_incomplete=True), keep, protect):
-        try:
-            delete_tag(storage, name)
-            deleted.append(name)
-        except Exception as e:
-            logger.warning("retention could not delete checkpoint %s in %s: %s", name, storage.url, e)
-    return deleted
-
-
-def remove_selection(storage: Storage, keep: int | None, protect: set[str] = frozenset()) -> list[str]:
-    """What NxD's ``g_iostate.submit_remove(num_kept, ...)`` without tags deletes: the retention policy for
-    ``keep`` complete tags, or, for None/-1 (keep all), only interrupted leftovers older than every complete tag."""
-    infos = list_tags(storage, include_incomplete=True)
-    if keep is None or keep == -1:
-        keep = max(1, sum(1 for t in infos if t.complete))
-    return tags_to_delete(infos, keep, protect)
 
 
 # --------------------------------------------------------------------------------------------- re-saving a tag

@@ -1,158 +1,147 @@
-"""Commit protocol of one save, over the c10d store (no collectives, so it is safe from a writer thread).
+"""The commit of a save, once this rank's files are written: ``done`` last, and the same outcome on every rank.
 
-Every rank calls ``arrive`` once its files are durable (or with the exception that stopped it). Rank 0 waits
-until all ranks arrived, writes ``done`` only if none failed, and publishes the outcome; ranks that must know
-it (a synchronous save) wait for that outcome. Both waits have the save's deadline (``NXD_CKPT_TIMEOUT_S`` or
-``timeout=``, counted from this rank's arrival): while waiting, rank 0 logs which ranks have not arrived, and
-past it the waiting rank raises CheckpointTimeoutError naming them. A failure travels as a ``RankFailure``, so
-every rank raises the same exception type. Arrivals go through ``ranks.arrivals`` (``arrive``: one ``add`` per rank,
-by arrival groups). Keys are namespaced per save and removed two saves later by their owners (a rank its
-failure report, a group's first rank the group's keys, rank 0 the shared ones), so no rank's store operations
-per save grow with the number of ranks, or with the wait (the waits are blocking ``wait_for_key`` calls).
+``commit`` runs over the commit barrier (``barrier.CommitBarrier``) on every rank: each rank arrives (with its
+error, if any); rank 0 waits for all, writes the tag's metadata and ``done`` last (only if nobody failed,
+``CommitTarget`` says where and what) and publishes the outcome, which every other rank waits for. Every rank
+then raises the same failure, or none. Retention comes after, in ``format.retention``.
 """
 
 from __future__ import annotations
 
-import pickle
-import time
-from typing import Any
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
 
 from nxd_ckpt.errors import CheckpointTimeoutError
-from nxd_ckpt.ranks.arrivals import all_arrived_key, arrive, forget_step, missing_ranks, wait_for_key
-from nxd_ckpt.ranks.deadlines import resolve_timeout
-from nxd_ckpt.ranks.failures import RankFailure
+from nxd_ckpt.format import layout, tags
+from nxd_ckpt.format.metadata import TagMetadata, write_metadata
+from nxd_ckpt.format.sharding import ShardingRecord
+from nxd_ckpt.ranks.failures import RankFailure, mark_origin
+from nxd_ckpt.ranks.topology import Topology
+from nxd_ckpt.save.barrier import CommitBarrier
+from nxd_ckpt.storage import Storage
+from nxd_ckpt.watchdog import StorageMonitor, run_watched
 
-_PREFIX = "nxd_ckpt/commit"
+logger = logging.getLogger("nxd_ckpt")
 
 
-class CommitBarrier:
-    """Store-based arrive/outcome barrier for save number ``seq`` (identical on all ranks) of ``tag``."""
+@dataclass(frozen=True)
+class CommitTarget:
+    """What rank 0's commit writes: where, and the facts recorded in the tag's metadata."""
 
-    def __init__(
-        self,
-        store: Any | None,
-        session: str,
-        seq: int,
-        rank: int,
-        world_size: int,
-        timeout_s: float | None = None,
-        tag: str = "",
-    ) -> None:
-        self.store = store
-        self.session = session
-        self.seq = seq
-        self.rank = rank
-        self.world_size = world_size
-        self.timeout_s = resolve_timeout(timeout_s)
-        self.tag = tag
-        self.prefix = f"{_PREFIX}/{session}/{seq}"
-        self._arrived_at: float | None = None
-        self._local_failure: RankFailure | None = None
+    storage: Storage
+    """The checkpoint directory (checksumming and watched: rank 0's manifest lists the metadata file too)."""
+    tag: str
+    created_at: float
+    topology: Topology
+    world_size: int
+    zero1: bool
+    use_xser: bool
+    items: tuple[str, ...]
+    monitor: StorageMonitor
+    sharding: ShardingRecord | None = None
+    resave_of: Storage | None = None
+    """Set when the tag already held a complete checkpoint: the storage in which the re-save is swapped in."""
+    durable: bool = True
+    """False for a save to the memory tier only: the checkpoint directory gets no ``done``."""
+    root: Storage | None = None
+    """The checkpoint directory itself (unwrapped): where ``done`` is recorded in the root's tag index."""
 
-    @property
-    def phase(self) -> str:
-        return f"commit of {self.tag!r}" if self.tag else f"commit of save #{self.seq}"
-
-    def arrive(self, error: BaseException | None = None) -> None:
-        """Tell rank 0 this rank is finished with the save (``error`` is None on success)."""
-        self._arrived_at = time.monotonic()
-        failure = None if error is None else RankFailure.of(error, self.rank, f"writing {self.tag!r}")
-        if self.store is None:
-            self._local_failure = failure
-            return
-        if failure is not None:
-            self.store.set(f"{self.prefix}/error/{self.rank}", pickle.dumps(failure))
-            self.store.add(f"{self.prefix}/errors", 1)
-        self._forget_own(self.seq - 2)  # before arriving: off the path of the ranks that wait
-        arrive(self.store, self.prefix, self.rank, self.world_size)
-
-    def wait_all_arrived(self) -> dict[int, RankFailure]:
-        """Rank 0: wait for every rank (deadline, logs who is missing); return the failures reported, by rank."""
-        if self.store is None:
-            return {} if self._local_failure is None else {0: self._local_failure}
-        store = self.store
-        wait_for_key(
-            store,
-            all_arrived_key(self.prefix),
-            lambda limit: missing_ranks(store, self.prefix, self.world_size, limit),
-            f"{self.phase}: waiting for every rank's files",
-            self.timeout_s,
-            log=True,
-            since=self._arrived_at,
+    def metadata(self) -> TagMetadata:
+        """The tag's ``nxd_ckpt.json``: layout, encoding, contents and sharding of this save."""
+        topo = self.topology
+        return TagMetadata(
+            tag=self.tag,
+            created_at=self.created_at,
+            tp=topo.tp_size,
+            pp=topo.pp_size,
+            dp=topo.dp_size,
+            cp=topo.cp_size,
+            ep=topo.ep_size,
+            world_size=self.world_size,
+            zero1=self.zero1,
+            zero1_dp_size=topo.zero1_size if self.zero1 else None,
+            xser=self.use_xser,
+            items=self.items,
+            torch_version=torch.__version__,
+            sharding=self.sharding,
         )
-        if not store.check([f"{self.prefix}/errors"]):  # set by the first rank that reports a failure
-            return {}
-        failures = {}
-        for r in range(self.world_size):
-            key = f"{self.prefix}/error/{r}"
-            if store.check([key]):
-                failures[r] = _load_failure(store.get(key), r, self.phase)
-        return failures
-
-    def publish_outcome(self, failure: RankFailure | None) -> None:
-        """Rank 0: announce whether ``done`` was written (None) or why not."""
-        if self.store is not None:
-            self.store.set(f"{self.prefix}/outcome", b"ok" if failure is None else pickle.dumps(failure))
-            self._cleanup(self.seq - 2)
-
-    def wait_outcome(self) -> None:
-        """Ranks other than 0: wait for the outcome (a blocking wait on this thread's own store connection, so it
-        is safe on a writer thread); raise the failure (as its original type) if the save failed."""
-        if self.store is None:
-            return
-        store = self.store
-        key = f"{self.prefix}/outcome"
-
-        def late(limit: int | None) -> list[int]:  # every rank arrived: rank 0 is the one stuck (writing 'done')
-            return missing_ranks(store, self.prefix, self.world_size, limit) or [0]
-
-        try:
-            wait_for_key(
-                store,
-                key,
-                late,
-                f"{self.phase}: waiting for rank 0's outcome",
-                self.timeout_s,
-                log=self.rank == 1,  # rank 0 is the one awaited here: the next rank says so
-                since=self._arrived_at,
-            )
-        except CheckpointTimeoutError as e:
-            e.origin_rank = self.rank
-            raise
-        value = store.get(key)
-        if value != b"ok":
-            raise _load_failure(value, 0, self.phase).to_exception()
-
-    def _cleanup(self, seq: int) -> None:
-        """Rank 0: delete the shared keys of save ``seq`` (each rank deletes its own, see ``_forget_own``)."""
-        if seq < 0 or self.store is None:
-            return
-        prefix = f"{_PREFIX}/{self.session}/{seq}"
-        for key in (f"{prefix}/errors", f"{prefix}/outcome"):
-            try:
-                self.store.delete_key(key)
-            except Exception:
-                return
-
-    def _forget_own(self, seq: int) -> None:
-        """Delete the keys of save ``seq`` this rank owns (two saves back: every rank is done with it): its
-        arrival group's or the shared ones (``forget_step``), and its failure report."""
-        if seq < 0 or self.store is None:
-            return
-        prefix = f"{_PREFIX}/{self.session}/{seq}"
-        forget_step(self.store, prefix, self.rank)
-        try:
-            self.store.delete_key(f"{prefix}/error/{self.rank}")
-        except Exception:
-            return
 
 
-def _load_failure(data: bytes, rank: int, phase: str) -> RankFailure:
-    """A RankFailure from the store (pickled by nxd_ckpt itself on another rank of this job)."""
+def write_done(target: CommitTarget) -> None:
+    """Rank 0, every rank's files being durable: metadata, rank 0's manifest again, then ``done`` (durably)."""
+    storage = target.storage
+    write_metadata(storage, target.metadata())
+    storage.write_manifest()  # rank 0's manifest again, now listing the metadata file too
+    storage.sync_dirs([target.tag, ""])  # the tag's entries are durable before 'done' can be
+    storage.write_bytes(layout.tag_path(target.tag, layout.DONE_MARKER), b"1")
+    storage.sync_dirs([target.tag])  # 'done' is durable before retention deletes older tags
+    if target.resave_of is not None:  # the complete re-save takes the tag's name from the old checkpoint
+        tags.swap_in_resave(target.resave_of, target.tag)
+    if target.root is not None:  # after 'done': the index never names a tag before it is complete
+        tags.record_committed(target.root, target.tag, target.created_at)
+
+
+def arrive(barrier: CommitBarrier, error: BaseException | None, rank: int) -> None:
+    """Tell rank 0 this rank is finished (with ``error``, if it failed). If the store is gone (rank 0 gave up
+    and exited), this rank's own failure is what its caller needs."""
     try:
-        failure = pickle.loads(data)
-        if isinstance(failure, RankFailure):
-            return failure
-    except Exception:
-        pass
-    return RankFailure(rank, phase, "nxd_ckpt.errors", "RemoteRankError", data.decode(errors="replace"))
+        barrier.arrive(error)
+    except Exception as store_error:
+        if error is None:
+            raise
+        logger.warning("rank %d could not report its failure to rank 0's commit: %s", rank, store_error)
+        raise error from store_error
+
+
+def commit(barrier: CommitBarrier, target: CommitTarget, rank: int, error: BaseException | None) -> None:
+    """Every rank, once its files are written (or ``error`` stopped it): arrive, then learn the outcome. Raises
+    this rank's own error, else the save's failure (as its original type on every rank)."""
+    if error is not None:
+        mark_origin(error, rank)
+    arrive(barrier, error, rank)
+    if rank != 0:
+        if error is not None:
+            raise error
+        # Async saves wait here too (on the writer thread), so a failure on any rank is raised on every rank
+        # by its next save/finalize.
+        barrier.wait_outcome()
+        return
+    outcome, commit_error = _decide(barrier, target)
+    barrier.publish_outcome(outcome)
+    if error is not None:
+        raise error
+    if commit_error is not None:
+        mark_origin(commit_error, 0)
+        raise commit_error
+    if outcome is not None:  # another rank failed: the same exception type as there
+        raise outcome.to_exception()
+
+
+def _decide(barrier: CommitBarrier, target: CommitTarget) -> tuple[RankFailure | None, BaseException | None]:
+    """Rank 0: wait for every rank, write ``done`` if none failed; the outcome to publish, and rank 0's own
+    commit error (ranks that never arrived count as one)."""
+    commit_error: BaseException | None = None
+    try:
+        failures = barrier.wait_all_arrived()
+    except CheckpointTimeoutError as e:  # ranks that never arrived: the save fails, on every rank
+        failures, commit_error = {}, e
+    if not failures and commit_error is None and target.durable:
+        try:
+            target.monitor.reset(f"committing {target.tag!r} on rank 0")
+            run_watched(lambda: write_done(target), target.monitor, "nxd_ckpt_commit")
+        except BaseException as e:
+            commit_error = e
+    if commit_error is not None:
+        return RankFailure.of(commit_error, 0, barrier.phase), commit_error
+    if not failures:
+        return None, None
+    first, *others = sorted(failures)
+    outcome = failures[first]
+    if others:
+        outcome = dataclasses.replace(
+            outcome, message=f"{outcome.message} (rank(s) {others} failed too; see their logs)"
+        )
+    return outcome, None

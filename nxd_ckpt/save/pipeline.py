@@ -16,7 +16,7 @@ the whole pipeline in one process with one thread per rank).
              writers); the only step an async save blocks on besides ``begin`` and ``plan``;
   write      this rank's files, durable, with its manifest (or into the memory tier, its peers, and every
              ``durable_every``-th time the checkpoint directory), watched for stalls;
-  commit     ``finish.commit``: ranks arrive on the c10d store, rank 0 writes metadata and ``done`` last;
+  commit     ``commit.commit``: ranks arrive on the c10d store, rank 0 writes metadata and ``done`` last;
   retention  rank 0, a writer job after the commit: what ``num_kept_ckpts`` no longer keeps is deleted.
 
 Steps write and commit use no collectives, so an async save runs them as one job on the writer thread. A
@@ -40,15 +40,15 @@ from nxd_ckpt import adapters, statefile, tree
 from nxd_ckpt import rank_state as rank_states
 from nxd_ckpt.device.backend import on_device
 from nxd_ckpt.device.transfer import DeviceTransfer
-from nxd_ckpt.format import integrity, layout, sharding, tags
+from nxd_ckpt.format import integrity, layout, retention, sharding, tags
 from nxd_ckpt.format.metadata import metadata_path, write_metadata
 from nxd_ckpt.format.sharding import ShardingRecord
 from nxd_ckpt.options import SaveOptions
 from nxd_ckpt.ranks.coordinator import Coordinator
 from nxd_ckpt.ranks.topology import Topology
-from nxd_ckpt.save import budget, finish, plan, staging
-from nxd_ckpt.save.commit import CommitBarrier
-from nxd_ckpt.save.finish import CommitTarget
+from nxd_ckpt.save import budget, commit, plan, staging
+from nxd_ckpt.save.barrier import CommitBarrier
+from nxd_ckpt.save.commit import CommitTarget
 from nxd_ckpt.save.report import SaveReport
 from nxd_ckpt.save.writer import AsyncWriter
 from nxd_ckpt.storage import Storage
@@ -222,7 +222,7 @@ class SavePipeline:
         outcome carries the error to raise; under ``on_save_error="warn"`` a failure is logged and recorded in
         ``report`` instead."""
         ctx: SaveContext | None = None
-        retention: Future | None = None
+        retention_job: Future | None = None
         try:
             ctx, captured = self.begin(options, report)
             stage_start = self.timer.now()
@@ -233,25 +233,25 @@ class SavePipeline:
             if not options.async_save:
                 self.write_and_commit(ctx, staged, report, waves=options.num_workers)
             # Deletions go to the writer thread, after 'done' (the commit): the training thread never waits for them.
-            retention = self.queue_retention(ctx, report)
+            retention_job = self.queue_retention(ctx, report)
             report.blocked_s = self.timer.since()
             if not options.async_save:
                 log_save(report, self.coord)
         except Exception as e:
             if options.on_save_error == "raise":
-                return self.outcome(ctx, retention, e)
+                return self.outcome(ctx, retention_job, e)
             warn_failed(report, e)
             report.blocked_s = self.timer.since()
         except BaseException as e:
-            return self.outcome(ctx, retention, e)
-        return self.outcome(ctx, retention)
+            return self.outcome(ctx, retention_job, e)
+        return self.outcome(ctx, retention_job)
 
     def outcome(
-        self, ctx: SaveContext | None, retention: Future | None, error: BaseException | None = None
+        self, ctx: SaveContext | None, retention_job: Future | None, error: BaseException | None = None
     ) -> SaveOutcome:
         """What ``run`` hands back (returned from inside its ``except``, so that no frame of the error's traceback
         keeps the error itself alive)."""
-        return SaveOutcome(ctx.seq if ctx is not None else None, self.job, retention, error)
+        return SaveOutcome(ctx.seq if ctx is not None else None, self.job, retention_job, error)
 
     # ------------------------------------------------------------------ begin
     def begin(self, options: SaveOptions, report: SaveReport) -> tuple[SaveContext, Captured]:
@@ -426,7 +426,7 @@ class SavePipeline:
         error = error or fetch_error
         report.staging_allocated_bytes += pinned
         try:
-            finish.commit(ctx.barrier(), ctx.commit, coord.rank, error)
+            commit.commit(ctx.barrier(), ctx.commit, coord.rank, error)
         finally:
             report.total_s = self.timer.since()
         report.completed = True
@@ -469,13 +469,13 @@ class SavePipeline:
     def queue_retention(self, ctx: SaveContext, report: SaveReport) -> Future | None:
         """Rank 0: retention as a writer job behind the save (it runs only if the save was committed); its
         Future, or None where no retention runs (other ranks, ``num_kept_ckpts`` unset, a memory-only save)."""
-        kept = ctx.options.kept_ckpts
-        if self.coord.rank != 0 or kept is None or not ctx.commit.durable:
+        policy = ctx.options.retention
+        if self.coord.rank != 0 or policy is None or not ctx.commit.durable:
             return None
 
         def after_commit() -> None:
             if report.completed:
-                finish.retention(ctx.storage, kept, protect=ctx.tag)
+                retention.apply_retention(ctx.storage, policy, protect={ctx.tag})
 
         return self.services.writer.submit(after_commit, f"retention after {ctx.tag}")
 

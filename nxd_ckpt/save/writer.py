@@ -5,7 +5,7 @@ and DCP's single-worker executor (``submit`` returns a ``Future``). Jobs run str
 a save's commit and its retention deletions always follow its own writes and precede the next save's writes.
 
 Jobs must not issue collectives: they run while the training thread may be inside one. Cross-rank
-coordination from a job goes through the c10d store only (see ``commit.py``).
+coordination from a job goes through the c10d store only (see ``barrier.py``).
 
 A failed job does not stop the queue: later jobs still run (a retention job is independent of the next
 save). The first unreported error is raised, once, by ``check_for_errors`` as an ``AsyncSaveError`` whose

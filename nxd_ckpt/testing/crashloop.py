@@ -128,11 +128,11 @@ def _kill_at_call(kill_after: int, names: tuple[str, ...]) -> list[int]:
 
 def _retention_child(ckpt_dir: str, keep: int, kill_after: int) -> None:
     """Apply retention, SIGKILLing this process at its ``kill_after``-th unlink/rmdir (never, if negative)."""
-    from nxd_ckpt.format import tags
+    from nxd_ckpt.format import retention
     from nxd_ckpt.storage import LocalStorage
 
     calls = _kill_at_call(kill_after, ("unlink", "remove", "rmdir"))
-    tags.apply_retention(LocalStorage(ckpt_dir), keep)
+    retention.apply_retention(LocalStorage(ckpt_dir), retention.KeepLatest(keep))
     os._exit(100 + min(calls[0], 100))  # reports how many deletions a full run made
 
 

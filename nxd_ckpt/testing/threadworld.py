@@ -2,7 +2,7 @@
 
 ``ThreadWorld(n)`` hands out ``n`` coordinators (``ThreadCoordinator``) whose collectives meet at
 a condition variable instead of torch.distributed, and whose ``store`` is a real c10d TCPStore on 127.0.0.1
-shared by all of them, so the commit protocol (``commit.CommitBarrier``) runs exactly as in a job. Inject one
+shared by all of them, so the commit barrier (``save.barrier.CommitBarrier``) runs exactly as in a job. Inject one
 per thread into ``CheckpointManager(coordinator=..., topology=...)`` and call ``run(fn)``.
 DP replica subgroups are not modelled: use layouts without DP replicas for loads (save paths need none).
 

@@ -86,6 +86,27 @@ def test_submit_remove_by_count_and_sync(installed, tmp_path):
     assert sorted(os.listdir(tmp_path)) == [".nxd-tags.json", "step_3", "step_4"]
 
 
+def test_submit_remove_deletes_through_the_managers_injected_storage(installed, tmp_path, monkeypatch):
+    """The process-wide manager built with its own storage: NxD's ``submit_remove`` deletes through it."""
+    from nxd_ckpt import api
+    from nxd_ckpt.manager import CheckpointManager
+    from nxd_ckpt.storage import LocalStorage
+    from nxd_ckpt.testing.counting import RequestCountingStorage
+
+    storage = RequestCountingStorage(LocalStorage(str(tmp_path)))
+    monkeypatch.setattr(api._default, "manager", CheckpointManager(storage=lambda _directory: storage))
+    model = TinyMLP()
+    for step in (1, 2):
+        installed.save_checkpoint(str(tmp_path), f"step_{step}", model=model)
+    deletes = storage.by_prefix["step_1"].get("DELETE", 0)  # the save's own (stale files it replaces)
+    installed.g_iostate.submit_remove(-1, False, ["step_1"])
+    assert nxd.list_checkpoint_tags(str(tmp_path)) == ["step_2"] and sorted(os.listdir(tmp_path)) == [
+        ".nxd-tags.json",
+        "step_2",
+    ]
+    assert storage.by_prefix["step_1"]["DELETE"] == deletes + 1  # 'done', through the injected storage (then the rest)
+
+
 def test_submit_remove_before_any_save_says_what_to_do(installed):
     with pytest.raises(nxd.CheckpointError, match="save first"):
         compat.g_iostate.submit_remove(-1, False, ["step_1"])

@@ -275,7 +275,7 @@ def _stores(world: int) -> list[Any]:
 
 
 def test_commit_barrier_names_the_rank_that_never_arrives(caplog):
-    from nxd_ckpt.save.commit import CommitBarrier
+    from nxd_ckpt.save.barrier import CommitBarrier
 
     _, *clients = stores = _stores(3)
     barriers = [CommitBarrier(clients[r], "s", 1, r, 3, timeout_s=1.0, tag="step_9") for r in range(3)]
@@ -304,7 +304,7 @@ def test_commit_barrier_names_the_rank_that_never_arrives(caplog):
 
 
 def test_commit_barrier_carries_the_failure_type_to_every_rank():
-    from nxd_ckpt.save.commit import CommitBarrier
+    from nxd_ckpt.save.barrier import CommitBarrier
 
     _, *clients = stores = _stores(3)
     barriers = [CommitBarrier(clients[r], "s", 1, r, 3, timeout_s=10.0, tag="step_9") for r in range(3)]

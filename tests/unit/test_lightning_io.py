@@ -301,3 +301,22 @@ def test_the_imported_lightning_package_is_the_one_built_on():
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=240)
+
+
+def test_removals_go_through_the_managers_injected_storage(tmp_path, monkeypatch):
+    """A manager built with its own storage (``CheckpointManager(storage=...)``) deletes Lightning's checkpoints
+    through that storage too, not through one of its own for the same directory."""
+    from nxd_ckpt import api
+    from nxd_ckpt.manager import CheckpointManager
+    from nxd_ckpt.storage import LocalStorage
+    from nxd_ckpt.testing.counting import RequestCountingStorage
+
+    storage = RequestCountingStorage(LocalStorage(str(tmp_path)))
+    monkeypatch.setattr(api._default, "manager", CheckpointManager(storage=lambda _directory: storage))
+    io = _io()
+    io.save_checkpoint({"state_dict": {"w": torch.ones(1)}}, str(tmp_path / "a.ckpt"))
+    deletes = storage.by_prefix["a.ckpt"].get("DELETE", 0)  # the save's own (stale files it replaces)
+    io.remove_checkpoint(str(tmp_path / "a.ckpt"))
+    io.teardown()
+    assert sorted(os.listdir(tmp_path)) == [".nxd-tags.json"]
+    assert storage.by_prefix["a.ckpt"]["DELETE"] == deletes + 1  # 'done', through the injected storage

@@ -196,7 +196,7 @@ def test_fallback_loads_the_newest_verified_tag_on_every_rank_with_the_callers_o
 def test_commit_barrier_over_a_real_tcpstore_with_threads():
     """Rank 0 learns every arrival and error through the store; the others get the published outcome, as the
     failing rank's own exception type."""
-    from nxd_ckpt.save.commit import CommitBarrier
+    from nxd_ckpt.save.barrier import CommitBarrier
 
     world = ThreadWorld(3)
 

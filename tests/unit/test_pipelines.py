@@ -16,9 +16,9 @@ from nxd_ckpt.load.candidates import Outcome, settle
 from nxd_ckpt.load.read import loaded_bytes, missing_file_error
 from nxd_ckpt.load.read_plan import check_layout
 from nxd_ckpt.ranks.topology import Topology
-from nxd_ckpt.save import finish
-from nxd_ckpt.save.commit import CommitBarrier
-from nxd_ckpt.save.finish import CommitTarget
+from nxd_ckpt.save import commit
+from nxd_ckpt.save.barrier import CommitBarrier
+from nxd_ckpt.save.commit import CommitTarget
 from nxd_ckpt.save.pipeline import prepare_tag
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.threadworld import ThreadWorld
@@ -84,7 +84,7 @@ def _commit_in_world(tmp_path, errors: dict[int, BaseException], durable: bool =
     def rank_main(rank: int) -> object:
         barrier = CommitBarrier(world.store, "s", 1, rank, 2, 60.0, "t")
         try:
-            finish.commit(barrier, _commit_target(storage, 2, durable), rank, errors.get(rank))
+            commit.commit(barrier, _commit_target(storage, 2, durable), rank, errors.get(rank))
         except BaseException as e:
             return e
         return "ok"
@@ -110,18 +110,6 @@ def test_commit_fails_every_rank_with_the_failing_ranks_error_type(tmp_path):
 def test_commit_of_a_memory_only_save_writes_no_done(tmp_path):
     assert _commit_in_world(tmp_path, {}, durable=False) == ["ok", "ok"]
     assert not LocalStorage(str(tmp_path)).exists(layout.tag_path("t", layout.DONE_MARKER))
-
-
-def test_retention_keeps_the_newest_and_the_protected_tag(tmp_path):
-    storage = LocalStorage(str(tmp_path))
-    for i, tag in enumerate(["a", "b", "c"]):
-        storage.write_bytes(layout.tag_path(tag, layout.CHECKPOINT_MARKER), b"1")
-        storage.write_bytes(layout.tag_path(tag, layout.DONE_MARKER), b"1")
-        os.utime(tmp_path / tag / layout.DONE_MARKER, (1000 + i, 1000 + i))
-    finish.retention(storage, 1, protect="c")
-    assert sorted(os.listdir(tmp_path)) == ["c"]
-    finish.retention(storage, None, protect="c")  # None keeps everything
-    assert sorted(os.listdir(tmp_path)) == ["c"]
 
 
 # --------------------------------------------------------------------------------------------- agreeing

@@ -7,23 +7,24 @@ import os
 import threading
 
 import nxd_ckpt as nxd
-from nxd_ckpt.format import tags
+from nxd_ckpt.format import retention
 from nxd_ckpt.save import writer
 from nxd_ckpt.testing.fakes import TinyMLP
 
 
 def test_sync_save_deletes_old_tags_on_the_writer_thread_after_the_new_tag_is_complete(tmp_path, monkeypatch):
     deletions: list[tuple[str, str, bool]] = []
-    real_delete = tags.delete_tag
+    real_delete = retention.delete_tags
     release = threading.Event()
 
-    def spying_delete(storage, name):
+    def spying_delete(storage, names, **keywords):
         newest = sorted(os.listdir(tmp_path))[-1]
-        deletions.append((name, threading.current_thread().name, os.path.exists(tmp_path / newest / "done")))
+        for name in names:
+            deletions.append((name, threading.current_thread().name, os.path.exists(tmp_path / newest / "done")))
         release.wait(timeout=60)  # a slow deletion (e.g. thousands of S3 objects) must not hold up the save
-        return real_delete(storage, name)
+        return real_delete(storage, names, **keywords)
 
-    monkeypatch.setattr(tags, "delete_tag", spying_delete)
+    monkeypatch.setattr(retention, "delete_tags", spying_delete)
     model = TinyMLP()
     release.set()
     for step in range(1, 4):

@@ -1,4 +1,4 @@
-"""Complete tags, latest, and the retention policy."""
+"""Complete tags, their order, and latest."""
 
 from __future__ import annotations
 
@@ -66,67 +66,6 @@ def test_resolve_errors_name_what_exists(tmp_path):
     with pytest.raises(CheckpointNotFoundError, match="'step_2' .* is incomplete"):
         tags.resolve_tag(s, "step_2")
     assert tags.resolve_tag(s, None) == "step_1"
-
-
-def test_retention_policy_keeps_newest_n_and_drops_stale_incomplete():
-    def info(name, t, complete=True):
-        return tags.TagInfo(name=name, complete=complete, order_time=t, metadata=None)
-
-    all_tags = [
-        info("s1", 1),
-        info("s2", 2),
-        info("x", 2.5, False),
-        info("s3", 3),
-        info("s4", 4),
-        info("n", 5, False),
-    ]
-    assert tags.tags_to_delete(all_tags, keep=2) == ["s1", "s2", "x"]
-    assert tags.tags_to_delete(all_tags, keep=10) == []
-    assert tags.tags_to_delete(all_tags, keep=2, protect={"s1"}) == ["s2", "x"]
-    with pytest.raises(ValueError, match="num_kept_ckpts"):
-        tags.tags_to_delete(all_tags, keep=0)
-
-
-def test_retention_keeps_an_interrupted_save_whose_whole_second_mtime_may_be_newer():
-    """S3's LastModified is whole seconds: a leftover stamped 3.0 may have begun at 3.9, after the oldest kept tag
-    (3.4); it is deleted only once its whole second ended before that tag began."""
-    kept = [tags.TagInfo(name=n, complete=True, order_time=t, metadata=None) for n, t in (("s3", 3.4), ("s4", 4.2))]
-
-    def leftover(name: str, t: float) -> tags.TagInfo:
-        return tags.TagInfo(name=name, complete=False, order_time=t, metadata=None, time_resolution_s=1.0)
-
-    assert tags.tags_to_delete([*kept, leftover("new", 3.0)], keep=2) == []
-    assert tags.tags_to_delete([*kept, leftover("old", 2.0)], keep=2) == ["old"]
-    exact = tags.TagInfo(name="exact", complete=False, order_time=3.0, metadata=None)  # a local mtime: exact
-    assert tags.tags_to_delete([*kept, exact], keep=2) == ["exact"]
-
-
-def test_delete_removes_done_first(tmp_path):
-    _make_tag(tmp_path, "s1", created_at=1.0)
-    s = LocalStorage(tmp_path)
-
-    class CrashAfterDone(LocalStorage):
-        def delete_tree(self, path):
-            raise OSError("power loss")
-
-    with pytest.raises(OSError):
-        tags.delete_tag(CrashAfterDone(tmp_path), "s1")
-    assert tags.list_tags(s) == []  # no longer looks complete
-    assert [t.name for t in tags.list_tags(s, include_incomplete=True)] == ["s1"]
-
-
-def test_deleting_a_linked_tag_unlinks_it_only(tmp_path):
-    """Lightning's save_last="link" makes a tag a symbolic link to another: retention or a removal of the link
-    must not delete the linked tag's 'done' (or anything else of it)."""
-    _make_tag(tmp_path, "step_2", created_at=1.0)
-    os.symlink("step_2", tmp_path / "last")
-    s = LocalStorage(tmp_path)
-    tags.delete_tag(s, "last")
-    assert sorted(os.listdir(tmp_path)) == ["step_2"] and (tmp_path / "step_2" / "done").exists()
-    _make_tag(tmp_path, "step_4", created_at=2.0)
-    os.symlink("step_4", tmp_path / "last")  # as old as step_4; the name orders it before: retention deletes it
-    assert sorted(tags.apply_retention(s, 1)) == ["last", "step_2"]
-    assert sorted(os.listdir(tmp_path)) == ["step_4"] and tags.latest_tag(s) == "step_4"
 
 
 def _counted_latest(root):
