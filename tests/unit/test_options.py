@@ -13,6 +13,7 @@ import torch
 import nxd_ckpt as nxd
 from nxd_ckpt import api
 from nxd_ckpt.errors import InvalidTagError
+from nxd_ckpt.format.retention import KeepLatest
 from nxd_ckpt.load.pipeline import LoadPipeline
 from nxd_ckpt.manager import CheckpointManager
 from nxd_ckpt.options import LoadOptions, SaveOptions
@@ -191,8 +192,9 @@ def test_bad_load_options_fail_before_anything_is_read(tmp_path, arguments, erro
 
 
 def test_num_kept_ckpts_minus_one_keeps_all(tmp_path):
-    assert SaveOptions(str(tmp_path), "t", num_kept_ckpts=-1).kept_ckpts is None
-    assert SaveOptions(str(tmp_path), "t", num_kept_ckpts=2).kept_ckpts == 2
+    assert SaveOptions(str(tmp_path), "t", num_kept_ckpts=-1).retention is None
+    assert SaveOptions(str(tmp_path), "t", num_kept_ckpts=None).retention is None
+    assert SaveOptions(str(tmp_path), "t", num_kept_ckpts=2).retention == KeepLatest(2)
 
 
 def test_manager_takes_options_or_arguments_not_both(tmp_path):
