@@ -160,6 +160,10 @@ class CheckpointManager:
         self._queued_retention(future)
         return future
 
+    def storage(self, checkpoint_dir: Any) -> Storage:
+        """The storage this manager reads and writes ``checkpoint_dir`` through (the injected one, if any)."""
+        return self._storage_for(checkpoint_dir)
+
     def remove_tags(
         self,
         checkpoint_dir: Any,

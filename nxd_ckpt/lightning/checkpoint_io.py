@@ -17,7 +17,7 @@ from nxd_ckpt.lightning.package import lightning_package
 from nxd_ckpt.options import LoadOptions, SaveOptions
 from nxd_ckpt.ranks import coordinator
 from nxd_ckpt.save.report import SaveReport
-from nxd_ckpt.storage import Storage, storage_for
+from nxd_ckpt.storage import Storage
 
 logger = logging.getLogger("nxd_ckpt")
 
@@ -116,15 +116,17 @@ class NxdCheckpointIOBase:
         optimizer). ``map_location`` and ``weights_only`` are not used: what may be unpickled is
         ``allow_pickle``'s decision."""
         directory, tag = self.location(path)
-        tag = _through_link(storage_for(directory), tag)
+        manager = api.get_manager()
+        storage = manager.storage(directory)
+        tag = _through_link(storage, tag)
         model: dict[str, Any] = {}
         optimizer: dict[str, Any] | None = None
-        if not self.weight_init_only and "optimizer" in describe(storage_for(directory), tag).saved_items:
+        if not self.weight_init_only and "optimizer" in describe(storage, tag).saved_items:
             optimizer = {}
         options = LoadOptions(
             directory, tag, model=model, optimizer=optimizer, allow_pickle=self.allow_pickle, **self.load_options
         )
-        content = api.get_manager().load(options)
+        content = manager.load(options)
         checkpoint = dict(content) if isinstance(content, Mapping) else {}
         checkpoint["state_dict"] = model
         checkpoint.setdefault("pytorch-lightning_version", str(lightning_package().__version__))

@@ -320,3 +320,26 @@ def test_removals_go_through_the_managers_injected_storage(tmp_path, monkeypatch
     io.teardown()
     assert sorted(os.listdir(tmp_path)) == [".nxd-tags.json"]
     assert storage.by_prefix["a.ckpt"]["DELETE"] == deletes + 1  # 'done', through the injected storage
+
+
+def test_loads_go_through_the_managers_injected_storage(tmp_path, monkeypatch):
+    """Loading reads the tag (its link, its description, its files) through the manager's injected storage only."""
+    from nxd_ckpt import api
+    from nxd_ckpt.manager import CheckpointManager
+    from nxd_ckpt.storage import LocalStorage, local
+    from nxd_ckpt.testing.counting import RequestCountingStorage
+
+    storage = RequestCountingStorage(LocalStorage(str(tmp_path)))
+    monkeypatch.setattr(api._default, "manager", CheckpointManager(storage=lambda _directory: storage))
+    io = _io()
+    io.save_checkpoint({"state_dict": {"w": torch.ones(1)}}, str(tmp_path / "a.ckpt"))
+    io.teardown()
+    gets = sum(storage.by_prefix["a.ckpt"].values())
+
+    def no_other_storage(*args, **kwargs):
+        raise AssertionError("a LocalStorage made behind the manager's back")
+
+    monkeypatch.setattr(local.LocalStorage, "__init__", no_other_storage)
+    checkpoint = io.load_checkpoint(str(tmp_path / "a.ckpt"))
+    assert torch.equal(checkpoint["state_dict"]["w"], torch.ones(1))
+    assert sum(storage.by_prefix["a.ckpt"].values()) > gets
