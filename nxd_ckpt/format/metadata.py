@@ -146,7 +146,7 @@ class TagMetadata:
         return out
 
     def to_json(self) -> bytes:
-        """The file's bytes (stable: pinned by tests/unit/test_format.py)."""
+        """The file's bytes (stable: pinned by tests/unit/format/test_metadata_and_manifests.py)."""
         return json.dumps(self.to_dict(), indent=1).encode()
 
     @classmethod

@@ -5,7 +5,7 @@ What a backend can do beyond the abstract methods is said by explicit capabiliti
 ``whole_file_reads``), never found out with ``getattr``/``isinstance`` or by unwrapping. Wrappers derive from
 ``DelegatingStorage``, which forwards every one of them by name (no ``__getattr__``), so a capability added
 here reaches the backend through every wrapper, or is consciously overridden by one
-(``tests/unit/test_storage_capabilities.py`` checks both).
+(``tests/unit/storage/test_capabilities.py`` checks both).
 
 Paths are relative to the storage root (the checkpoint directory). Strings rather than ``Path`` objects, because
 ``s3://bucket/prefix`` must not be mangled. Retention, tag resolution and the commit protocol are built on this

@@ -256,7 +256,7 @@ def test_interpreter_exit_waits_for_the_save_being_written(tmp_path):
 @pytest.mark.parametrize("use_xser", [False, True], ids=["plain", "xser"])
 @run_with_ranks(2)
 def test_async_saves_under_a_host_memory_budget_hold_the_values_at_the_call(tmp_path, use_xser):
-    """Issue 27, two ranks: a budget smaller than most tensors (they are written straight from the live tensors
+    """Two ranks: a budget smaller than most tensors (they are written straight from the live tensors
     while the call waits) and one that holds some of them (staged, written after the call returned); with and
     without the memory tier. Every tag loads exactly the state as it was at the call."""
     ckpt = str(tmp_path / "ckpt")

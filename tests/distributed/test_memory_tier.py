@@ -186,7 +186,7 @@ RESTORE_STEPS = 7
 
 
 def _counted_restore_job(ckpt: str, mem: str) -> None:
-    """Issue 27: a restore's fixed cost is its world-wide steps. Set-up is one step (addresses, the job's token
+    """A restore's fixed cost is its world-wide steps. Set-up is one step (addresses, the job's token
     and the host names together), the restore reuses the layout it agreed on, and a plain tag makes no replica
     groups (only xser files share reads between replicas)."""
     from nxd_ckpt.ranks.coordinator import Coordinator

@@ -202,3 +202,16 @@ def test_every_public_name_resolves():
         except (AttributeError, ImportError) as e:
             missing.append(f"{name}: {e}")
     assert missing == []
+
+
+def test_unit_tests_mirror_the_package():
+    """``tests/unit/<name>/`` holds the tests of sub-package ``nxd_ckpt/<name>/`` (top-level modules' tests sit in
+    ``tests/unit/`` itself), so a module's tests are found where the module is."""
+    tests_unit = os.path.join(REPO, "tests", "unit")
+    folders = {d for d in os.listdir(tests_unit) if os.path.isdir(os.path.join(tests_unit, d)) and d != "__pycache__"}
+    packages = {
+        d
+        for d in os.listdir(os.path.join(REPO, PACKAGE))
+        if os.path.isfile(os.path.join(REPO, PACKAGE, d, "__init__.py"))
+    }
+    assert folders - packages == set(), "tests/unit folders that name no sub-package of nxd_ckpt"

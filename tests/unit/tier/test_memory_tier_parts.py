@@ -200,7 +200,7 @@ def test_transport_streams_a_file_into_the_callers_buffers(tmp_path):
 
 
 def test_the_durable_copy_of_a_tier_save_is_not_hashed_again_and_verifies(tmp_path, monkeypatch):
-    """Issue 27: each file of a save is hashed once, as it is written to node memory; the durable copy records
+    """Each file of a save is hashed once, as it is written to node memory; the durable copy records
     the same checksums (a fresh hash of the copy would bless a copy damaged in between)."""
     from nxd_ckpt.format import integrity
 
@@ -220,7 +220,7 @@ def test_the_durable_copy_of_a_tier_save_is_not_hashed_again_and_verifies(tmp_pa
 
 
 def test_transport_sends_a_file_by_sendfile_and_fills_whole_pieces(tmp_path, monkeypatch):
-    """Issue 27: the server sends a file with ``sendfile`` (the kernel copies its pages into the socket; measured
+    """The server sends a file with ``sendfile`` (the kernel copies its pages into the socket; measured
     faster than one sendall from a populated mapping), and the receiver's buffers are filled whole (one system
     call per piece)."""
     from nxd_ckpt.tier import transport
@@ -289,7 +289,7 @@ def test_transport_gives_up_on_a_peer_that_stops_sending(tmp_path):
 
 
 def test_a_stream_is_woken_per_mebibyte_and_still_reads_a_short_tail(tmp_path, monkeypatch):
-    """Issue 27: a streamed fetch asks the kernel to wake it once WAKE_BYTES have arrived (SO_RCVLOWAT: fewer
+    """A streamed fetch asks the kernel to wake it once WAKE_BYTES have arrived (SO_RCVLOWAT: fewer
     wake-ups, less CPU on both sides), and never for more than the rest of the caller's piece, so pieces and a
     file end shorter than that arrive without waiting for the deadline."""
     import socket as socket_module

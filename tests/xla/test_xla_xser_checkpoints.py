@@ -1,6 +1,6 @@
 """xser interop with the real torch_xla through the public API: checkpoints saved with ``use_xser=True`` load
 with ``xser.load``, and tags written with ``xser.save`` (as NxD writes them) load with ``load_checkpoint`` into a
-model on the XLA device. (File-level interop is tests/xla/test_xser_interop.py.)"""
+model on the XLA device. (File-level interop is tests/xla/test_xla_xser_files.py.)"""
 
 from __future__ import annotations
 

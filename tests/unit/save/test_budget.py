@@ -1,4 +1,4 @@
-"""Issue 27: an async save under a host memory budget holds at most the budget (+64 MiB) above the memory in use
+"""An async save under a host memory budget holds at most the budget (+64 MiB) above the memory in use
 before it, stages and writes a larger state in pieces while the call waits, and the tag loads bit-exactly."""
 
 from __future__ import annotations

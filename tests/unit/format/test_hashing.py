@@ -60,7 +60,7 @@ def test_falls_back_to_the_package_api(monkeypatch):
 
 
 def test_native_path_hashes_with_the_run_time_dispatched_update_when_exported():
-    """Issue 27: the plain exported update is the build's baseline code (about 0.6x the speed); the dispatched one
+    """The plain exported update is the build's baseline code (about 0.6x the speed); the dispatched one
     picks the CPU's vector unit, as the package's own objects do. Same digests (test above)."""
     lib = hashing._native()
     if lib is None or not hasattr(lib, "XXH3_64bits_update_dispatch"):

@@ -319,7 +319,7 @@ class _Spying(LocalStorage):
 
 
 def test_verified_sequential_reads_hash_each_piece_right_after_copying_it(tmp_path, monkeypatch):
-    """Issue 27: a verified read into live memory (memory-tier restores) copies at most 1 MiB at a time and
+    """A verified read into live memory (memory-tier restores) copies at most 1 MiB at a time and
     hashes each piece before the next copy, while it is still in the CPU cache (one pass over memory, not a
     copy and then a second hashing pass); a flipped byte is still found."""
     payload = bytearray(os.urandom((7 << 19) + 5))  # 3.5 MiB + 5: three whole pieces and two short ones

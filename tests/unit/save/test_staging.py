@@ -173,7 +173,7 @@ def _rss() -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
 def test_new_staging_buffers_are_faulted_in_before_the_copy_touches_them():
-    """Issue 27: a first staging's time is first-touch page faults; helper threads take them ahead of the copy."""
+    """A first staging's time is first-touch page faults; helper threads take them ahead of the copy."""
     from nxd_ckpt.save.staging import _Populator
 
     buffer = torch.empty(128 << 20, dtype=torch.uint8)  # reserved, not touched: not resident yet
