@@ -52,7 +52,7 @@ before every timed operation):
                the live state dicts + the optimizer's ``load_state_dict``. All three files hold the same state.
   memory       extra device memory of every row (CUDA: peak allocated minus allocated before; on the XLA CPU
                device, device memory is host memory: the report's ``device_snapshot_bytes``), and peak extra host
-               memory (bench_memory.PeakRSS, sampler on) of an nxd async save until durable, a load of its tag into
+               memory (benchlib.PeakRSS, sampler on) of an nxd async save until durable, a load of its tag into
                the live model and (memory_sync) a sync save, in untimed runs after the repetitions.
 Every nxd save also counts, in the call, this process's minor page faults (first touches of fresh memory) and
 XLA graph compiles: counters the machine's load does not change, which say where a first save's time goes.
@@ -856,7 +856,7 @@ class Run:
         """Peak extra host memory of the nxd paths (sampler on; untimed runs) and their device figures: an async
         save until durable, a load of its tag into the live model, and a sync save (not on CUDA by default, where a
         sync save stages nothing on the host: 0.6 MB at 1 and 10 GB; ``--skip`` without ``memory_sync`` adds it)."""
-        from bench_memory import PeakRSS
+        from benchlib import PeakRSS
 
         path = os.path.join(self.root, "memory")
         runs = [("mem_async", "async save until durable", True)]
@@ -883,7 +883,7 @@ class Run:
         remove(path)
 
     def memory_load(self, path: str, tag: str) -> None:
-        from bench_memory import PeakRSS
+        from benchlib import PeakRSS
 
         peak = PeakRSS()
         base = self.dev.mem_start()
@@ -908,7 +908,7 @@ class Run:
 
 def first_async(dev: Device, tr: Training, root: str) -> dict[str, Any]:
     """The process's first async save (nothing touched checkpointing before), with its resident-memory growth."""
-    from bench_memory import PeakRSS
+    from benchlib import PeakRSS
 
     import nxd_ckpt as nxd
 

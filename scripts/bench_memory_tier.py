@@ -1,4 +1,4 @@
-"""Memory tier benchmark (issue 20): recovery time from node memory, from a peer node, and from durable storage
+"""Memory tier benchmark: recovery time from node memory, from a peer node, and from durable storage
 (cold), for the same state, and what the tiers add to the time a save blocks training.
 
 Run:  $(bash scripts/setup_env.sh cpu | tail -1) scripts/bench_memory_tier.py [--total-mib 512] [--repeats 3]
@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # spawned ranks import this file by name
 
-from bench_memory import CpuTime, PeakRSS, receive_exactly
+from benchlib import CpuTime, PeakRSS, receive_exactly
 
 MIB = 1 << 20
 
@@ -330,7 +330,7 @@ def single_process_blocked(total_mib: int, repeats: int, work: str) -> dict[str,
 
 
 def print_targets(r: dict, total_mib: int) -> None:
-    """Issue 27's targets, each ratio paired within one repetition (medians of the pairs)."""
+    """The memory-tier targets, each ratio paired within one repetition (medians of the pairs)."""
     per_rank = r["restored_bytes"] / MIB
     memcpy, sock, serving = r["recovery_memcpy_all"], r["recovery_socket_all"], r["recovery_socket_serving_all"]
     mem_ratio = statistics.median(a / b for a, b in zip(r["recovery_memory_all"], memcpy, strict=True))

@@ -7,32 +7,27 @@ operation runs ``--repeats`` times, interleaved (boto3 raw, nxd_ckpt save, nxd_c
 
     python scripts/bench_s3.py --size-mb 256 --repeats 3
 
-``s3_loopback_section(size_mb, repeats)`` returns the rows. For scripts/benchmark.py (multi-rank, interleaved
-with the disk rows), ``register(section, Timing)`` adds the section ``s3_loopback``: rank 0 starts one moto
-server per run, every rank saves/loads its state to ``s3://`` through it. It is slow (moto runs at tens of
-MB/s), so it only runs when ``NXD_CKPT_BENCH_S3=1`` is set.
+``s3_loopback_section(size_mb, repeats)`` returns the rows. scripts/benchmark.py has the multi-rank section
+``s3_loopback`` (interleaved with the disk rows; rank 0 starts one moto server per run, every rank saves/loads its
+state to ``s3://`` through it). It is slow (moto runs at tens of MB/s), so it only runs when
+``NXD_CKPT_BENCH_S3=1`` is set.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
-import os
 import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any
 
 import torch
+from benchlib import S3_BUCKET, S3_TITLE, apply_loopback_s3_env
 
 import nxd_ckpt as nxd
 from nxd_ckpt.storage.s3 import S3Storage
-from nxd_ckpt.testing.s3server import MotoServer, loopback_aws_environ
-
-TITLE = "S3 (loopback moto server)"
-BUCKET = "nxd-ckpt-bench"
+from nxd_ckpt.testing.s3server import MotoServer
 
 
 def _synthetic_model(size_mb: int) -> dict[str, torch.Tensor]:
@@ -47,14 +42,6 @@ def _synthetic_model(size_mb: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def _apply_env(endpoint_url: str) -> None:
-    for key, value in loopback_aws_environ(endpoint_url).items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
 def s3_loopback_section(size_mb: int = 256, repeats: int = 3) -> list[tuple[str, float, float]]:
     """Rows ``(label, median seconds, GB/s)`` for raw boto3 and nxd_ckpt save/load to a loopback moto server."""
     import boto3
@@ -66,22 +53,22 @@ def s3_loopback_section(size_mb: int = 256, repeats: int = 3) -> list[tuple[str,
     payload = raw.getvalue()
     times: dict[str, list[float]] = {"boto3 upload_fileobj": [], "boto3 download_fileobj": [], "save": [], "load": []}
     with MotoServer() as server:
-        _apply_env(server.endpoint_url)
-        boto3.session.Session().client("s3").create_bucket(Bucket=BUCKET)
-        storage = S3Storage(f"s3://{BUCKET}/raw")
+        apply_loopback_s3_env(server.endpoint_url)
+        boto3.session.Session().client("s3").create_bucket(Bucket=S3_BUCKET)
+        storage = S3Storage(f"s3://{S3_BUCKET}/raw")
         client, config = storage._client, storage._transfer_config()
         for r in range(repeats):
             key = f"raw/{r}.pt"
             start = time.perf_counter()
-            client.upload_fileobj(io.BytesIO(payload), BUCKET, key, Config=config)
+            client.upload_fileobj(io.BytesIO(payload), S3_BUCKET, key, Config=config)
             times["boto3 upload_fileobj"].append(time.perf_counter() - start)
             sink = io.BytesIO()
             start = time.perf_counter()
-            client.download_fileobj(BUCKET, key, sink, Config=config)
+            client.download_fileobj(S3_BUCKET, key, sink, Config=config)
             times["boto3 download_fileobj"].append(time.perf_counter() - start)
-            client.delete_object(Bucket=BUCKET, Key=key)
+            client.delete_object(Bucket=S3_BUCKET, Key=key)
 
-            url = f"s3://{BUCKET}/ckpt-{uuid.uuid4().hex[:6]}"
+            url = f"s3://{S3_BUCKET}/ckpt-{uuid.uuid4().hex[:6]}"
             start = time.perf_counter()
             nxd.save_checkpoint(url, "step_1", model=model)
             times["save"].append(time.perf_counter() - start)
@@ -100,81 +87,13 @@ def s3_loopback_section(size_mb: int = 256, repeats: int = 3) -> list[tuple[str,
     return rows
 
 
-_server: MotoServer | None = None
-
-
-def _s3_available() -> bool:
-    if os.environ.get("NXD_CKPT_BENCH_S3") != "1":
-        return False
-    try:
-        import boto3  # noqa: F401
-        import moto.server  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _ensure_server(rank: int) -> None:
-    """Rank 0 starts the loopback server once per run; every rank points the AWS environment at it."""
-    global _server
-    import atexit
-
-    import boto3
-    import torch.distributed as dist
-
-    endpoint = [None]
-    if rank == 0:
-        if _server is None:
-            _server = MotoServer().start()
-            atexit.register(_server.stop)
-            _apply_env(_server.endpoint_url)
-            boto3.session.Session().client("s3").create_bucket(Bucket=BUCKET)
-        endpoint = [_server.endpoint_url]
-    dist.broadcast_object_list(endpoint, src=0)
-    _apply_env(str(endpoint[0]))
-
-
-def register(section: Callable[..., Callable], timing: type, assert_same: Callable[[Any, Any, str], None]) -> None:
-    """Add the ``s3_loopback`` section to scripts/benchmark.py's registry (its ``section``, ``Timing`` and
-    ``assert_same``)."""
-
-    @section(
-        "s3_loopback",
-        f"{TITLE}: nxd_ckpt plain to s3://, load(verify=False) (loopback, not AWS S3)",
-        _s3_available,
-    )
-    def _s3_loopback(b: Any) -> Any:
-        import torch.distributed as dist
-
-        _ensure_server(b.rank)
-        url = f"s3://{BUCKET}/bench"
-        model_out: dict = {}
-        optim_out: dict = {}
-
-        def save() -> None:
-            nxd.save_checkpoint(url, "step_1", model=b.model, optimizer=b.optimizer, zero1_optimizer=True)
-
-        def load() -> None:
-            nxd.load_checkpoint(url, "step_1", model=model_out, optimizer=optim_out, verify=False)
-
-        result = timing(b.timed(save), b.timed(load))  # nothing to drop: moto holds objects in memory
-        if b.check:
-            assert_same(b.model, model_out, "s3_loopback model")
-            assert_same(b.optimizer, optim_out, "s3_loopback optimizer")
-        dist.barrier()
-        if b.rank == 0:
-            S3Storage(url).delete_tree("step_1")
-        dist.barrier()
-        return result
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=int, default=256, help="tensor data per checkpoint (MiB)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     rows = s3_loopback_section(args.size_mb, args.repeats)
-    print(f"## {TITLE}: {args.size_mb} MiB of fp32 tensors, median of {args.repeats}")
+    print(f"## {S3_TITLE}: {args.size_mb} MiB of fp32 tensors, median of {args.repeats}")
     print("(loopback to moto, one Python process holding objects in memory: not AWS S3 throughput)")
     print("| operation | median s | GB/s |")
     print("|---|---:|---:|")

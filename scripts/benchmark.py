@@ -1,4 +1,4 @@
-"""Save/load throughput of nxd_ckpt against the disk and the alternatives users would pick (issue 3).
+"""Save/load throughput of nxd_ckpt against the disk and the alternatives users would pick.
 
 Run (2 ranks, 2 GiB of tensor data, 3 interleaved repetitions):
     $(bash scripts/setup_env.sh cpu | tail -1) scripts/benchmark.py --size-gb 2 --ranks 2 --reps 3
@@ -14,7 +14,7 @@ to the raw disk rows measured in the same run, since absolute numbers on this sh
 
 Sections are functions registered with ``@section``; each returns the save and load seconds. To add one (e.g.
 an "async" section), write ``@section("name", "label") def _(b: Bench) -> Timing`` using ``b.timed``.
-The async sections (issue 4: ``nxd_async``, ``dcp_async``) time the save until durable and also record the time
+The async sections (``nxd_async``, ``dcp_async``) time the save until durable and also record the time
 blocked in the call, and ``nxd_async`` a memcpy of the rank's saved bytes; the report ends with their ratios.
 """
 
@@ -30,13 +30,29 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from benchlib import (
+    S3_BUCKET,
+    S3_TITLE,
+    SECTIONS,
+    Bench,
+    PeakRSS,
+    Timing,
+    apply_loopback_s3_env,
+    assert_same,
+    check_live,
+    dist_all_gather,
+    fsync_tree,
+    live,
+    nbytes_of,
+    save_fsynced,
+    section,
+    tensors_of,
+)
 
 GIB = 1 << 30
 BLOCK = 64 << 20
@@ -65,131 +81,6 @@ def build_state(total_bytes: int, rank: int, world: int, hidden: int) -> tuple[d
         }
     optimizer = {"state": state, "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.999), "params": list(state)}]}
     return model, optimizer
-
-
-def tensors_of(tree: Any) -> list[torch.Tensor]:
-    from nxd_ckpt.tree import iter_tensors
-
-    return [t for _, t in iter_tensors(tree)]
-
-
-def nbytes_of(tree: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors_of(tree))
-
-
-def assert_same(a: Any, b: Any, what: str) -> None:
-    ta, tb = tensors_of(a), tensors_of(b)
-    if len(ta) != len(tb) or not all(torch.equal(x, y.cpu()) for x, y in zip(ta, tb, strict=True)):
-        raise AssertionError(f"{what}: loaded state differs from the saved one")
-
-
-# ----------------------------------------------------------------------------------------------- harness
-
-
-@dataclass
-class Timing:
-    save_s: float | None = None
-    load_s: float | None = None
-    extra: dict[str, float] = field(default_factory=dict)
-    """Figures beyond save/load (the async sections: time blocked in the call, the memcpy baseline)."""
-
-
-@dataclass
-class Bench:
-    """What a section needs: this rank's state, a scratch directory shared by all ranks, and timing helpers."""
-
-    rank: int
-    world: int
-    root: str
-    model: dict
-    optimizer: dict
-    total_bytes: int
-    cold: bool
-    check: bool = True
-    scratch: list[str] = field(default_factory=list)
-
-    def path(self, name: str) -> str:
-        return os.path.join(self.root, name)
-
-    def timed(self, fn: Callable[[], Any]) -> float:
-        """Seconds from a barrier before ``fn`` on every rank to a barrier after it on every rank."""
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        dist.barrier()
-        return time.perf_counter() - start
-
-    def timed_load(self, fn: Callable[[], Any]) -> float:
-        self.drop_caches()
-        return self.timed(fn)
-
-    def timed_load_then_peak(
-        self, fn: Callable[[], Any], reset: Callable[[], Any] | None = None
-    ) -> tuple[float, PeakRSS]:
-        """A cold timed load, then one more (untimed, the page cache as left) under ``PeakRSS``: its sampler
-        thread (every 2 ms, taking the allocator's lock) and its gc.collect stay out of the timed load.
-        ``reset`` (e.g. dropping what the load returned) runs before each, outside the measurement."""
-        if reset is not None:
-            reset()
-        seconds = self.timed_load(fn)
-        if reset is not None:
-            reset()
-        peak = PeakRSS()
-        with peak:
-            fn()
-        return seconds, peak
-
-    def drop_caches(self) -> None:
-        dist.barrier()
-        if self.rank == 0 and self.cold:
-            subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], check=True)
-        dist.barrier()
-
-    def clean(self, name: str) -> None:
-        dist.barrier()
-        if self.rank == 0:
-            full = self.path(name)
-            if os.path.isdir(full):
-                shutil.rmtree(full, ignore_errors=True)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(full)
-        dist.barrier()
-
-
-SECTIONS: dict[str, tuple[str, Callable[[Bench], Timing], Callable[[], bool]]] = {}
-
-
-def section(name: str, label: str, available: Callable[[], bool] = lambda: True) -> Callable:
-    """Register a benchmark section: ``fn(bench) -> Timing``, run on every rank."""
-
-    def register(fn: Callable[[Bench], Timing]) -> Callable[[Bench], Timing]:
-        SECTIONS[name] = (label, fn, available)
-        return fn
-
-    return register
-
-
-def fsync_tree(path: str) -> None:
-    """fsync every file and directory under ``path`` (for writers that do not make their files durable)."""
-    for root, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def save_fsynced(obj: Any, path: str) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 # ----------------------------------------------------------------------------------------------- sections
@@ -352,7 +243,7 @@ def _memcpy_s(b: Bench, tensors: list[torch.Tensor]) -> float:
 
 @section("nxd_async", "nxd_ckpt async_save=True plain (save = until durable and committed), load(verify=False)")
 def _nxd_async(b: Bench) -> Timing:
-    """Issue 4: also times the call alone (blocked) and a memcpy of this rank's saved bytes (its target)."""
+    """Also times the call alone (blocked) and a memcpy of this rank's saved bytes (its target)."""
     import nxd_ckpt as nxd
 
     path = b.path("nxd_async")
@@ -488,55 +379,12 @@ def _nxd_xser_from_xla(b: Bench) -> Timing:
     return _nxd(b, "nxd_xser_xla", use_xser=True, verify=False, device="xla")
 
 
-# ----------------------------------------------------------------------------------------------- resume (issue 19)
-
-
-def live_module(model: dict, device: Any = None) -> torch.nn.Module:
-    """An ``nn.Module`` whose state_dict keys are ``model``'s, with its own touched parameter memory (a model
-    already built in the resuming process), optionally on ``device``."""
-    root = torch.nn.Module()
-    for key, value in model.items():
-        *owners, leaf = key.split(".")
-        module = root
-        for name in owners:
-            if not hasattr(module, name):
-                module.add_module(name, torch.nn.Module())
-            module = getattr(module, name)
-        module.register_parameter(leaf, torch.nn.Parameter(torch.ones_like(value), requires_grad=False))
-    return root.to(device) if device is not None else root
+# ----------------------------------------------------------------------------------------------- resume
 
 
 def _peak_gb(b: Bench, peak: PeakRSS) -> float:
     """The largest peak extra host memory (heap in use or new resident pages) among the ranks, in GB."""
     return max(dist_all_gather(peak.extra)) / 1e9
-
-
-_LIVE: dict[str, torch.nn.Module] = {}
-
-
-def _live(b: Bench, device: str | None = None) -> torch.nn.Module:
-    key = device or "cpu"
-    if key not in _LIVE:
-        dev = None
-        if device == "xla":
-            import torch_xla
-
-            dev = torch_xla.device()
-        _LIVE[key] = live_module(b.model, dev)
-        if dev is not None:
-            import torch_xla
-
-            torch_xla.sync()
-    return _LIVE[key]
-
-
-def _check_live(b: Bench, module: torch.nn.Module, what: str) -> None:
-    if b.check:
-        loaded = module.state_dict()
-        assert_same(b.model, {k: loaded[k].detach() for k in b.model}, what)
-    with torch.no_grad():  # scribble, so the next load must really bring the bytes back
-        for p in module.parameters():
-            p.fill_(1.0)
 
 
 @section("torch_load_live", "torch.load + load_state_dict into the live module; torch.load of the optimizer shard")
@@ -549,7 +397,7 @@ def _torch_load_live(b: Bench) -> Timing:
             save_fsynced(b.model, model_path)
         save_fsynced(b.optimizer, optim_path)
 
-    module = _live(b)
+    module = live(b)
 
     def load() -> None:
         module.load_state_dict(torch.load(model_path, map_location="cpu", weights_only=True))
@@ -560,7 +408,7 @@ def _torch_load_live(b: Bench) -> Timing:
     timing = Timing(save_s, load_s)
     timing.extra["peak_gb"] = _peak_gb(b, peak)
     timing.extra["peak_rss_gb"] = max(dist_all_gather(peak.extra_rss)) / 1e9
-    _check_live(b, module, "torch.load live model")
+    check_live(b, module, "torch.load live model")
     b.clean("tl_model.pt")
     b.clean(f"tl_optim_{b.rank}.pt")
     return timing
@@ -578,7 +426,7 @@ def _nxd_live(b: Bench, name: str, *, device: str | None = None) -> Timing:
     def save() -> None:
         nxd.save_checkpoint(path, "step_1", model=model, optimizer=optimizer, use_xser=True, zero1_optimizer=True)
 
-    module = _live(b, device)
+    module = live(b, device)
 
     def load() -> None:
         nxd.load_checkpoint(path, "step_1", model=module, optimizer={})
@@ -588,7 +436,7 @@ def _nxd_live(b: Bench, name: str, *, device: str | None = None) -> Timing:
     timing = Timing(save_s, load_s)
     timing.extra["peak_gb"] = _peak_gb(b, peak)
     timing.extra["peak_rss_gb"] = max(dist_all_gather(peak.extra_rss)) / 1e9
-    _check_live(b, module, f"{name} live model")
+    check_live(b, module, f"{name} live model")
     b.clean(name)
     return timing
 
@@ -647,7 +495,7 @@ def _torch_xla_xser_live(b: Bench) -> Timing:
         fsync_tree(optim_path + ".tensors")
         fsync_tree(directory)
 
-    module = _live(b, "xla")
+    module = live(b, "xla")
 
     def load() -> None:
         module.load_state_dict(xser.load(model_path))
@@ -659,7 +507,7 @@ def _torch_xla_xser_live(b: Bench) -> Timing:
     timing = Timing(save_s, load_s)
     timing.extra["peak_gb"] = _peak_gb(b, peak)
     timing.extra["peak_rss_gb"] = max(dist_all_gather(peak.extra_rss)) / 1e9
-    _check_live(b, module, "torch_xla xser live model")
+    check_live(b, module, "torch_xla xser live model")
     torch_xla.sync()
     b.clean("txser_live")
     return timing
@@ -714,13 +562,79 @@ def _nxd_save_nokeep(b: Bench) -> Timing:
     return _sync_save_retention(b, "nxd_nokeep", keep=False)
 
 
-import bench_issue27  # noqa: E402 - registers issue 27's sections (host memory, first async save, tier)
-import bench_s3  # noqa: E402 - registers the "s3_loopback" section (runs only with NXD_CKPT_BENCH_S3=1)
-from bench_memory import PeakRSS  # noqa: E402 - a sibling script module
+# ----------------------------------------------------------------------------------------------- S3 (loopback)
 
-bench_s3.register(section, Timing, assert_same)
-bench_issue27.register(section, Timing, assert_same)
 
+_server: Any = None  # the run's MotoServer, started by rank 0 on first use
+
+
+def _s3_available() -> bool:
+    """The ``s3_loopback`` section runs only with ``NXD_CKPT_BENCH_S3=1`` (moto is slow) and boto3 + moto."""
+    if os.environ.get("NXD_CKPT_BENCH_S3") != "1":
+        return False
+    try:
+        import boto3  # noqa: F401
+        import moto.server  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _ensure_server(rank: int) -> None:
+    """Rank 0 starts the loopback server once per run; every rank points the AWS environment at it."""
+    global _server
+    import atexit
+
+    import boto3
+
+    from nxd_ckpt.testing.s3server import MotoServer
+
+    endpoint = [None]
+    if rank == 0:
+        if _server is None:
+            _server = MotoServer().start()
+            atexit.register(_server.stop)
+            apply_loopback_s3_env(_server.endpoint_url)
+            boto3.session.Session().client("s3").create_bucket(Bucket=S3_BUCKET)
+        endpoint = [_server.endpoint_url]
+    dist.broadcast_object_list(endpoint, src=0)
+    apply_loopback_s3_env(str(endpoint[0]))
+
+
+@section(
+    "s3_loopback",
+    f"{S3_TITLE}: nxd_ckpt plain to s3://, load(verify=False) (loopback, not AWS S3)",
+    _s3_available,
+)
+def _s3_loopback(b: Bench) -> Timing:
+    """Every rank saves its state to ``s3://`` on the loopback server and loads it back (unverified)."""
+    import nxd_ckpt as nxd
+    from nxd_ckpt.storage.s3 import S3Storage
+
+    _ensure_server(b.rank)
+    url = f"s3://{S3_BUCKET}/bench"
+    model_out: dict = {}
+    optim_out: dict = {}
+
+    def save() -> None:
+        nxd.save_checkpoint(url, "step_1", model=b.model, optimizer=b.optimizer, zero1_optimizer=True)
+
+    def load() -> None:
+        nxd.load_checkpoint(url, "step_1", model=model_out, optimizer=optim_out, verify=False)
+
+    result = Timing(b.timed(save), b.timed(load))  # nothing to drop: moto holds objects in memory
+    if b.check:
+        assert_same(b.model, model_out, "s3_loopback model")
+        assert_same(b.optimizer, optim_out, "s3_loopback optimizer")
+    dist.barrier()
+    if b.rank == 0:
+        S3Storage(url).delete_tree("step_1")
+    dist.barrier()
+    return result
+
+
+# Registered after the sections above: the registry's order is --sections' default and the report's.
+import benchmark_memory_sections  # noqa: E402 - host memory, first async save, verified plain loads, memory tier
 
 # ----------------------------------------------------------------------------------------------- driver
 
@@ -739,8 +653,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int, root: str, out_path:
     names = [n for n in args.sections if SECTIONS[n][2]()]
     results: dict[str, list[Timing]] = {n: [] for n in names}
     bench.check = True
-    # Issue 27: the process's first async save, before anything else (it is the one-time set-up being measured).
-    first_async = bench_issue27.first_async_save(bench) if "nxd_memory" in names else None
+    # The process's first async save, before anything else (it is the one-time set-up being measured).
+    first_async = benchmark_memory_sections.first_async_save(bench) if "nxd_memory" in names else None
     # Warm-up (untimed): first-touch of memory and imports would otherwise land on whichever section runs first.
     for name in names if args.warmup else []:
         SECTIONS[name][1](bench)
@@ -768,12 +682,6 @@ def _worker(rank: int, args: argparse.Namespace, port: int, root: str, out_path:
             )
     dist.barrier()
     dist.destroy_process_group()
-
-
-def dist_all_gather(value: Any) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def report(data: dict, args: argparse.Namespace) -> str:
@@ -811,7 +719,7 @@ def report(data: dict, args: argparse.Namespace) -> str:
                     f"nxd_xser vs {other}: save {med[other][0] / s:.2f}x faster, load {med[other][1] / ld:.2f}x faster"
                 )
     lines += _async_report(data, med)
-    lines += bench_issue27.report_lines(data, med)
+    lines += benchmark_memory_sections.report_lines(data, med)
     return "\n".join(lines)
 
 
@@ -821,7 +729,7 @@ def _median(values: list[float | None]) -> float | None:
 
 
 def _resume_report(data: dict, med: dict[str, tuple[float | None, float | None]]) -> list[str]:
-    """Issue 19's targets: cold load into the live module >= 1.0x torch.load + load_state_dict and >= 0.9x dd;
+    """The resume targets: cold load into the live module >= 1.0x torch.load + load_state_dict and >= 0.9x dd;
     onto the device >= 1.0x torch_xla's xser.load + load_state_dict; a sync save with retention no slower."""
     lines = [""]
 
@@ -856,7 +764,7 @@ def _resume_report(data: dict, med: dict[str, tuple[float | None, float | None]]
 
 
 def _async_report(data: dict, med: dict[str, tuple[float, float]]) -> list[str]:
-    """Issue 4's targets: blocked <= 1.25x memcpy and below DCP's async_save; total <= 1.1x the sync save."""
+    """The async targets: blocked <= 1.25x memcpy and below DCP's async_save; total <= 1.1x the sync save."""
     extra = data.get("extra", {})
     if "nxd_async" not in extra:
         return []

@@ -1,4 +1,4 @@
-"""Async save benchmark (issue 4): what ``save_checkpoint(async_save=True)`` costs the training loop.
+"""Async save benchmark: what ``save_checkpoint(async_save=True)`` costs the training loop.
 
 Run:  $(bash scripts/setup_env.sh cpu | tail -1) scripts/benchmark_async.py [--total-gib 2] [--repeats 3]
 
@@ -14,7 +14,7 @@ A first, untimed async save allocates the staging buffers; its blocked time and 
 Peak extra host memory is the largest RSS growth over the process's RSS before any checkpointing, sampled every
 2 ms during the first async save (buffers allocated) and the second (buffers reused; measured before DCP runs,
 whose freed memory can stay in the heap), relative to the bytes the largest rank saves. Medians over repeats;
-each figure is the slowest rank. Ratios are what the issue's targets are stated in; absolute times vary 2-5x
+each figure is the slowest rank. Ratios are what the targets are stated in; absolute times vary 2-5x
 on this machine.
 """
 

@@ -150,13 +150,20 @@ def run_retention(ckpt_dir: str, keep: int, kill_after: int = -1) -> int:
     return p.exitcode - 100
 
 
+_SAVE_AND_LOAD = (nxd.save_checkpoint, nxd.load_checkpoint)
+"""Looked up when this module is imported, so that the save and load path (which ``nxd_ckpt`` imports on first use)
+is imported then: the forkserver preloads this module, and a forked child starts with that path loaded instead of
+importing it (seconds per child without bytecode caches)."""
+
 _MUTATIONS = ("replace", "rename", "unlink", "remove", "rmdir", "fsync", "mkdir")
 """The os functions through which a save changes or makes durable what is on disk."""
 
 
 def _resave_child(ckpt_dir: str, tag: str, version: int, kill_after: int, options: dict[str, Any]) -> None:
     """Save ``tag`` at ``version`` in one process, SIGKILLing it at its ``kill_after``-th filesystem mutation
-    (on any thread, so async writer threads too; never, if negative)."""
+    (on any thread, so async writer threads too; never, if negative). One intra-op thread: a forked child's
+    first tensor copies otherwise spend longer starting a thread pool than copying this small state."""
+    torch.set_num_threads(1)
     calls = _kill_at_call(kill_after, _MUTATIONS)
     report = nxd.save_checkpoint(
         ckpt_dir,

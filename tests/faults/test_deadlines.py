@@ -97,6 +97,13 @@ class _BlockingStream:
         self._target.flush()
 
 
+def _wait_for(flags: list[Any], timeout_s: float) -> None:
+    """Poll until every file in ``flags`` exists (another rank's word that it got there), for ``timeout_s`` at most."""
+    deadline = time.monotonic() + timeout_s
+    while not all(f.exists() for f in flags) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _save(storage: Any, tag: str, **options: Any) -> nxd.SaveReport:
     model, opt, _ = make_training(seed=0)
     return nxd.save_checkpoint(storage, tag, model=model, optimizer=opt, **{"timeout": DEADLINE_S, **options})
@@ -110,10 +117,12 @@ def test_rank_that_never_reaches_the_save_is_named_by_every_rank(tmp_path):
     with _captured_log() as log:
         start = time.monotonic()
         if rank == 1:  # busy elsewhere (a data loader, a hung kernel) until the others gave up
-            time.sleep(DEADLINE_S + SLACK_S)
+            _wait_for([tmp_path / f"rank{r}_gave_up" for r in (0, 2)], DEADLINE_S + SLACK_S + 60)
         with pytest.raises(CheckpointTimeoutError) as raised:
             _save(ckpt, "step_2")
         elapsed = time.monotonic() - start
+        if rank != 1:
+            (tmp_path / f"rank{rank}_gave_up").write_text("1")
     error = raised.value
     if rank == 1:  # arriving late, it learns that the others gave up instead of waiting for them
         assert error.missing_ranks == (1,) and "too late" in str(error)
@@ -130,9 +139,7 @@ def test_rank_that_never_reaches_the_save_is_named_by_every_rank(tmp_path):
     flag = tmp_path / "rank1_caught_up"
     if rank == 1:
         flag.write_text("1")
-    deadline = time.monotonic() + 60
-    while not flag.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_for([flag], 60)
     _save(ckpt, "step_3", timeout=SETUP_TIMEOUT_S)
     assert nxd.latest_checkpoint_tag(ckpt) == "step_3"
 

@@ -5,6 +5,7 @@ directory holding both), and every ZeRO-1 converter chain between NxD's ``conver
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -112,22 +113,24 @@ def _nxd_checkpoint():
     return sys.modules["neuronx_distributed.trainer.checkpoint"]
 
 
-def _nxd_convert(src: str, dst: str, *flags: str) -> None:
-    """NxD's ``nxd_convert_zero_checkpoints`` console script, in its own process (as users run it)."""
+def _nxd_convert(*runs: tuple[str, str, tuple[str, ...]]) -> None:
+    """NxD's ``nxd_convert_zero_checkpoints`` console script on each ``(src, dst, flags)`` in turn, in a process of
+    its own (as users run it; one process for the runs, whose start, importing torch_xla, is most of their cost)."""
     code = (
-        "import sys\n"
+        "import json, sys\n"
         "from nxd_ckpt.testing import thirdparty\n"
         "thirdparty.install_neuron_stubs()\n"
         "thirdparty.add_to_path(thirdparty.NXD)\n"
         "from neuronx_distributed.optimizer.convert_zero_checkpoints import main\n"
-        "sys.argv = ['nxd_convert_zero_checkpoints'] + sys.argv[1:]\n"
-        "main()\n"
+        "for args in json.loads(sys.argv[1]):\n"
+        "    sys.argv = ['nxd_convert_zero_checkpoints', *args]\n"
+        "    main()\n"
     )
+    argvs = [["--input_dir", src, "--output_dir", dst, *flags] for src, dst, flags in runs]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
     res = subprocess.run(
-        [sys.executable, "-c", code, "--input_dir", src, "--output_dir", dst, *flags],
-        capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
+        [sys.executable, "-c", code, json.dumps(argvs)], capture_output=True, text=True, timeout=600, env=env
+    )
     assert res.returncode == 0, f"NxD's converter failed:\n{res.stdout}\n{res.stderr}"
 
 
@@ -172,19 +175,21 @@ def test_every_converter_chain_agrees_with_nxd(nxd_real, tmp_path, use_xser):
         ("full", ("--convert_to_full",)),
         ("dp3", ("--convert_to_sharded", "--dp_size", "3")),
     ]
-    nxd_prev, ours_prev = src, src
-    for name, flags in steps:
-        by_nxd, by_ours = f"{tmp_path}/nxd_{name}/step_3", f"{tmp_path}/ours_{name}/step_3"
-        _nxd_convert(nxd_prev, by_nxd, *flags)
-        _ours(nxd_prev, by_ours, *flags)  # ours reads NxD's converter output
-        expected = _optim_states(by_nxd)
-        assert_state_equal(_optim_states(by_ours), expected)
-        assert nxd.verify(os.path.dirname(by_ours), "step_3").ok
-        crossed = f"{tmp_path}/nxd_from_ours_{name}/step_3"
-        _nxd_convert(ours_prev, crossed, *flags)  # NxD's converter reads ours
-        assert_state_equal(_optim_states(crossed), expected)
-        nxd_prev, ours_prev = by_nxd, by_ours
-    _ours(ours_prev, f"{tmp_path}/ours_dp1/step_3", "--convert_to_sharded", "--dp_size", "1")
+    by_nxd = {name: f"{tmp_path}/nxd_{name}/step_3" for name, _ in steps}
+    by_ours = {name: f"{tmp_path}/ours_{name}/step_3" for name, _ in steps}
+    crossed = {name: f"{tmp_path}/nxd_from_ours_{name}/step_3" for name, _ in steps}
+    nxd_inputs = [src, *(by_nxd[name] for name, _ in steps[:-1])]
+    ours_inputs = [src, *(by_ours[name] for name, _ in steps[:-1])]
+    _nxd_convert(*((prev, by_nxd[name], flags) for prev, (name, flags) in zip(nxd_inputs, steps, strict=True)))
+    expected = {name: _optim_states(by_nxd[name]) for name, _ in steps}
+    for prev, (name, flags) in zip(nxd_inputs, steps, strict=True):
+        _ours(prev, by_ours[name], *flags)  # ours reads NxD's converter output
+        assert_state_equal(_optim_states(by_ours[name]), expected[name])
+        assert nxd.verify(os.path.dirname(by_ours[name]), "step_3").ok
+    _nxd_convert(*((prev, crossed[name], flags) for prev, (name, flags) in zip(ours_inputs, steps, strict=True)))
+    for name, _ in steps:  # NxD's converter reads ours
+        assert_state_equal(_optim_states(crossed[name]), expected[name])
+    _ours(by_ours[steps[-1][0]], f"{tmp_path}/ours_dp1/step_3", "--convert_to_sharded", "--dp_size", "1")
     assert_state_equal(_optim_states(f"{tmp_path}/ours_dp1/step_3"), _optim_states(src))  # the state NxD saved
 
 

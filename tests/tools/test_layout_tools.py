@@ -222,7 +222,7 @@ def test_export_dcp_loads_with_stock_dcp_into_a_full_state_dict(tp2pp2, tmp_path
 
 
 @run_with_ranks(2)
-def test_export_dcp_loads_into_dtensors_on_another_world_size(tmp_path):
+def test_export_dcp_loads_into_dtensors_on_another_world_size(tp2pp2, tmp_path):
     """Saved by 4 ranks at TP=2 PP=2, exported, then loaded by 2 ranks into DTensors sharded over a 2-device mesh."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
@@ -231,10 +231,9 @@ def test_export_dcp_loads_into_dtensors_on_another_world_size(tmp_path):
     rank = dist.get_rank()
     out = tmp_path / "dcp"
     if rank == 0:
-        run_on_ranks(_save_tp2_pp2, 4, {"out": str(tmp_path / "ckpt")})
         from nxd_ckpt.tools.export import export
 
-        export(nxd.open_checkpoint(tmp_path / "ckpt", "plain"), out, format="dcp")
+        export(nxd.open_checkpoint(tp2pp2 / "ckpt", "plain"), out, format="dcp")
     dist.barrier()
     mesh = init_device_mesh("cpu", (2,))
     ref = reference()
@@ -306,12 +305,11 @@ def test_reshard_refuses_what_it_cannot_do(tp2pp2, tmp_path, cli):
 
 
 @run_with_ranks(2)
-def test_reshard_pp2_to_pp1_tp2_loads_into_a_tp2_model(tmp_path):
+def test_reshard_pp2_to_pp1_tp2_loads_into_a_tp2_model(tp2pp2, tmp_path):
     if dist.get_rank() == 0:
-        run_on_ranks(_save_tp2_pp2, 4, {"out": str(tmp_path / "ckpt")})
         from nxd_ckpt.tools.reshard import reshard
 
-        reshard(nxd.open_checkpoint(tmp_path / "ckpt", "plain"), tmp_path / "out", pp=1)
+        reshard(nxd.open_checkpoint(tp2pp2 / "ckpt", "plain"), tmp_path / "out", pp=1)
     dist.barrier()
     _load_into(str(tmp_path / "out"), "plain", tp=2, pp=1)
 

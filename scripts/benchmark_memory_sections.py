@@ -1,7 +1,7 @@
-"""Issue 27's sections of scripts/benchmark.py: host memory per path, the first async save, verified plain loads,
-and memory-tier restores against memcpy and loopback-socket baselines, all in the same run as the other rows.
+"""scripts/benchmark.py's memory sections: host memory per path, the first async save, verified plain loads, and
+memory-tier restores against memcpy and loopback-socket baselines, all in the same run as the other rows.
 
-Sections (registered on benchmark.py's registry by ``register``):
+Sections (registered on benchlib's registry when benchmark.py imports this module):
   nxd_plain_verified  plain save; verified load into fresh dicts (compare: torch_save's torch.load)
   nxd_plain_live      plain save; verified load into the live module (compare: torch_load_live)
   nxd_memory          peak extra host memory (C heap in use or new resident pages, whichever is larger;
@@ -31,13 +31,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_memory import CpuTime, PeakRSS, receive_exactly
-
-
-def _gather(value: Any) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
+from benchlib import (
+    Bench,
+    CpuTime,
+    PeakRSS,
+    Timing,
+    assert_same,
+    check_live,
+    dist_all_gather,
+    live,
+    receive_exactly,
+    section,
+)
 
 
 def _rank_bytes(b: Any) -> int:
@@ -50,63 +55,65 @@ def _rank_bytes(b: Any) -> int:
 def _multiple(b: Any, peak: PeakRSS, saved: int | None = None) -> float:
     """Largest rank's peak extra heap as a multiple of its own state: ``saved`` (the bytes it wrote: the save
     paths) or what it loads."""
-    return max(_gather(peak.extra / (saved or _rank_bytes(b))))
+    return max(dist_all_gather(peak.extra / (saved or _rank_bytes(b))))
 
 
-def register(section: Callable[..., Callable], timing: type, assert_same: Callable[[Any, Any, str], None]) -> None:
-    """Add issue 27's sections to scripts/benchmark.py's registry (its ``section``, ``Timing``, ``assert_same``)."""
+@section("nxd_plain_verified", "nxd_ckpt plain, verified load into fresh dicts")
+def _plain_verified(b: Bench) -> Timing:
+    """Plain save; verified load into fresh dicts."""
+    import nxd_ckpt as nxd
 
-    @section("nxd_plain_verified", "nxd_ckpt plain, verified load into fresh dicts")
-    def _plain_verified(b: Any) -> Any:
-        import nxd_ckpt as nxd
+    path = b.path("nxd_plain_v")
+    out: dict = {}
 
-        path = b.path("nxd_plain_v")
-        out: dict = {}
+    def save() -> None:
+        nxd.save_checkpoint(path, "step_1", model=b.model, optimizer=b.optimizer, zero1_optimizer=True)
 
-        def save() -> None:
-            nxd.save_checkpoint(path, "step_1", model=b.model, optimizer=b.optimizer, zero1_optimizer=True)
+    def load() -> None:
+        out["model"], out["optim"] = {}, {}
+        nxd.load_checkpoint(path, "step_1", model=out["model"], optimizer=out["optim"])
 
-        def load() -> None:
-            out["model"], out["optim"] = {}, {}
-            nxd.load_checkpoint(path, "step_1", model=out["model"], optimizer=out["optim"])
-
-        result = timing(b.timed(save), b.timed_load(load))
-        if b.check:
-            assert_same(b.model, out["model"], "nxd_plain_verified model")
-        out.clear()
-        b.clean("nxd_plain_v")
-        return result
-
-    @section("nxd_plain_live", "nxd_ckpt plain, verified load into the live module (optimizer into {})")
-    def _plain_live(b: Any) -> Any:
-        import benchmark
-
-        import nxd_ckpt as nxd
-
-        path = b.path("nxd_plain_live")
-        module = benchmark._live(b)
-
-        def save() -> None:
-            nxd.save_checkpoint(path, "step_1", model=b.model, optimizer=b.optimizer, zero1_optimizer=True)
-
-        def load() -> None:
-            nxd.load_checkpoint(path, "step_1", model=module, optimizer={})
-
-        result = timing(b.timed(save), b.timed_load(load))
-        benchmark._check_live(b, module, "nxd_plain_live model")
-        b.clean("nxd_plain_live")
-        return result
-
-    @section("nxd_memory", "nxd_ckpt xser: sync save (timed) and verified load; peak host memory of each path")
-    def _memory(b: Any) -> Any:
-        return _memory_section(b, timing)
-
-    @section("nxd_tier", "nxd_ckpt memory tier: save, restore from node memory (load column)")
-    def _tier(b: Any) -> Any:
-        return _tier_section(b, timing)
+    result = Timing(b.timed(save), b.timed_load(load))
+    if b.check:
+        assert_same(b.model, out["model"], "nxd_plain_verified model")
+    out.clear()
+    b.clean("nxd_plain_v")
+    return result
 
 
-def _memory_section(b: Any, timing: type) -> Any:
+@section("nxd_plain_live", "nxd_ckpt plain, verified load into the live module (optimizer into {})")
+def _plain_live(b: Bench) -> Timing:
+    """Plain save; verified load into the live module."""
+    import nxd_ckpt as nxd
+
+    path = b.path("nxd_plain_live")
+    module = live(b)
+
+    def save() -> None:
+        nxd.save_checkpoint(path, "step_1", model=b.model, optimizer=b.optimizer, zero1_optimizer=True)
+
+    def load() -> None:
+        nxd.load_checkpoint(path, "step_1", model=module, optimizer={})
+
+    result = Timing(b.timed(save), b.timed_load(load))
+    check_live(b, module, "nxd_plain_live model")
+    b.clean("nxd_plain_live")
+    return result
+
+
+@section("nxd_memory", "nxd_ckpt xser: sync save (timed) and verified load; peak host memory of each path")
+def _memory(b: Bench) -> Timing:
+    """Peak host memory of each save/load path."""
+    return _memory_section(b)
+
+
+@section("nxd_tier", "nxd_ckpt memory tier: save, restore from node memory (load column)")
+def _tier(b: Bench) -> Timing:
+    """Memory-tier restores against memcpy and loopback-socket baselines."""
+    return _tier_section(b)
+
+
+def _memory_section(b: Bench) -> Timing:
     import nxd_ckpt as nxd
 
     path = b.path("nxd_memory")
@@ -118,7 +125,7 @@ def _memory_section(b: Any, timing: type) -> Any:
         dist.barrier()
         report = manager.save(path, f"async_{i}", async_save=True, **kw)
         report.wait()
-        blocked.append(max(_gather(report.blocked_s)))
+        blocked.append(max(dist_all_gather(report.blocked_s)))
     manager.finalize()
     extra["first_async_blocked_s"], extra["steady_async_blocked_s"] = blocked[0], statistics.median(blocked[1:])
 
@@ -139,9 +146,9 @@ def _memory_section(b: Any, timing: type) -> Any:
     budget = report.bytes_written // 4  # a quarter of what this rank writes
     report, peak = first_async_save_measured("async_budget", budget)
     extra["mem_async_budget"] = _multiple(b, peak, saved=report.bytes_written)
-    over = max(_gather(peak.extra - budget))
+    over = max(dist_all_gather(peak.extra - budget))
     extra["mem_async_budget_over_bytes"] = over  # the largest rank's peak above its budget
-    extra["budget_wait_s"] = max(_gather(report.budget_wait_s))
+    extra["budget_wait_s"] = max(dist_all_gather(report.budget_wait_s))
     peak = PeakRSS()
 
     written: list[int] = []
@@ -162,7 +169,7 @@ def _memory_section(b: Any, timing: type) -> Any:
     extra["mem_load_fresh"] = _multiple(b, peak)  # the loaded state itself is in it: ~1.0 is no extra copy
     out.clear()
     b.clean("nxd_memory")
-    return timing(save_s, load_s, extra)
+    return Timing(save_s, load_s, extra)
 
 
 def _training_step(x: torch.Tensor, w: torch.Tensor) -> float:
@@ -200,7 +207,7 @@ def first_async_save(b: Any) -> dict[str, float]:
         start = time.perf_counter()
         report = save(path, f"async_{i}", model=b.model, optimizer=b.optimizer, use_xser=True,
                                      zero1_optimizer=True, async_save=True)  # fmt: skip
-        blocked.append(max(_gather(time.perf_counter() - start)))
+        blocked.append(max(dist_all_gather(time.perf_counter() - start)))
         report.wait()
     nxd.finalize_checkpoint()
     b.clean("nxd_first_async")
@@ -208,11 +215,11 @@ def first_async_save(b: Any) -> dict[str, float]:
     return {
         "process_first_async_s": blocked[0],
         "process_steady_async_s": statistics.median(blocked[1:]),
-        "prepare_call_s": max(_gather(prepare_call_s)),
-        "prepare_faulted_s": max(_gather(faulted_s)),
-        "step_during_prepare_s": max(_gather(step_during)),
-        "steps_during_prepare": min(_gather(len(during))),
-        "step_after_prepare_s": max(_gather(statistics.median(after + baseline))),
+        "prepare_call_s": max(dist_all_gather(prepare_call_s)),
+        "prepare_faulted_s": max(dist_all_gather(faulted_s)),
+        "step_during_prepare_s": max(dist_all_gather(step_during)),
+        "steps_during_prepare": min(dist_all_gather(len(during))),
+        "step_after_prepare_s": max(dist_all_gather(statistics.median(after + baseline))),
     }
 
 
@@ -239,7 +246,7 @@ def _memcpy_s(sources: list[torch.Tensor], dests: list[torch.Tensor]) -> float:
     dist.barrier()
     start = time.perf_counter()
     _copy(sources, dests)
-    return max(_gather(time.perf_counter() - start))
+    return max(dist_all_gather(time.perf_counter() - start))
 
 
 def _socket_s(
@@ -250,7 +257,7 @@ def _socket_s(
     state) while a thread sends: in the peer restore, rank 1 restores its own state while its file server sends."""
     nbytes = receive_into.numel()
     listener = socket.create_server(("127.0.0.1", 0)) if dist.get_rank() == 0 else None
-    port = _gather(listener.getsockname()[1] if listener is not None else 0)[0]
+    port = dist_all_gather(listener.getsockname()[1] if listener is not None else 0)[0]
     dist.barrier()
     elapsed = 0.0
     if listener is not None:
@@ -273,15 +280,16 @@ def _socket_s(
         if own_copy is not None:
             own_copy()
         sender.join()
-    return _gather(elapsed)[0]
+    return dist_all_gather(elapsed)[0]
 
 
-def _tier_section(b: Any, timing: type) -> Any:
+def _tier_section(b: Bench) -> Timing:
     import nxd_ckpt as nxd
 
     saved_env = {k: os.environ.get(k) for k in ("LOCAL_WORLD_SIZE", "LOCAL_RANK", "NXD_CKPT_MEMORY_TIER_HOST")}
     os.environ.update(LOCAL_WORLD_SIZE="1", LOCAL_RANK="0", NXD_CKPT_MEMORY_TIER_HOST="127.0.0.1")
-    mem = _gather(tempfile.mkdtemp(prefix="nxd_bench_tier_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))[0]
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    mem = dist_all_gather(tempfile.mkdtemp(prefix="nxd_bench_tier_", dir=shm))[0]
     tier = nxd.MemoryTier(dir=os.path.join(mem, "node{node}"), replicas=1 if b.world > 1 else 0, bind="127.0.0.1")
     path = b.path("nxd_tier")
     targets = (_touched_like(b.model), _touched_like(b.optimizer))
@@ -305,7 +313,7 @@ def _tier_section(b: Any, timing: type) -> Any:
             with CpuTime() as cpu:
                 seconds = b.timed(load)
             if peak is None:
-                extra[f"tier_cpu_{label}"] = sum(_gather(cpu.used_s))
+                extra[f"tier_cpu_{label}"] = sum(dist_all_gather(cpu.used_s))
             where = restorer.last_restore
             assert where is not None and where.tier == label, where
             restorer.finalize()
@@ -323,7 +331,7 @@ def _tier_section(b: Any, timing: type) -> Any:
             into = torch.ones(sum(t.numel() * t.element_size() for t in sources), dtype=torch.uint8)
             with CpuTime() as cpu:
                 extra["tier_socket_s"] = _socket_s(sources, into)
-            extra["tier_cpu_socket"] = sum(_gather(cpu.used_s))
+            extra["tier_cpu_socket"] = sum(dist_all_gather(cpu.used_s))
             extra["tier_socket_serving_s"] = _socket_s(sources, into, own_copy=lambda: _copy(sources, dests))
             if b.rank == 0:
                 os.rename(os.path.join(mem, "node0"), os.path.join(mem, "node0.lost"))
@@ -340,14 +348,14 @@ def _tier_section(b: Any, timing: type) -> Any:
             else:
                 os.environ[k] = v
         b.clean("nxd_tier")
-    return timing(save_s, load_s, extra)
+    return Timing(save_s, load_s, extra)
 
 
 # ----------------------------------------------------------------------------------------------- report
 def report_lines(data: dict, med: dict[str, tuple[float | None, float | None]]) -> list[str]:
-    """Issue 27's targets from one run, each with MET / NOT MET."""
+    """The host-memory, first-async-save and memory-tier targets from one run, each with MET / NOT MET."""
     extra = data.get("extra", {})
-    lines = ["", "issue 27 (each ratio taken within this run):"]
+    lines = ["", "memory sections (each ratio taken within this run):"]
 
     def verdict(ok: bool) -> str:
         return "MET" if ok else "NOT MET"
