@@ -36,7 +36,16 @@ from nxd_ckpt.testing import rendezvous
 _RANK_ENV = "NXD_CKPT_TEST_RANK"
 _HARNESS_PID_ENV = "NXD_CKPT_TEST_HARNESS_PID"
 _GROUP_TIMEOUT_S = 120.0
-_PRELOAD = ("numpy", "torch", "torch_xla", "torch_xla.core.xla_model", "nxd_ckpt", "nxd_ckpt.testing.fakes")
+_PRELOAD = (
+    "numpy",
+    "torch",
+    "torch_xla",
+    "torch_xla.core.xla_model",
+    "nxd_ckpt",
+    "nxd_ckpt.api",
+    "nxd_ckpt.testing.fakes",
+    "nxd_ckpt.testing.crashloop",
+)
 """What the ranks' forkserver imports once, among the modules the parent has imported itself."""
 
 
