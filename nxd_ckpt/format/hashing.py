@@ -3,7 +3,8 @@
 The ``xxhash`` package holds the GIL while it hashes, so the I/O threads of a rank serialize on it (about
 0.05-0.1 s per GiB each). Its extension module also exports xxHash's C functions; called through ``ctypes``,
 which releases the GIL around foreign calls, the same hash runs in parallel with the other threads. Digests are
-identical either way (``tests/unit/format/test_hashing.py``); without the exported symbols the package's own API is used.
+identical either way (``tests/unit/format/test_hashing.py``); without the exported symbols the package's own API
+is used.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from nxd_ckpt.format.metadata import TagMetadata, read_metadata
 from nxd_ckpt.format.sharding import ShardingRecord, TensorSharding
 from nxd_ckpt.storage import LocalStorage
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 GOLDEN_METADATA = b"""{
  "format": "nxd_ckpt",
