@@ -123,7 +123,9 @@ LAYERS = [
     {"errors", "knobs", "lazy", "tree", "rng", "pages"},
     {"storage", "serialization", "ranks", "xla"},
     {"format", "log", "watchdog", "parallel_state", "device"},
-    {"save", "load", "statefile", "adapters", "rank_state", "inspect", "tier", "options"},
+    {"statefile", "adapters", "inspect", "tier"},
+    {"options", "rank_state"},
+    {"save", "load"},
     {"manager", "tools", "testing"},
     {"api", "cli", "lightning", "compat"},
 ]
