@@ -32,7 +32,7 @@ from nxd_ckpt.storage import Storage
 
 @dataclass(frozen=True)
 class TensorJob:
-    """One target tensor: its name, its sharding, the PP stage whose files hold it, dtype and target shape."""
+    """One target tensor: its name, its sharding and the PP stage whose files hold it."""
 
     name: str
     sharding: TensorSharding
@@ -75,6 +75,7 @@ def plan_model(
 
 
 def _checked(f: SourceFile, value: Any, name: str, want: tuple[int, ...]) -> torch.dtype:
+    """The dtype of ``value``, after checking it is a tensor of the shape its sharding record says."""
     if not f.is_tensor(value):
         raise FormatError(f"{f.what}: {name!r} is a {type(value).__name__}, not a tensor")
     dtype, shape = f.meta(value)
@@ -199,9 +200,11 @@ class ReshardedLoad:
             self.opt_jobs = plan_optimizer(record, self.src.tp, self.src.pp, topo, order, where)
 
     def model_state(self) -> dict[str, torch.Tensor]:
+        """This rank's model state at its layout (into the live model's tensors where they fit)."""
         return load_model(self.src, self.model_jobs, self.topo, self.files, self.live)
 
     def optimizer_state(self) -> dict:
+        """This rank's optimizer state at its layout: ZeRO-1 shards when the tag holds ZeRO-1 state, else plain."""
         if self.zero1:
             return load_zero1(self.src, self.opt_jobs, self.groups, self.topo, self.files)
         return load_optimizer(self.src, self.opt_jobs, self.groups, self.topo, self.files)

@@ -60,6 +60,8 @@ def plan_optimizer(
 def _groups(
     first: SourceFile, target_groups: Sequence[Sequence[int]], where: str, key: str = "param_groups"
 ) -> list[dict]:
+    """The saved parameter groups (hyperparameters) with this optimizer's indices; ReshardError when their
+    number differs."""
     saved = first.value(first.lookup((key,)))
     if not isinstance(saved, list) or len(saved) != len(target_groups):
         raise ReshardError(
@@ -73,6 +75,7 @@ def _groups(
 
 
 def _walk_slots(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """Every leaf of a (nested) optimizer state entry, with its key path."""
     if isinstance(obj, dict):
         for k, v in obj.items():
             yield from _walk_slots(v, (*path, k))
@@ -81,6 +84,7 @@ def _walk_slots(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[An
 
 
 def _set(tree: dict, path: tuple[Any, ...], value: Any) -> None:
+    """Set ``value`` at key path ``path`` of ``tree``, making the dicts on the way."""
     for k in path[:-1]:
         tree = tree.setdefault(k, {})
     tree[path[-1]] = value

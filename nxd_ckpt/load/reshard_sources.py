@@ -143,6 +143,7 @@ class SourceFile:
         return obj
 
     def has(self, keys: Sequence[Any]) -> bool:
+        """Whether the file holds an entry at ``keys``."""
         try:
             self.lookup(keys)
         except FormatError:
@@ -150,6 +151,7 @@ class SourceFile:
         return True
 
     def is_tensor(self, value: Any) -> bool:
+        """Whether ``value`` (from ``lookup``) is a tensor: on ``meta`` or an xser reference."""
         return isinstance(value, torch.Tensor) or xser._is_reference(value)
 
     def meta(self, value: Any) -> tuple[torch.dtype, tuple[int, ...]]:
@@ -164,6 +166,7 @@ class SourceFile:
         return t.dtype, tuple(t.shape)
 
     def _tensor_path(self, tid: int) -> str:
+        """The path of xser tensor file ``tid``; FormatError when it is missing."""
         path = layout.xser_tensor_file(self.path, tid)
         if not self.storage.exists(path):
             raise FormatError(
@@ -173,6 +176,7 @@ class SourceFile:
         return path
 
     def _tensor_file(self, tid: int) -> tuple[torch.Tensor, dict[str, int]]:
+        """xser tensor file ``tid``'s structure and record offsets (size-checked, read once per file)."""
         if tid not in self._tensor_files:
             path = self._tensor_path(tid)
             _check_size(self.storage, path)
@@ -200,6 +204,7 @@ class SourceFile:
         return self._read_meta(value, self._offsets, box, self.path)
 
     def _read_meta(self, meta: torch.Tensor, offsets: dict[str, int], box: Box, path: str) -> torch.Tensor:
+        """The block ``box`` of the tensor ``meta`` describes in the zip file at ``path``, read by byte range."""
         key = getattr(meta.untyped_storage(), zip_structure.RECORD_ATTR, None)
         if key is None or key not in offsets:
             raise FormatError(f"{self.storage.url}/{path}: a tensor's data record is not in the file's zip directory")
@@ -234,6 +239,7 @@ class SourceFiles:
         self._open: dict[str, SourceFile] = {}
 
     def get(self, path: str) -> SourceFile:
+        """The file at ``path``, opened on first use."""
         if path not in self._open:
             self._open[path] = SourceFile(self.storage, path, trusted=self.trusted)
         return self._open[path]
