@@ -19,7 +19,7 @@ from nxd_ckpt import adapters, statefile
 from nxd_ckpt.errors import FormatError, LayoutMismatchError
 from nxd_ckpt.format import layout
 from nxd_ckpt.format.describe import TagDescription
-from nxd_ckpt.load import reshard, zero1_io
+from nxd_ckpt.load import reshard, reshard_sources, zero1_io
 from nxd_ckpt.load.read_plan import ReadPlan
 from nxd_ckpt.options import LoadOptions
 from nxd_ckpt.ranks import replicas as replica_reads
@@ -46,7 +46,7 @@ def prepare_reshard(
     trusted = options.allow_pickle
 
     def plan() -> reshard.ReshardedLoad:
-        record = reshard.source_record(storage, tag, info, saved, options.sharding, trusted=trusted)
+        record = reshard_sources.source_record(storage, tag, info, saved, options.sharding, trusted=trusted)
         return reshard.ReshardedLoad(
             storage, tag, info, record, topo, options.model, options.optimizer, strict=options.strict,
             trusted=trusted,

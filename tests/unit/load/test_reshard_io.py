@@ -1,4 +1,4 @@
-"""load/reshard.py's file side: blocks of saved tensors read by byte range from plain and xser files (views
+"""load/reshard_sources.py: blocks of saved tensors read by byte range from plain and xser files (views
 with offsets and strides included), exactly the bytes of the block, and DP-chunked (ZeRO-1) sources."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 import nxd_ckpt as nxd
 from nxd_ckpt.format import integrity, layout
 from nxd_ckpt.format.sharding import TensorSharding, split
-from nxd_ckpt.load import reshard, zero1
+from nxd_ckpt.load import reshard_sources, zero1
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.counting import ReadCountingStorage
 
@@ -31,7 +31,7 @@ def saved(tmp_path, monkeypatch):
 def test_read_box_returns_the_block(saved, encoding, box):
     root, state = saved
     storage = ReadCountingStorage(root / encoding)
-    f = reshard.SourceFile(storage, layout.model_file("t", 0, 0))
+    f = reshard_sources.SourceFile(storage, layout.model_file("t", 0, 0))
     for name in ("whole", "offset", "strided"):
         value = f.lookup((name,))
         assert f.meta(value) == (torch.float32, (6, 10))
@@ -42,7 +42,7 @@ def test_read_box_returns_the_block(saved, encoding, box):
 def test_plain_box_reads_only_its_bytes(saved):
     root, _ = saved
     storage = ReadCountingStorage(root / "plain")
-    f = reshard.SourceFile(storage, layout.model_file("t", 0, 0))
+    f = reshard_sources.SourceFile(storage, layout.model_file("t", 0, 0))
     path = layout.model_file("t", 0, 0)
     before = storage.bytes_read.get(path, 0)
     f.read_box(f.lookup(("whole",)), ((0, 6), (3, 7)))  # 6 runs of 4 floats
@@ -51,11 +51,11 @@ def test_plain_box_reads_only_its_bytes(saved):
 
 def test_missing_entry_and_file_are_named(saved):
     root, _ = saved
-    f = reshard.SourceFile(ReadCountingStorage(root / "plain"), layout.model_file("t", 0, 0))
+    f = reshard_sources.SourceFile(ReadCountingStorage(root / "plain"), layout.model_file("t", 0, 0))
     with pytest.raises(nxd.FormatError, match="no entry 'nope'"):
         f.lookup(("nope",))
     with pytest.raises(nxd.FormatError, match="missing"):
-        reshard.SourceFile(ReadCountingStorage(root / "plain"), layout.model_file("t", 1, 0))
+        reshard_sources.SourceFile(ReadCountingStorage(root / "plain"), layout.model_file("t", 1, 0))
 
 
 def test_fill_from_dp_chunked_sources(saved, tmp_path):
@@ -64,14 +64,15 @@ def test_fill_from_dp_chunked_sources(saved, tmp_path):
     s = TensorSharding((6, 4), 1, 1, 1)
     chunks = {f"c{d}": zero1.shard_tensor(full, 4, d) for d in range(4)}  # 2 rows each (padded to 8)
     nxd.save_checkpoint(tmp_path / "z", "t", model=chunks)
-    f = reshard.SourceFile(ReadCountingStorage(tmp_path / "z"), layout.model_file("t", 0, 0))
-    read = reshard.chunked_reader(6, [(f, f.lookup((f"c{d}",))) for d in range(4)])
+    f = reshard_sources.SourceFile(ReadCountingStorage(tmp_path / "z"), layout.model_file("t", 0, 0))
+    read = reshard_sources.chunked_reader(6, [(f, f.lookup((f"c{d}",))) for d in range(4)])
     for dst_tp, dst_rank in ((2, 0), (2, 1), (4, 3)):
         local = split(full, s, dst_tp, dst_rank)
         for dp, dp_rank in ((1, 0), (2, 1), (4, 2)):
             rows = zero1.shard_rows(6, dp, dp_rank)
             out = torch.zeros(zero1.shard_shape(local.shape, dp))
-            reshard.fill(out.narrow(0, 0, rows[1] - rows[0]), s, 1, dst_tp, dst_rank, lambda _r, box: read(box), rows)
+            part = out.narrow(0, 0, rows[1] - rows[0])
+            reshard_sources.fill(part, s, 1, dst_tp, dst_rank, lambda _r, box: read(box), rows)
             assert torch.equal(out, zero1.shard_tensor(local, dp, dp_rank)), (dst_tp, dst_rank, dp, dp_rank)
 
 
@@ -79,8 +80,8 @@ def test_a_file_read_in_parts_is_checked_against_its_recorded_size(saved):
     root, _ = saved
     path = layout.model_file("t", 0, 0)
     storage = integrity.VerifyingStorage(LocalStorage(root / "plain"), "t")
-    reshard.SourceFile(storage, path)  # intact: fine
+    reshard_sources.SourceFile(storage, path)  # intact: fine
     with open(root / "plain" / path, "ab") as f:
         f.write(b"x")
     with pytest.raises(nxd.IntegrityError, match=r"corrupt: it has \d+ bytes but \d+ were written"):
-        reshard.SourceFile(storage, path)
+        reshard_sources.SourceFile(storage, path)
