@@ -145,3 +145,4 @@ def cmd_prune(args: argparse.Namespace) -> int:
     failed = [n for n in doomed if n not in deleted]
     for name in failed:
         print_err(f"could not delete {storage.url}/{name} (see the warning above)")
+    return EXIT_FAILED if failed else EXIT_OK
