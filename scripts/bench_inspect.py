@@ -18,7 +18,7 @@ import time
 import torch
 
 import nxd_ckpt as nxd
-from nxd_ckpt.cli import ReadProgressStorage
+from nxd_ckpt.cli.progress import ReadProgressStorage
 from nxd_ckpt.inspect import open_checkpoint
 from nxd_ckpt.storage import LocalStorage
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from nxd_ckpt.cli import ReadProgressStorage
+from nxd_ckpt.cli.progress import ReadProgressStorage
 from nxd_ckpt.format import integrity, layout, manifests
 from nxd_ckpt.storage import DelegatingStorage, LocalStorage, Storage
 from nxd_ckpt.storage.local import atomic_file
