@@ -15,9 +15,11 @@ the previous one (logged), and an error in the background is raised, once and ch
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -152,6 +154,16 @@ class CheckpointManager:
         self.check_for_errors()
         return waited
 
+    def _settle_saves(self) -> float:
+        """Before a save: raise a background failure, wait for the earlier saves' jobs (not for deletions queued
+        behind them: the writer runs them before the next save's files), raise theirs; the seconds waited."""
+        self.check_for_errors()
+        start = time.perf_counter()
+        concurrent.futures.wait(self._save_jobs)
+        waited = time.perf_counter() - start
+        self.check_for_errors()
+        return waited
+
     def queue_deletion(self, fn: Callable[[], Any], name: str) -> Future:
         """Run the deletion ``fn`` on the writer thread behind every save submitted so far (so it never touches
         a tag while it is written), like retention: tag listings wait for it (``wait_retention``). For
@@ -246,7 +258,7 @@ class CheckpointManager:
         if options.host_memory_budget is None and self.host_memory_budget is not None:
             options = options.replace(host_memory_budget=self.host_memory_budget)
         save_pipeline.refuse_unsavable(options)
-        waited = self._settle_background()
+        waited = self._settle_saves()
         earlier_failures = self._background_failures()
         coord = self.coordinator()
         report = SaveReport(
@@ -311,6 +323,7 @@ class CheckpointManager:
             topology=self.topology,
             storage_for=self._storage_for,
             tier_runtime=self._tier,
+            pending_deletions=tuple(f for f in self._retention_jobs if not f.done()),
         )
 
     def _load_services(self, coord: Coordinator) -> LoadServices:

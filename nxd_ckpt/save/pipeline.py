@@ -28,10 +28,11 @@ error to raise). The pipeline alone fills in the ``SaveReport``, reading every d
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any, TypeAlias
@@ -40,6 +41,7 @@ from nxd_ckpt import adapters, statefile, tree
 from nxd_ckpt import rank_state as rank_states
 from nxd_ckpt.device.backend import on_device
 from nxd_ckpt.device.transfer import DeviceTransfer
+from nxd_ckpt.errors import CheckpointTimeoutError
 from nxd_ckpt.format import integrity, layout, retention, sharding, tags
 from nxd_ckpt.format.metadata import metadata_path, write_metadata
 from nxd_ckpt.format.sharding import ShardingRecord
@@ -98,6 +100,9 @@ class SaveServices:
     tier_runtime: Callable[[MemoryTier, str, Topology], TierRuntime]
     """The memory tier's run-time state for a checkpoint directory (set up collectively on first use, and kept by
     the manager for later saves and loads)."""
+    pending_deletions: tuple[Future, ...] = ()
+    """Deletions still running on the writer thread (retention, Lightning's removals): a save does not wait for
+    them, except rank 0 before it touches a tag of the same name (``prepare_tag``)."""
 
 
 @dataclass(frozen=True)
@@ -286,7 +291,11 @@ class SavePipeline:
         coord, tag = self.coord, options.tag
         shares, (created_at, resave) = coord.gather_to_master_and_master_computes(
             share,
-            lambda: prepare_tag(storage, tag, durable) if coord.rank == 0 else (0.0, False),
+            lambda: (
+                prepare_tag(storage, tag, durable, self.services.pending_deletions, options.timeout_s)
+                if coord.rank == 0
+                else (0.0, False)
+            ),
             f"starting checkpoint {tag!r}",
         )
         record = merge_sharding(shares) if shares is not None and options.model is not None else None
@@ -481,11 +490,16 @@ class SavePipeline:
 
 
 # ---------------------------------------------------------------------- steps as functions
-def prepare_tag(storage: Storage, tag: str, durable: bool) -> tuple[float, bool]:
+def prepare_tag(
+    storage: Storage, tag: str, durable: bool, pending_deletions: Sequence[Future] = (), timeout_s: float = 1800.0
+) -> tuple[float, bool]:
     """Rank 0, before anything is written: the save's creation time, and whether it re-saves a complete tag
-    (written beside it and swapped in when complete, so the old one stays loadable until then)."""
+    (written beside it and swapped in when complete, so the old one stays loadable until then). Deletions still
+    running (``pending_deletions``) are waited for first where the directory holds anything of ``tag``."""
     if not durable:
         return time.time(), False
+    if pending_deletions and names_tag(storage.list_dir(""), tag):
+        wait_for_deletions(pending_deletions, tag, timeout_s)
     tags.recover_resaves(storage)  # a re-save a crash interrupted is finished or dropped first
     done = layout.tag_path(tag, layout.DONE_MARKER)
     has_done = storage.exists(done)
@@ -500,6 +514,21 @@ def prepare_tag(storage: Storage, tag: str, durable: bool) -> tuple[float, bool]
     integrity.remove_manifests(storage, tag)  # stale ones (e.g. another world size) would fail verify
     storage.write_bytes(layout.tag_path(tag, layout.CHECKPOINT_MARKER), b"1")
     return time.time(), False
+
+
+def names_tag(names: Sequence[str], tag: str) -> bool:
+    """Whether the checkpoint directory's ``names`` hold ``tag`` or a re-save of it (a deletion may be at work)."""
+    return any(name in names for name in (tag, layout.RESAVE_PREFIX + tag, layout.REPLACED_PREFIX + tag))
+
+
+def wait_for_deletions(pending: Sequence[Future], tag: str, timeout_s: float) -> None:
+    """Wait for the deletions ``pending`` (their errors are the writer's to report) within the save's deadline."""
+    _, running = concurrent.futures.wait(pending, timeout=timeout_s)
+    if running:
+        raise CheckpointTimeoutError(
+            f"saving {tag!r}: deletions queued by earlier saves were still running after {timeout_s:g} s "
+            "(slow or stalled storage); the tag was not touched"
+        )
 
 
 def capture(coord: Coordinator, topo: Topology, options: SaveOptions) -> Captured:

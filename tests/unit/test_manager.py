@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import pytest
 import torch
 
 import nxd_ckpt as nxd
 from nxd_ckpt.errors import CheckpointError
-from nxd_ckpt.format import layout, manifests
+from nxd_ckpt.format import layout, manifests, tags
 from nxd_ckpt.manager import CheckpointManager
 from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.save import plan
 from nxd_ckpt.storage import DelegatingStorage, LocalStorage
+from nxd_ckpt.testing.fakes import assert_state_equal, make_training
 from nxd_ckpt.testing.threadworld import ThreadWorld
 
 # --------------------------------------------------------------------------------------------- the write plan
@@ -231,3 +233,71 @@ def test_async_saves_commit_from_the_writer_threads(tmp_path):
 
     assert world.run(save) == [True, True]
     assert (tmp_path / "a1" / "done").exists() and nxd.verify(str(tmp_path), "a1").ok
+
+
+# --------------------------------------------------------------------------- deletions beside the next save
+class _HeldDeletes(DelegatingStorage):
+    """Deleting tag "a" as a whole waits until ``release`` is set (a slow file system freeing a large tag)."""
+
+    def __init__(self, inner, release: threading.Event) -> None:
+        super().__init__(inner)
+        self.release = release
+        self.deleting = threading.Event()
+
+    def delete_tree(self, path: str) -> None:
+        if path == "a" and not self.deleting.is_set():
+            self.deleting.set()
+            assert self.release.wait(30), "the test never released the deletion"
+        super().delete_tree(path)
+
+
+def _held_manager(tmp_path):
+    release = threading.Event()
+    storage = _HeldDeletes(LocalStorage(str(tmp_path)), release)
+    return CheckpointManager(storage=lambda _directory: storage), storage
+
+
+def test_a_save_does_not_wait_for_the_deletions_queued_behind_the_previous_one(tmp_path):
+    """Retention runs on the writer thread after the save it follows; the next save neither waits for it (only
+    for the previous save itself) nor writes a file before it is done, and what retention keeps is unchanged."""
+    manager, storage = _held_manager(tmp_path)
+    model, opt, _ = make_training(seed=1)
+    for tag in ("a", "b"):
+        manager.save(str(tmp_path), tag, model=model, optimizer=opt, num_kept_ckpts=1)
+    assert storage.deleting.wait(10)  # retention after "b" is deleting "a", held
+    safety = threading.Timer(10, storage.release.set)  # without the fix the next save waits for it: fail, not hang
+    safety.start()
+    try:
+        report = manager.save(str(tmp_path), "c", model=model, optimizer=opt, num_kept_ckpts=1, async_save=True)
+        assert report.waited_s < 2 and not storage.release.is_set()
+        storage.release.set()
+        report.wait()
+        manager.wait_retention()
+    finally:
+        safety.cancel()
+        storage.release.set()
+    manager.finalize()
+    assert [t.name for t in tags.list_tags(LocalStorage(str(tmp_path)))] == ["c"]
+
+
+def test_a_save_of_the_tag_being_deleted_waits_for_the_deletion(tmp_path):
+    """Re-using the name of a tag that retention is deleting: rank 0 waits for the deletion before it touches the
+    tag, so the deletion cannot remove the new save's files."""
+    manager, storage = _held_manager(tmp_path)
+    model, opt, _ = make_training(seed=1)
+    for tag in ("a", "b"):
+        manager.save(str(tmp_path), tag, model=model, optimizer=opt, num_kept_ckpts=1)
+    assert storage.deleting.wait(10)  # retention after "b" is deleting "a" ('done' already gone), held
+    threading.Timer(0.5, storage.release.set).start()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    report = manager.save(str(tmp_path), "a", model=model, optimizer=opt, num_kept_ckpts=1)
+    assert report.blocked_s >= 0.4  # waited for the deletion of the old "a"
+    manager.wait_retention()
+    manager.finalize()
+    fresh, fresh_opt, _ = make_training(seed=2)
+    CheckpointManager().load(str(tmp_path), "a", model=fresh, optimizer=fresh_opt)
+    assert_state_equal(fresh.state_dict(), expected)
+    assert [t.name for t in tags.list_tags(LocalStorage(str(tmp_path)))] == ["a"]
