@@ -36,7 +36,8 @@ from nxd_ckpt.ranks.coordinator import Coordinator, group_identity
 from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.save import pipeline as save_pipeline
 from nxd_ckpt.save import staging
-from nxd_ckpt.save.pipeline import SaveOutcome, SavePipeline, SaveServices, SaveTimer
+from nxd_ckpt.save.context import SaveOutcome, SaveServices, SaveTimer
+from nxd_ckpt.save.pipeline import SavePipeline
 from nxd_ckpt.save.report import SaveReport
 from nxd_ckpt.save.writer import AsyncWriter
 from nxd_ckpt.storage import Storage, storage_for

@@ -17,7 +17,8 @@ from nxd_ckpt.format.retention import KeepLatest
 from nxd_ckpt.load.pipeline import LoadPipeline
 from nxd_ckpt.manager import CheckpointManager
 from nxd_ckpt.options import LoadOptions, SaveOptions
-from nxd_ckpt.save.pipeline import SaveOutcome, SavePipeline
+from nxd_ckpt.save.context import SaveOutcome
+from nxd_ckpt.save.pipeline import SavePipeline
 from nxd_ckpt.testing.fakes import TinyMLP, make_training, train_steps
 
 # NxD names the directory parameter differently in its two functions; the options call it checkpoint_dir.

@@ -20,7 +20,8 @@ from nxd_ckpt.ranks.coordinator import Coordinator
 from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.save import budget, plan
 from nxd_ckpt.save import pipeline as save_pipeline
-from nxd_ckpt.save.pipeline import SaveContext, SavePipeline, SaveServices, SaveTimer
+from nxd_ckpt.save.context import SaveContext, SaveOutcome, SaveServices, SaveTimer
+from nxd_ckpt.save.pipeline import SavePipeline
 from nxd_ckpt.save.report import SaveReport
 from nxd_ckpt.save.staging import StagingPool
 from nxd_ckpt.save.writer import AsyncWriter
@@ -178,7 +179,7 @@ def _services(tmp_path: Any, seq: int, topology: Any = None) -> SaveServices:
     )
 
 
-def _run(services: SaveServices, tmp_path: Any, tag: str, **kw: Any) -> tuple[save_pipeline.SaveOutcome, SaveReport]:
+def _run(services: SaveServices, tmp_path: Any, tag: str, **kw: Any) -> tuple[SaveOutcome, SaveReport]:
     options = save_options(tmp_path, tag, model={"w": torch.ones(4)}, **kw)
     report = SaveReport(tag=tag, checkpoint_dir=str(tmp_path), async_save=options.async_save)
     return SavePipeline(services).run(options, report), report
