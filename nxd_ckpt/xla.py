@@ -104,13 +104,14 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def sync(tensors: Sequence[torch.Tensor]) -> None:
-    """Materialise the pending graphs of all XLA ``tensors`` with one execution and wait for it."""
+def sync(tensors: Sequence[torch.Tensor], *, wait: bool = True) -> None:
+    """Materialise the pending graphs of all XLA ``tensors`` with one execution; ``wait`` for it, or only launch it
+    (torch_xla then orders later executions and transfers that use the tensors after it)."""
     xla_tensors = [t for t in tensors if is_xla(t)]
     if not xla_tensors:
         return
     xla = require("materialising XLA tensors")
-    xla._XLAC._xla_sync_multi(xla_tensors, devices=[], wait=True, sync_xla_data=False)
+    xla._XLAC._xla_sync_multi(xla_tensors, devices=[], wait=wait, sync_xla_data=False)
 
 
 def mark_step() -> None:

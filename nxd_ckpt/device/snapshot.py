@@ -2,10 +2,11 @@
 host beside training.
 
 On the training thread, ``take`` copies every device tensor that fits the snapshot budget on the device (XLA: a
-``clone`` each and one sync that materialises them all; a native accelerator: ``clone`` kernels enqueued on the
-training stream, nothing waited for) and returns a ``DeviceTransfer`` that brings the copies to the host on a
-background thread, chunk by chunk, freeing each chunk's device copies once it has arrived. Later training steps
-cannot reach the copies: in-place updates and XLA's buffer donation touch the originals only.
+``clone`` each and one sync that materialises them all, launched and not waited for; a native accelerator:
+``clone`` kernels enqueued on the training stream, nothing waited for) and returns a ``DeviceTransfer`` that
+brings the copies to the host on a background thread, chunk by chunk, freeing each chunk's device copies once it
+has arrived. Later training steps cannot reach the copies: in-place updates and XLA's buffer donation touch the
+originals only, and the device runs them after the copies.
 
 Tensors that do not fit the budget are moved to the host before ``take`` returns, in chunks: XLA by bulk
 transfers on the training thread (as before device snapshots), a native accelerator by non-blocking copies into
@@ -99,10 +100,11 @@ def _take_xla(
     rest: list[int],
     chunk_bytes: int | None,
 ) -> DeviceTransfer:
-    """Clones under one sync (together with the tensors that do not fit), then the rest by bulk transfers here."""
+    """Clones under one sync (together with the tensors that do not fit), then the rest by bulk transfers here. The
+    sync is only launched when everything fits: torch_xla runs the next step after it and fetches wait for it."""
     clones = [tensors[i].detach().clone() for i in fit]
     live = [tensors[i].detach() for i in rest]
-    xla.sync(clones + live)  # one execution materialises the snapshot and whatever the rest was waiting for
+    xla.sync(clones + live, wait=bool(rest))  # one execution materialises the snapshot (launched, not waited for)
     arrived: dict[int, torch.Tensor] = {}
     for batch, copies in xla.iter_to_cpu(live, chunk_bytes, synced=True):
         for j, c in zip(batch, copies, strict=True):
