@@ -31,11 +31,9 @@ from nxd_ckpt.format.sharding import (
     block_reads,
     element_ranges,
     narrow_box,
-    rebase,
-    record_from_model,
-    record_from_spec,
     whole_box,
 )
+from nxd_ckpt.format.sharding_marks import rebase, record_from_model, record_from_spec
 from nxd_ckpt.load import zero1
 from nxd_ckpt.serialization import structure as zip_structure
 from nxd_ckpt.serialization import torchzip, xser
