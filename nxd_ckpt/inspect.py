@@ -12,7 +12,8 @@ The manifest comes from the pickled structure alone: a plain ``torch.save`` file
 storages on the ``meta`` device (only the zip directory and the pickle are read), xser files from their reference
 and info files.
 Reading one object of an xser file opens only its reference file and that object's tensor files; of a plain
-file, its pickle and then only the zip records of the wanted tensors are read (ranged reads, so on S3 too).
+file, its pickle and then only the zip records of the wanted tensors are read (ranged reads through
+``storage/range_reads.py``, so on S3 too).
 Works on NxD-written
 checkpoints too (their layout is the same; only ``nxd_ckpt.json`` is missing).
 """
