@@ -14,7 +14,7 @@ from nxd_ckpt.lazy import lazy_module
 if TYPE_CHECKING:
     import torch
 else:
-    torch = lazy_module("torch")  # nxd_ckpt.json is read by commands that never touch a tensor (nxd-ckpt list)
+    torch = lazy_module("torch")  # loaded on first use, like format/sharding.py's
 
 KV_MODULE_PARAMS = ("weight_k", "weight_v", "bias_k", "bias_v", "weight_qkv", "bias_qkv")
 """Parameters of NxD's ``GQAQKVColumnParallelLinear`` that hold K/V heads (replicated when kv_size_multiplier > 1)."""
