@@ -12,18 +12,18 @@ The manifest comes from the pickled structure alone: a plain ``torch.save`` file
 storages on the ``meta`` device (only the zip directory and the pickle are read), xser files from their reference
 and info files.
 Reading one object of an xser file opens only its reference file and that object's tensor files; of a plain
-file, its pickle and then only the zip records of the wanted tensors are read (ranged reads, so on S3 too).
+file, its pickle and then only the zip records of the wanted tensors are read (ranged reads through
+``storage/range_reads.py``, so on S3 too).
 Works on NxD-written
 checkpoints too (their layout is the same; only ``nxd_ckpt.json`` is missing).
 """
 
 from __future__ import annotations
 
-import io
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from nxd_ckpt.errors import CheckpointNotFoundError, FormatError
@@ -31,6 +31,7 @@ from nxd_ckpt.format import layout, tags
 from nxd_ckpt.format.describe import TagDescription, describe, layout_text
 from nxd_ckpt.lazy import lazy_module
 from nxd_ckpt.storage import Storage, storage_for
+from nxd_ckpt.storage.range_reads import open_for_partial_reads
 
 # torch and the modules needing it load on first use: listing tags and layouts never touches a tensor.
 torch = lazy_module("torch")
@@ -487,60 +488,3 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-class _RangeReader(io.RawIOBase):
-    """A seekable read-only stream over ``Storage.read_bytes`` ranges (S3 range GETs), so unpickling a file's
-    structure reads its zip directory and ``data.pkl`` only, never the whole object."""
-
-    def __init__(self, storage: Storage, path: str) -> None:
-        self._storage, self._path = storage, path
-        self._size = storage.size(path)
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        n = min(len(buffer), self._size - self._pos)
-        if n <= 0:
-            return 0
-        data = self._storage.read_bytes(self._path, self._pos, n)
-        buffer[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
-
-
-@dataclass
-class _PartialReadStream:
-    """Context manager giving the cheapest seekable stream of a file for partial reads."""
-
-    storage: Storage
-    path: str
-    _cm: Any = field(default=None, repr=False)
-
-    def __enter__(self) -> Any:
-        if not self.storage.ranged_reads:
-            self._cm = self.storage.open_read(self.path)
-            return self._cm.__enter__()
-        return _RangeReader(self.storage, self.path)  # unbuffered: torch reads ~20 small ranges, not the data
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._cm is not None:
-            self._cm.__exit__(*exc)
-
-
-def open_for_partial_reads(storage: Storage, path: str) -> _PartialReadStream:
-    """A seekable stream of one file for reading parts of it: the file itself on local disk, else ranged reads."""
-    return _PartialReadStream(storage, path)

@@ -21,7 +21,8 @@ from nxd_ckpt import adapters
 from nxd_ckpt.errors import FormatError, ReshardError, StateMismatchError
 from nxd_ckpt.format import layout
 from nxd_ckpt.format.describe import TagDescription
-from nxd_ckpt.format.sharding import Box, ShardingRecord, TensorSharding, read_plan, record_from_model
+from nxd_ckpt.format.sharding import Box, ShardingRecord, TensorSharding, read_plan
+from nxd_ckpt.format.sharding_marks import record_from_model
 from nxd_ckpt.load.reshard_optimizer import OptimizerJob, load_optimizer, load_zero1, plan_optimizer
 from nxd_ckpt.load.reshard_sources import SourceFile, SourceFiles, SourceLayout, fill
 from nxd_ckpt.ranks.topology import Topology

@@ -31,16 +31,14 @@ from nxd_ckpt.format.sharding import (
     block_reads,
     element_ranges,
     narrow_box,
-    rebase,
-    record_from_model,
-    record_from_spec,
     whole_box,
 )
-from nxd_ckpt.inspect import open_for_partial_reads
+from nxd_ckpt.format.sharding_marks import rebase, record_from_model, record_from_spec
 from nxd_ckpt.load import zero1
 from nxd_ckpt.serialization import structure as zip_structure
 from nxd_ckpt.serialization import torchzip, xser
 from nxd_ckpt.storage import Storage
+from nxd_ckpt.storage.range_reads import open_for_partial_reads
 
 Reader = Callable[[int, Box], torch.Tensor]
 """(source TP rank, box of its TP-local tensor) -> that block as a new tensor."""

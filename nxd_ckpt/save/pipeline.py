@@ -41,7 +41,7 @@ from nxd_ckpt import rank_state as rank_states
 from nxd_ckpt.device.backend import on_device
 from nxd_ckpt.device.transfer import DeviceTransfer
 from nxd_ckpt.errors import CheckpointTimeoutError
-from nxd_ckpt.format import integrity, layout, retention, sharding, tags
+from nxd_ckpt.format import integrity, layout, retention, sharding_marks, tags
 from nxd_ckpt.format.metadata import metadata_path, write_metadata
 from nxd_ckpt.format.sharding import ShardingRecord
 from nxd_ckpt.options import SaveOptions
@@ -433,7 +433,7 @@ def sharding_share(coord: Coordinator, topo: Topology, options: SaveOptions, mod
     if topo.tp_rank != 0 or topo.replica_rank != 0:
         return None
     try:
-        return sharding.record_for_save(options.model, model_sd, options.optimizer, topo.tp_size, topo.pp_rank)
+        return sharding_marks.record_for_save(options.model, model_sd, options.optimizer, topo.tp_size, topo.pp_rank)
     except Exception as e:
         return f"rank {coord.rank}: {e}"
 

@@ -1,5 +1,9 @@
 """S3 (and S3-compatible) storage through boto3 and its transfer manager; boto3 is imported lazily.
 
+``S3Storage`` here: the client, each operation's retries and its failure in plain words (``StorageError``), reads,
+writes, listing and deletion. Its write stream is ``s3_upload.StreamingUpload``; what a boto failure is (its code,
+whether to retry) is ``s3_errors``.
+
 Why boto3 and not ``s3torchconnector``: its public package imports torch (storage must not), its CRT client
 is a private module documented as unstable, it has no batched DeleteObjects (retention would cost one request
 per file), and it has no connect/read timeout, so an endpoint that accepts connections but never answers hangs
@@ -21,7 +25,17 @@ from typing import Any, BinaryIO, TypeVar, cast
 
 from nxd_ckpt import knobs
 from nxd_ckpt.errors import StorageError
-from nxd_ckpt.storage.base import ForwardWriter, Storage, check_relative_path
+from nxd_ckpt.storage.base import Storage, check_relative_path
+from nxd_ckpt.storage.s3_errors import (
+    CREDENTIAL_CODES,
+    NOT_FOUND_CODES,
+    RETRYABLE_CODES,
+    causes,
+    error_code,
+    is_boto_error,
+    is_retryable,
+)
+from nxd_ckpt.storage.s3_upload import StreamingUpload
 
 logger = logging.getLogger("nxd_ckpt")
 
@@ -30,124 +44,8 @@ T = TypeVar("T")
 ENDPOINT_ENV = "NXD_CKPT_S3_ENDPOINT_URL"
 MIB = 1 << 20
 
-# S3 error codes that mean "slow down or try again", retried by our own loop once botocore has given up.
-_RETRYABLE_CODES = frozenset(
-    {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "TooManyRequests",
-        "RequestLimitExceeded",
-        "RequestTimeout",
-        "RequestTimeoutException",
-        "ServiceUnavailable",
-        "InternalError",
-        "500",
-        "502",
-        "503",
-        "504",
-    }
-)
-_NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
-_CREDENTIAL_CODES = frozenset(
-    {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "TokenRefreshRequired"}
-)
-
 _session_lock = threading.Lock()
 _sessions: dict[tuple[int, str | None], Any] = {}
-
-
-class _StreamingUpload(ForwardWriter):
-    """The write stream of ``S3Storage.open_write``: whole ``part_size`` parts are uploaded as they fill (on
-    ``max_concurrency`` threads, each part retried like any request); ``finish`` sends the rest (one PUT if no
-    part was needed) and completes the upload; ``abort`` cancels it."""
-
-    def __init__(self, storage: S3Storage, path: str) -> None:
-        self._s3, self._path, self._key = storage, path, storage._key(path)
-        self._buffer = bytearray()
-        self._size = 0
-        self._upload_id: str | None = None
-        self._parts: list[Any] = []  # futures of {"PartNumber", "ETag"}
-        self._pool: Any = None
-        self.closed = False
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self._buffer += view
-        self._size += len(view)
-        part = self._s3.part_size
-        while len(self._buffer) >= part:
-            chunk = bytes(self._buffer[:part])
-            del self._buffer[:part]
-            self._send(chunk)
-        return len(view)
-
-    def flush(self) -> None:
-        pass
-
-    def tell(self) -> int:
-        return self._size
-
-    def _send(self, chunk: bytes) -> None:
-        """Upload ``chunk`` as the next part (starting the multipart upload first); waits while the pool is full."""
-        s3 = self._s3
-        if self._upload_id is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            created = s3._call(
-                "upload",
-                self._path,
-                lambda: s3._client.create_multipart_upload(Bucket=s3.bucket, Key=self._key),
-            )
-            self._upload_id = created["UploadId"]
-            self._pool = ThreadPoolExecutor(max_workers=s3.max_concurrency, thread_name_prefix="nxd_ckpt_s3_part")
-        in_flight = [f for f in self._parts if not f.done()]
-        if len(in_flight) >= s3.max_concurrency:
-            in_flight[0].result()
-        number = len(self._parts) + 1
-        upload_id = self._upload_id
-
-        def put_part() -> dict[str, Any]:
-            response = s3._client.upload_part(
-                Bucket=s3.bucket, Key=self._key, PartNumber=number, UploadId=upload_id, Body=chunk
-            )
-            return {"PartNumber": number, "ETag": response["ETag"]}
-
-        self._parts.append(self._pool.submit(s3._call, "upload part", self._path, put_part))
-
-    def finish(self) -> None:
-        """Send what is left and make the object visible (one PUT, or the multipart upload's completion)."""
-        s3 = self._s3
-        self.closed = True
-        if self._upload_id is None:
-            data = bytes(self._buffer)
-            s3._call("upload", self._path, lambda: s3._client.put_object(Bucket=s3.bucket, Key=self._key, Body=data))
-            return
-        if self._buffer:
-            self._send(bytes(self._buffer))
-            self._buffer.clear()
-        parts = [f.result() for f in self._parts]
-        self._pool.shutdown()
-        upload = {"Parts": parts}
-        s3._call(
-            "upload",
-            self._path,
-            lambda: s3._client.complete_multipart_upload(
-                Bucket=s3.bucket, Key=self._key, UploadId=self._upload_id, MultipartUpload=upload
-            ),
-        )
-
-    def abort(self) -> None:
-        """Cancel the upload: nothing becomes visible (best effort; S3 lifecycle rules reap what is left)."""
-        self.closed = True
-        if self._pool is not None:
-            for f in self._parts:
-                f.cancel()
-            self._pool.shutdown(wait=True)
-        if self._upload_id is not None:
-            s3 = self._s3
-            with contextlib.suppress(Exception):
-                s3._client.abort_multipart_upload(Bucket=s3.bucket, Key=self._key, UploadId=self._upload_id)
 
 
 def _crt_installed() -> bool:
@@ -181,66 +79,6 @@ def _shared_session(profile_name: str | None) -> Any:
         if key not in _sessions:
             _sessions[key] = boto3.session.Session(profile_name=profile_name)
         return _sessions[key]
-
-
-def _causes(e: BaseException) -> Iterator[BaseException]:
-    """``e`` and the exceptions it wraps (s3transfer wraps botocore errors without always chaining)."""
-    seen: set[int] = set()
-    stack: list[BaseException | None] = [e]
-    while stack:
-        cur = stack.pop(0)
-        if cur is None or id(cur) in seen:
-            continue
-        seen.add(id(cur))
-        yield cur
-        stack += [getattr(cur, "last_exception", None), cur.__cause__, cur.__context__]
-
-
-def _error_code(e: BaseException) -> str | None:
-    for cause in _causes(e):
-        response = getattr(cause, "response", None)
-        if isinstance(response, dict):
-            code = response.get("Error", {}).get("Code")
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if code or status:
-                return str(code or status)
-    return None
-
-
-def _is_retryable(e: BaseException) -> bool:
-    """Throttling, 5xx, RequestTimeout and streams cut mid-transfer; not dead endpoints or read timeouts
-    (botocore already retried those, and retrying again would make a bad endpoint fail slowly)."""
-    from botocore.exceptions import (
-        ConnectionClosedError,
-        ConnectTimeoutError,
-        EndpointConnectionError,
-        IncompleteReadError,
-        ReadTimeoutError,
-        ResponseStreamingError,
-    )
-
-    code = _error_code(e)
-    if code is not None:
-        return code in _RETRYABLE_CODES
-    for cause in _causes(e):
-        if isinstance(cause, (EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError)):
-            return False
-        if isinstance(cause, (ConnectionClosedError, ResponseStreamingError, IncompleteReadError)):
-            return True
-        if isinstance(cause, (ConnectionResetError, BrokenPipeError)):
-            return True
-        if type(cause).__name__ in ("ProtocolError", "IncompleteRead"):  # urllib3 / http.client, mid-body
-            return True
-    return False
-
-
-def _is_boto_error(e: BaseException) -> bool:
-    from boto3.exceptions import Boto3Error
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    return isinstance(e, (ClientError, BotoCoreError, Boto3Error, ConnectionError)) or (
-        type(e).__module__.startswith(("s3transfer", "urllib3"))
-    )
 
 
 class S3Storage(Storage):
@@ -404,16 +242,16 @@ class S3Storage(Storage):
             except StorageError:
                 raise
             except Exception as e:
-                if not _is_boto_error(e):
+                if not is_boto_error(e):
                     raise
                 delay = random.uniform(0, min(8.0, 0.25 * 2**attempt))  # full jitter
-                if attempt < self.retries and _is_retryable(e) and time.monotonic() + delay < deadline:
+                if attempt < self.retries and is_retryable(e) and time.monotonic() + delay < deadline:
                     attempt += 1
                     logger.warning(
                         "S3 %s of %s failed (%s); retry %d/%d in %.2f s",
                         op,
                         self._where(path),
-                        _error_code(e) or type(e).__name__,
+                        error_code(e) or type(e).__name__,
                         attempt,
                         self.retries,
                         delay,
@@ -433,15 +271,15 @@ class S3Storage(Storage):
         )
 
         where = self._where(path)
-        code = _error_code(e)
-        detail = next((str(c) for c in _causes(e) if getattr(c, "response", None)), str(e))
+        code = error_code(e)
+        detail = next((str(c) for c in causes(e) if getattr(c, "response", None)), str(e))
         after = f" (after {retried} extra retries)" if retried else ""
         endpoint = self.endpoint_url or "the default AWS endpoint"
         if code == "NoSuchBucket":
             return StorageError(f"S3 bucket {self.bucket!r} does not exist ({op} {where}); create it or fix the URL")
-        if code in _NOT_FOUND_CODES:
+        if code in NOT_FOUND_CODES:
             return StorageError(f"file not found: {where} ({op})")
-        if code in _CREDENTIAL_CODES:
+        if code in CREDENTIAL_CODES:
             return StorageError(
                 f"S3 rejected the AWS credentials ({code}) on {op} {where}: check AWS_ACCESS_KEY_ID/"
                 f"AWS_SECRET_ACCESS_KEY, AWS_PROFILE or the instance role ({detail})"
@@ -456,7 +294,7 @@ class S3Storage(Storage):
                 f"access denied to {where} ({op}, HTTP 403): the AWS credentials were rejected or lack permission "
                 f"on bucket {self.bucket!r}; check the credentials and the IAM and bucket policies"
             )
-        for cause in _causes(e):
+        for cause in causes(e):
             if isinstance(cause, (NoCredentialsError, PartialCredentialsError)):
                 return StorageError(
                     f"no usable AWS credentials for {op} {where}: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
@@ -472,7 +310,7 @@ class S3Storage(Storage):
                     f"S3 endpoint {endpoint} did not answer {op} {where} within {self.read_timeout} s "
                     f"({self.max_attempts} attempts){after}: {cause}"
                 )
-        if code in _RETRYABLE_CODES:
+        if code in RETRYABLE_CODES:
             return StorageError(
                 f"S3 kept failing {op} {where} with {code}{after}; the endpoint is overloaded: {detail}"
             )
@@ -485,7 +323,9 @@ class S3Storage(Storage):
         exits; a larger one becomes a multipart upload whose parts go out while the rest is written (at most
         ``max_concurrency`` in flight, so memory stays within (max_concurrency + 1) parts; no temporary file),
         completed when the block exits without error and aborted (nothing visible) otherwise."""
-        upload = _StreamingUpload(self, path)
+        upload = StreamingUpload(
+            lambda: self._client, self._call, self.bucket, self._key(path), path, self.part_size, self.max_concurrency
+        )
         try:
             yield cast(BinaryIO, upload)
             upload.finish()
@@ -531,7 +371,7 @@ class S3Storage(Storage):
             try:
                 response = self._client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{self.part_size - 1}")
             except Exception as e:
-                if _error_code(e) == "InvalidRange":  # only an empty object has no byte 0
+                if error_code(e) == "InvalidRange":  # only an empty object has no byte 0
                     return b""
                 raise
             with contextlib.closing(response["Body"]) as body:
@@ -576,7 +416,7 @@ class S3Storage(Storage):
             try:
                 response = self._client.get_object(**args)
             except Exception as e:
-                if _error_code(e) == "InvalidRange":  # offset at or past the end, like reading a file there
+                if error_code(e) == "InvalidRange":  # offset at or past the end, like reading a file there
                     return b""
                 raise
             with contextlib.closing(response["Body"]) as body:
@@ -592,7 +432,7 @@ class S3Storage(Storage):
             try:
                 return self._client.head_object(Bucket=self.bucket, Key=key)
             except Exception as e:
-                if _error_code(e) in _NOT_FOUND_CODES:
+                if error_code(e) in NOT_FOUND_CODES:
                     return None
                 raise
 

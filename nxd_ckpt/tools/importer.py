@@ -21,6 +21,7 @@ import torch
 from nxd_ckpt.errors import CheckpointError, ReshardError
 from nxd_ckpt.format import layout
 from nxd_ckpt.format import sharding as shd
+from nxd_ckpt.format import sharding_marks as marks
 from nxd_ckpt.format.metadata import TagMetadata
 from nxd_ckpt.log import format_bytes
 from nxd_ckpt.tools import dcp_io, model_writer, offline_tag
@@ -59,12 +60,12 @@ def detect_format(path: str) -> str:
 
 
 def _source_record(
-    entries: list[TensorEntry], sharding: shd.ShardingRecord | Mapping[str, shd.SpecValue] | torch.nn.Module, tp: int
+    entries: list[TensorEntry], sharding: shd.ShardingRecord | Mapping[str, marks.SpecValue] | torch.nn.Module, tp: int
 ) -> shd.ShardingRecord:
     """Whole-tensor shardings of the source's tensors from the caller's record, spec or target-TP model."""
     shapes = {e.name: e.shape for e in entries}
     if isinstance(sharding, torch.nn.Module):
-        base = shd.record_from_model(sharding, tp)
+        base = marks.record_from_model(sharding, tp)
         for e in entries:
             s = base.require(e.name, "the model")
             if s.shape != e.shape:
@@ -83,7 +84,7 @@ def _source_record(
         base = sharding
     elif isinstance(sharding, Mapping):
         # record_from_spec reads shapes as per-rank ones at ``tp``: only its dims, strides and matching are used
-        base = shd.record_from_spec(sharding, shapes, tp)
+        base = marks.record_from_spec(sharding, shapes, tp)
     else:
         raise TypeError(f"sharding must be a ShardingRecord, a pattern mapping or a model, got {type(sharding)}")
     tensors = {}
@@ -102,7 +103,7 @@ def import_weights(
     *,
     tp: int = 1,
     pp: int = 1,
-    sharding: shd.ShardingRecord | Mapping[str, shd.SpecValue] | torch.nn.Module | None = None,
+    sharding: shd.ShardingRecord | Mapping[str, marks.SpecValue] | torch.nn.Module | None = None,
     stage_of: Callable[[str], int | None] | None = None,
     format: str | None = None,
     rename: RenameMap | None = None,
@@ -172,11 +173,11 @@ def _open_source(
 
 
 def _check_layout_inputs(
-    sharding: shd.ShardingRecord | Mapping[str, shd.SpecValue] | torch.nn.Module | None,
+    sharding: shd.ShardingRecord | Mapping[str, marks.SpecValue] | torch.nn.Module | None,
     stage_of: Callable[[str], int | None] | None,
     tp: int,
     pp: int,
-) -> shd.ShardingRecord | Mapping[str, shd.SpecValue] | torch.nn.Module:
+) -> shd.ShardingRecord | Mapping[str, marks.SpecValue] | torch.nn.Module:
     """``sharding`` (every tensor whole when None at TP=1); ReshardError when TP>1 lacks it or PP>1 a stage map."""
     if sharding is None:
         if tp > 1:

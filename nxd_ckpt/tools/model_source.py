@@ -23,20 +23,21 @@ import torch
 from nxd_ckpt.errors import FormatError, ReshardError
 from nxd_ckpt.format import layout
 from nxd_ckpt.format import sharding as shd
+from nxd_ckpt.format import sharding_marks as marks
 from nxd_ckpt.format.integrity import VerifyingStorage
 from nxd_ckpt.format.manifests import hash_stream
 from nxd_ckpt.inspect import Checkpoint, ObjectInfo
 from nxd_ckpt.storage import Storage
 from nxd_ckpt.tools.safetensors_io import TensorEntry
 
-ShardingSource = shd.ShardingRecord | Mapping[str, shd.SpecValue] | torch.nn.Module | None
+ShardingSource = shd.ShardingRecord | Mapping[str, marks.SpecValue] | torch.nn.Module | None
 """What a caller may pass to say how tensors are split: a record, name patterns -> dim / (dim, stride) / None,
 or a model whose parameters carry NxD's tensor-parallel attributes."""
 
 
-def read_sharding_spec(path: str) -> dict[str, shd.SpecValue]:
+def read_sharding_spec(path: str) -> dict[str, marks.SpecValue]:
     """A sharding spec file: JSON ``{"name pattern": dim | [dim, stride] | null, ...}`` (fnmatch globs, first
-    match wins; null: replicated), as ``format/sharding.record_from_spec`` takes it."""
+    match wins; null: replicated), as ``format/sharding_marks.record_from_spec`` takes it."""
     import json
 
     try:
@@ -46,7 +47,7 @@ def read_sharding_spec(path: str) -> dict[str, shd.SpecValue]:
         raise ValueError(f"sharding spec {path} could not be read as JSON: {e}") from e
     if not isinstance(doc, dict):
         raise ValueError(f"sharding spec {path} must be a JSON object of name pattern -> partition dim")
-    spec: dict[str, shd.SpecValue] = {}
+    spec: dict[str, marks.SpecValue] = {}
     for pattern, value in doc.items():
         if value is None or (isinstance(value, int) and not isinstance(value, bool)):
             spec[pattern] = value
@@ -160,12 +161,12 @@ class CheckpointModel:
         if isinstance(given, shd.ShardingRecord):
             base = given
         elif isinstance(given, torch.nn.Module):
-            base = shd.record_from_model(given, self.tp)
+            base = marks.record_from_model(given, self.tp)
         elif isinstance(given, Mapping):
             tensors: dict[str, shd.TensorSharding] = {}
             for pp in range(self.pp):
                 names = {n: s for n, s in local_shapes.items() if self._stage[n] == pp}
-                tensors.update(shd.record_from_spec(given, names, self.tp, pp).tensors)
+                tensors.update(marks.record_from_spec(given, names, self.tp, pp).tensors)
             return shd.ShardingRecord(tensors)
         elif given is None:
             meta = self.ckpt.description().metadata
@@ -195,7 +196,7 @@ class CheckpointModel:
                         f"{self.ckpt.url}: the recorded sharding of {name!r} is for TP={s.num_partitions}, but the "
                         f"files are TP={self.tp}"
                     )
-                tensors[name] = shd.rebase(s, local, self.tp).with_stage(self._stage[name])
+                tensors[name] = marks.rebase(s, local, self.tp).with_stage(self._stage[name])
         return shd.ShardingRecord(tensors)
 
     def _check_shape(self, name: str) -> None:
