@@ -36,7 +36,9 @@ before every timed operation):
                ``device_snapshot_budget=0`` (the call moves everything to the host itself; only where
                save_checkpoint takes that keyword): time blocked (the call's wall time) and the report's
                ``blocked_s``, ``staging_s``, ``device_snapshot_bytes``, ``device_direct_bytes``, ``device_direct_s``
-               (getattr: whichever this nxd_ckpt has), then durable (``wait()`` right after, from the call's start).
+               (getattr: whichever this nxd_ckpt has), then one training step with the device synced after it
+               (what the device's part of the snapshot still costs training: it runs before that step), then durable
+               (``wait()`` right after, from the call's start). The floors add one such step with no save in flight.
   nxd sync     ``save_checkpoint(async_save=False, use_xser=True)``: time to return (durable).
   peers        ``torch.distributed.checkpoint.async_save`` (FileSystemWriter, 4 threads, sync_files) with one
                ``DefaultStager`` (CUDA: pinned memory and non-blocking copies; never shared memory; staging inside
@@ -495,7 +497,8 @@ def accepts(fn: Callable, name: str) -> bool:
 def nxd_save(
     dev: Device, path: str, tag: str, tr: Training, *, xser: bool, async_save: bool, extra: dict | None = None
 ) -> dict[str, Any]:
-    """One timed nxd save of ``tr``'s state: call wall time, report fields, durable time, device peak."""
+    """One timed nxd save of ``tr``'s state: call wall time, report fields, durable time, device peak; after an
+    async call, one training step (device synced) before the wait, timed."""
     import nxd_ckpt as nxd
 
     base = dev.mem_start()
@@ -507,6 +510,10 @@ def nxd_save(
     call_s = time.perf_counter() - start
     counters = {"call_minflt": minor_faults() - faults, "call_compiles": dev.compiles() - compiles}
     peak_call = dev.mem_peak(base)
+    if async_save:  # the training thread's next step, device synced: what the snapshot still costs training
+        step_start = time.perf_counter()
+        tr.steps(1)
+        counters["step_after_s"] = time.perf_counter() - step_start
     report.wait()
     durable_s = time.perf_counter() - start
     out = {"call_s": call_s, "durable_s": durable_s, "dev_peak_call": peak_call, "dev_peak": dev.mem_peak(base)}
@@ -539,6 +546,8 @@ def describe_save(figures: dict[str, Any]) -> str:
     parts[0] += f" ({', '.join(details)})" if details else ""
     if "call_minflt" in figures:
         parts.append(f"{figures['call_minflt']} page faults and {figures['call_compiles']} graph compiles in the call")
+    if "step_after_s" in figures:
+        parts.append(f"next training step (synced) {figures['step_after_s']:.3f} s")
     parts.append(f"durable after {figures['durable_s']:.3f} s")
     if figures.get("dev_peak") is not None:
         parts.append(
@@ -605,6 +614,10 @@ class Run:
         self.add("floor_copy_s", copy_s, f"floor {what}: {copy_s:.3f} s ({device_bytes / copy_s / 1e9:.2f} GB/s)")
         clone_s = self.dev.clone_sync(tensors)
         self.add("floor_clone_s", clone_s, f"floor device clone + sync: {clone_s:.3f} s")
+        start = time.perf_counter()
+        self.tr.steps(1)
+        step_s = time.perf_counter() - start
+        self.add("floor_step_s", step_s, f"one training step (synced), no save in flight: {step_s:.3f} s")
         path = os.path.join(self.root, "floor.bin")
         start = time.perf_counter()
         write_fsynced(path, host)
@@ -1027,8 +1040,10 @@ def build_summary(run: Run, first: dict | None, today: dict | None, meta: dict) 
     row("floor: device->host copy (pinned / bulk) s", r.get("floor_copy_s", []))
     row("floor: device clone + sync s", r.get("floor_clone_s", []))
     row("floor: disk write + fsync s", r.get("floor_disk_s", []))
+    row("one training step (synced), no save in flight s", r.get("floor_step_s", []))
     if first:
         row("nxd first async: blocked s", [first["call_s"]])
+        row("nxd first async: next training step (synced) s", [first.get("step_after_s")])
         row("nxd first async: durable s", [first["durable_s"]])
         row("nxd first async: page faults in the call", [first.get("call_minflt")])
         row("nxd first async: graph compiles in the call", [first.get("call_compiles")])
@@ -1041,6 +1056,7 @@ def build_summary(run: Run, first: dict | None, today: dict | None, meta: dict) 
         row(f"{label}: blocked s", col(name, "call_s"))
         row(f"{label}: report blocked_s", col(name, "blocked_s", "report"))
         row(f"{label}: device_direct_s", col(name, "device_direct_s", "report"))
+        row(f"{label}: next training step (synced) s", col(name, "step_after_s"))
         row(f"{label}: durable s", col(name, "durable_s"))
         row(f"{label}: page faults in the call", col(name, "call_minflt"))
         row(f"{label}: graph compiles in the call", col(name, "call_compiles"))
@@ -1048,6 +1064,8 @@ def build_summary(run: Run, first: dict | None, today: dict | None, meta: dict) 
         row("today's nxd first async: blocked s", [today["first"]["call_s"]])
         row("today's nxd first async: durable s", [today["first"]["durable_s"]])
         row("today's nxd first async: page faults in the call", [today["first"].get("call_minflt")])
+        row("today's nxd first async: next training step (synced) s", [today["first"].get("step_after_s")])
+        row("today's nxd async xser: next training step (synced) s", [x.get("step_after_s") for x in today["steady"]])
         row("today's nxd async xser: blocked s", [x["call_s"] for x in today["steady"]])
         row("today's nxd async xser: durable s", [x["durable_s"] for x in today["steady"]])
     row("nxd sync save (xser) s", col("nxd_sync", "call_s"))
@@ -1079,6 +1097,9 @@ def build_summary(run: Run, first: dict | None, today: dict | None, meta: dict) 
         "" if gpu else "<= 1.5 (XLA)",
     )
     ratio("first async blocked / steady async blocked", m("nxd first async: blocked s"), steady, "<= 1.5")
+    step = m("one training step (synced), no save in flight s")
+    ratio("steady async: next training step / a step alone", m("nxd async xser: next training step (synced) s"), step)
+    ratio("first async: next training step / a step alone", m("nxd first async: next training step (synced) s"), step)
     ratio("steady async durable / nxd sync save", m("nxd async xser: durable s"), m("nxd sync save (xser) s"))
     ratio(
         "steady async durable / today's async durable",
