@@ -1028,7 +1028,7 @@ def build_summary(run: Run, first: dict | None, today: dict | None, meta: dict) 
         items = r.get(name, [])
         if sub is not None:
             return [x.get(sub, {}).get(key) for x in items]
-        return [x[key] if isinstance(x, dict) else x for x in items]
+        return [x.get(key) if isinstance(x, dict) else x for x in items]
 
     rows: dict[str, dict[str, Any]] = {}
 
