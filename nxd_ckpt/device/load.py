@@ -105,6 +105,11 @@ class LoadTarget:
         return choose
 
 
+def _same_layout(target: torch.Tensor, like: torch.Tensor) -> bool:
+    """Whether ``like``'s bytes can become ``target``'s as they are (same dtype and shape, not empty)."""
+    return target.dtype == like.dtype and tuple(target.shape) == tuple(like.shape) and like.numel() > 0
+
+
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
 
@@ -165,6 +170,10 @@ class DeviceLoadTarget(LoadTarget):
         self._arena_of: dict[int, _Arena] = {}
         self._targets: dict[int, torch.Tensor] = {}
         self._filled: set[int] = set()
+        self._carved_paths: dict[int, Path] = {}
+        """id(slice) -> its path, for slices carved when a streamed record was reached (``chooser``)."""
+        self._placed: dict[Path, torch.Tensor] = {}
+        """Paths whose device target has received (or is receiving) its bytes through a deferred slice."""
         self.transfers = 0
         self.bytes_to_device = 0
         self.host_bytes_allocated = 0
@@ -177,11 +186,48 @@ class DeviceLoadTarget(LoadTarget):
 
     def dest(self, path: Any, like: torch.Tensor) -> torch.Tensor | None:
         target = self.tensors.get(path)
-        if target is None or not on_device(target) or (kind(target) == "native" and self._native is None):
+        if not self._bound_for_device(target):
             return self.existing(path, like)
-        if target.dtype != like.dtype or tuple(target.shape) != tuple(like.shape) or like.numel() == 0:
+        if not _same_layout(target, like):
             return None
         return self._carve(target, like.numel() * like.element_size(), like)
+
+    def _bound_for_device(self, target: torch.Tensor | None) -> bool:
+        """Whether ``target`` is a device tensor this target streams to (else a CPU target or none)."""
+        return target is not None and on_device(target) and (kind(target) != "native" or self._native is not None)
+
+    def chooser(self) -> readinto.Chooser:
+        """For a ``torch.save`` file streamed whole: each device-bound tensor's slice of an arena is carved only
+        when its record is reached, so a file larger than the arenas streams through them (carving every slice
+        when ``data.pkl`` is read would wait for arenas that only reading the records before them frees)."""
+
+        def choose(meta: Any) -> dict[int, torch.Tensor | readinto.Deferred]:
+            self.check(meta)
+            out: dict[int, torch.Tensor | readinto.Deferred] = {}
+            for path, like in tensor_paths(meta):
+                target = self.tensors.get(path)
+                if not self._bound_for_device(target):
+                    dest = self.existing(path, like)
+                    if dest is not None:
+                        out[id(like)] = dest
+                elif _same_layout(target, like):
+                    out[id(like)] = readinto.Deferred(like.dtype, tuple(like.shape), self._deferred_carve(path, like))
+            return out
+
+        return choose
+
+    def _deferred_carve(self, path: Path, like: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """The carve of ``path``'s slice, for when its record is read; the slice's path is kept so that ``finish``
+        puts the target itself where the loaded state holds the slice (the arena's memory is reused after)."""
+        target = self.tensors[path]
+
+        def carve() -> torch.Tensor:
+            view = self._carve(target, like.numel() * like.element_size(), like)
+            with self._cond:
+                self._carved_paths[id(view)] = path
+            return view
+
+        return carve
 
     def result_for(self, result: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
         """What the loaded state holds for a tensor read into ``dest``: its device target (which has, or gets by
@@ -252,6 +298,9 @@ class DeviceLoadTarget(LoadTarget):
                 return super().filled(dest)
             arena.filled += 1
             self._filled.add(id(dest))
+            path = self._carved_paths.pop(id(dest), None)
+            if path is not None:
+                self._placed[path] = self.tensors[path]
             ready = arena.complete
         if ready:
             self._transfer(arena)
@@ -334,6 +383,9 @@ class DeviceLoadTarget(LoadTarget):
         with self._cond:
             self._raise_error()
             self._free.clear()
+        if self._placed:  # the state holds slices of reused arenas there: the targets hold the bytes
+            placed = {id(t): self._placed[p] for p, t in tensor_paths(state) if p in self._placed}
+            state = map_tensors(state, lambda t: placed.get(id(t), t))
         return super().finish(state)
 
 

@@ -48,8 +48,21 @@ _MAX_SMALL_RECORD = 256 << 20
 PIECE_BYTES = 16 << 20
 """Tensor data is read in pieces of this size (a verifying stream hashes each piece right after reading it)."""
 
-Chooser = Callable[[Any], dict[int, torch.Tensor]]
-"""Given the unpickled structure with ``meta`` tensors, returns {id(meta tensor): destination tensor}."""
+
+@dataclass(frozen=True)
+class Deferred:
+    """A destination made only when its record is reached (``make``: a contiguous CPU tensor of ``dtype`` and
+    ``shape`` starting its storage), for destinations drawn from a few reused buffers: carving them all when
+    ``data.pkl`` is read would wait for buffers that only reading the records before them frees."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    make: Callable[[], torch.Tensor]
+
+
+Chooser = Callable[[Any], dict[int, "torch.Tensor | Deferred"]]
+"""Given the unpickled structure with ``meta`` tensors, returns {id(meta tensor): destination tensor, or a
+``Deferred`` one}."""
 Filled = Callable[[torch.Tensor], None]
 """Called with each destination once all of its bytes have been read (e.g. to send it on to a device)."""
 
@@ -244,7 +257,7 @@ class _StreamingLoad:
         self.pickled: bytes | None = None
         self.byteorder: str | None = None
         self.storages: dict[str, tuple[torch.dtype, int]] = {}
-        self.destinations: dict[str, torch.Tensor] = {}
+        self.destinations: dict[str, torch.Tensor | Deferred] = {}
         self.fresh: dict[str, torch.Tensor] = {}
         """Fresh memory for the storages without a destination, allocated once ``data.pkl`` is read."""
         self.prefaulter: Prefaulter | None = None
@@ -313,6 +326,8 @@ class _StreamingLoad:
         if record.csize and record.csize != nbytes:
             raise FormatError(f"{what}: record {name} holds {record.csize} bytes, its tensor needs {nbytes}")
         dest = self.destinations.get(key)
+        if isinstance(dest, Deferred):
+            dest = self.destinations[key] = dest.make()
         fresh = self.fresh.get(key)
         target = _bytes_of(dest) if dest is not None else fresh if fresh is not None else self.allocate(nbytes)
         _read_exactly(seq, target, what, name)
@@ -383,7 +398,9 @@ def _unpickle(pickled: bytes, make_unpickler: Callable[[io.BytesIO], Any], sourc
     )
 
 
-def _eligible(meta: Any, chosen: dict[int, torch.Tensor], meta_keys: dict[int, str]) -> dict[str, torch.Tensor]:
+def _eligible(
+    meta: Any, chosen: dict[int, torch.Tensor | Deferred], meta_keys: dict[int, str]
+) -> dict[str, torch.Tensor | Deferred]:
     """{storage key: destination} for saved tensors that own their whole storage and whose destination is a
     contiguous CPU tensor of the same dtype and shape starting its storage (so the rebuilt tensor is an alias
     of the destination). Others get fresh memory and are copied by the caller as before."""
@@ -392,7 +409,7 @@ def _eligible(meta: Any, chosen: dict[int, torch.Tensor], meta_keys: dict[int, s
     for t in tensors:
         cdata = t.untyped_storage()._cdata
         users[cdata] = users.get(cdata, 0) + 1
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor | Deferred] = {}
     for t in tensors:
         dest = chosen.get(id(t))
         cdata = t.untyped_storage()._cdata
@@ -404,7 +421,9 @@ def _eligible(meta: Any, chosen: dict[int, torch.Tensor], meta_keys: dict[int, s
     return out
 
 
-def _fits(dest: torch.Tensor, like: torch.Tensor) -> bool:
+def _fits(dest: torch.Tensor | Deferred, like: torch.Tensor) -> bool:
+    if isinstance(dest, Deferred):
+        return dest.dtype == like.dtype and dest.shape == tuple(like.shape)
     return (
         isinstance(dest, torch.Tensor)
         and dest.device.type == "cpu"
