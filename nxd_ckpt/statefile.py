@@ -383,43 +383,16 @@ def _read_tensors(
     # thread can fault in all of it ahead of the readers (a file that disagrees with its info gets its own).
     fresh = _fresh_tensors([t for t in tids if not has_target(t)], info) if storage.host_page_cache else {}
 
-    def read_into(tid: int, tensor_path: str, what: str, into_target: bool) -> torch.Tensor:
-        """One tensor file in one pass: into the target's tensor where there is one, else fresh memory."""
-        where = paths[tid] if into_target and paths is not None else None
-        chosen: list[torch.Tensor] = []
-
-        def choose(meta: Any) -> dict[int, torch.Tensor]:
-            if not isinstance(meta, torch.Tensor):
-                return {}
-            if target is not None and where is not None:
-                dest = target.dest(where, meta)
-                if dest is not None:
-                    chosen.append(dest)
-                    return {id(meta): dest}
-                return {}
-            return {id(meta): fresh[tid]} if tid in fresh else {}
-
-        with storage.open_sequential(tensor_path, direct=direct and into_target) as f:
-            try:
-                result = readinto.load_into(
-                    f,
-                    what=what,
-                    make_unpickler=xser.tensor_unpickler,
-                    choose=choose,
-                    filled=target.filled if target is not None and into_target else None,
-                )
-            except readinto.Fallback as e:
-                buffer = readinto.as_array(e.data)
-            else:
-                return target.result_for(result, chosen[0]) if chosen and target is not None else result
-        return xser.load_tensor_buffer(buffer, what=what)
-
     def read_one(tid: int) -> torch.Tensor:
         tensor_path = _tensor_file(storage, path, tid, info)
         what = f"{storage.url}/{tensor_path}"
         try:
             if has_target(tid) or storage.host_page_cache:
-                tensor = read_into(tid, tensor_path, what, has_target(tid))
+                into_target = has_target(tid)
+                where = paths[tid] if into_target and paths is not None else None
+                tensor = _read_tensor_file(
+                    storage, tensor_path, what, target, where, fresh.get(tid), into_target=into_target, direct=direct
+                )
                 if not isinstance(tensor, torch.Tensor):
                     raise FormatError(f"{what} does not hold a tensor (found {type(tensor).__name__})")
             elif storage.whole_file_reads:
@@ -435,6 +408,56 @@ def _read_tensors(
     jobs = [(str(tid), (lambda tid=tid: read_one(tid))) for tid in tids]
     with prefaulted(list(fresh.values())):
         return dict(zip(tids, _run_parallel(jobs, threads, f"reading {storage.url}/{path}"), strict=True))
+
+
+def _read_tensor_file(
+    storage: Storage,
+    tensor_path: str,
+    what: str,
+    target: LoadTarget | None,
+    where: Path | None,
+    fresh: torch.Tensor | None,
+    *,
+    into_target: bool,
+    direct: bool,
+) -> Any:
+    """One xser tensor file in one pass: into ``target``'s tensor at ``where`` where there is one, else into
+    ``fresh`` (or new memory). A target slot chosen but left unfilled (a failed read, a layout read elsewhere) is
+    abandoned, so that readers waiting for the target's buffers never wait for it."""
+    chosen: list[torch.Tensor] = []
+
+    def choose(meta: Any) -> dict[int, torch.Tensor]:
+        if not isinstance(meta, torch.Tensor):
+            return {}
+        if target is not None and where is not None:
+            dest = target.dest(where, meta)
+            if dest is not None:
+                chosen.append(dest)
+                return {id(meta): dest}
+            return {}
+        return {id(meta): fresh} if fresh is not None else {}
+
+    try:
+        with storage.open_sequential(tensor_path, direct=direct and into_target) as f:
+            try:
+                result = readinto.load_into(
+                    f,
+                    what=what,
+                    make_unpickler=xser.tensor_unpickler,
+                    choose=choose,
+                    filled=target.filled if target is not None and into_target else None,
+                )
+            except readinto.Fallback as e:
+                buffer = readinto.as_array(e.data)
+            else:
+                return target.result_for(result, chosen[0]) if chosen and target is not None else result
+    except BaseException:
+        if chosen and target is not None:  # its slot will never be filled
+            target.abandon(chosen[0])
+        raise
+    if chosen and target is not None:
+        target.abandon(chosen[0])
+    return xser.load_tensor_buffer(buffer, what=what)
 
 
 def _fresh_tensors(tids: list[int], info: dict[int, dict[str, Any]] | None) -> dict[int, torch.Tensor]:

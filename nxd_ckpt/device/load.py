@@ -76,6 +76,9 @@ class LoadTarget:
         """What the loaded state holds for a tensor read into ``dest`` (``result`` aliases it)."""
         return result
 
+    def abandon(self, dest: torch.Tensor) -> None:
+        """``dest`` was chosen but will not be filled (its read failed or fell back): nothing to undo here."""
+
     def finish(self, state: Any) -> Any:
         """Once every read of the load succeeded: ``state`` with the target's own tensors wherever a loaded CPU
         tensor did not land in place (small tensors kept inside xser reference files, fallbacks) but fits
@@ -233,20 +236,31 @@ class DeviceLoadTarget(LoadTarget):
         """What the loaded state holds for a tensor read into ``dest``: its device target (which has, or gets by
         ``finish``, the data). A slot the reader did not fill (a layout it read into fresh memory instead) is
         dropped from its arena's transfer, and the host tensor is placed with the rest of the state."""
-        drop: _Arena | None = None
         with self._cond:
-            target = self._targets.pop(id(dest), None)
             if id(dest) in self._filled:
+                target = self._targets.pop(id(dest), None)
                 self._filled.discard(id(dest))
                 return target if target is not None else result
-            arena = self._arena_of.get(id(dest))
+        self.abandon(dest)
+        return result
+
+    def abandon(self, dest: torch.Tensor) -> None:
+        """``dest``'s slice will not be filled (its read failed or went to fresh memory): it leaves its arena,
+        which then travels once its other slices are read, so readers waiting for a free arena go on."""
+        drop: _Arena | None = None
+        with self._cond:
+            self._targets.pop(id(dest), None)
+            self._carved_paths.pop(id(dest), None)
+            if id(dest) in self._filled:  # filled before the read failed: it travels with its arena
+                self._filled.discard(id(dest))
+                return
+            arena = self._arena_of.pop(id(dest), None)
             if arena is not None:
                 arena.slots = [(v, t) for v, t in arena.slots if v is not dest]
                 if arena.complete:
                     drop = arena
         if drop is not None:
             self._transfer(drop)
-        return result
 
     def _carve(self, target: torch.Tensor, nbytes: int, like: torch.Tensor) -> torch.Tensor:
         """A host tensor for ``like``'s bytes in the open arena; seals a full one and waits for a free one."""

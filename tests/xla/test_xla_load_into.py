@@ -107,6 +107,25 @@ def test_a_plain_checkpoint_larger_than_the_arenas_loads_into_the_live_model(tmp
     torch_xla.sync()
 
 
+@pytest.mark.timeout(120)
+def test_a_damaged_tensor_file_fails_the_load_instead_of_stalling_the_other_readers(tmp_path):
+    """A reader whose tensor file is damaged leaves its arena slice unfilled: the slice is dropped, so the arena
+    still travels and the other readers, waiting for a free arena, go on; the load raises the damage (it used to
+    wait forever: the arena never completed)."""
+    from nxd_ckpt.format import layout
+
+    state = {f"w{i}": torch.full((512, 512), float(i)) for i in range(8)}
+    storage = LocalStorage(tmp_path)
+    statefile.write_state_file(storage, "m.pt", state, xser_encoding=True)
+    damaged = tmp_path / layout.xser_tensor_file("m.pt", 1)
+    damaged.write_bytes(damaged.read_bytes()[: 600 << 10])  # cut inside the tensor's data
+    live = {k: torch.zeros(512, 512).to(torch_xla.device()) for k in state}
+    torch_xla.sync()
+    target = DeviceLoadTarget(live, arena_bytes=2 << 20, arenas=2)
+    with pytest.raises(nxd.FormatError, match="truncated"):
+        statefile.read_state_file(storage, "m.pt", target=target, threads=4)
+
+
 def test_dict_target_with_device_tensors_is_a_device_target():
     live = {"w": torch.zeros(4).to(torch_xla.device())}
     assert isinstance(adapters.load_target(live, "model"), DeviceLoadTarget)
