@@ -447,17 +447,16 @@ def _read_tensor_file(
                     choose=choose,
                     filled=target.filled if target is not None and into_target else None,
                 )
+                fallback = None
             except readinto.Fallback as e:
-                buffer = readinto.as_array(e.data)
-            else:
-                return target.result_for(result, chosen[0]) if chosen and target is not None else result
+                fallback = readinto.as_array(e.data)
+        if fallback is not None:  # the slot stays unfilled: result_for abandons it
+            result = xser.load_tensor_buffer(fallback, what=what)
     except BaseException:
         if chosen and target is not None:  # its slot will never be filled
             target.abandon(chosen[0])
         raise
-    if chosen and target is not None:
-        target.abandon(chosen[0])
-    return xser.load_tensor_buffer(buffer, what=what)
+    return target.result_for(result, chosen[0]) if chosen and target is not None else result
 
 
 def _fresh_tensors(tids: list[int], info: dict[int, dict[str, Any]] | None) -> dict[int, torch.Tensor]:

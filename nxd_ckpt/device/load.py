@@ -175,7 +175,7 @@ class DeviceLoadTarget(LoadTarget):
         self._filled: set[int] = set()
         self._carved_paths: dict[int, Path] = {}
         """id(slice) -> its path, for slices carved when a streamed record was reached (``chooser``)."""
-        self._placed: dict[Path, torch.Tensor] = {}
+        self._placed: set[Path] = set()
         """Paths whose device target has received (or is receiving) its bytes through a deferred slice."""
         self.transfers = 0
         self.bytes_to_device = 0
@@ -214,15 +214,15 @@ class DeviceLoadTarget(LoadTarget):
                     if dest is not None:
                         out[id(like)] = dest
                 elif _same_layout(target, like):
-                    out[id(like)] = readinto.Deferred(like.dtype, tuple(like.shape), self._deferred_carve(path, like))
+                    carve = self._deferred_carve(path, target, like)
+                    out[id(like)] = readinto.Deferred(like.dtype, tuple(like.shape), carve)
             return out
 
         return choose
 
-    def _deferred_carve(self, path: Path, like: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def _deferred_carve(self, path: Path, target: torch.Tensor, like: torch.Tensor) -> Callable[[], torch.Tensor]:
         """The carve of ``path``'s slice, for when its record is read; the slice's path is kept so that ``finish``
         puts the target itself where the loaded state holds the slice (the arena's memory is reused after)."""
-        target = self.tensors[path]
 
         def carve() -> torch.Tensor:
             view = self._carve(target, like.numel() * like.element_size(), like)
@@ -314,7 +314,7 @@ class DeviceLoadTarget(LoadTarget):
             self._filled.add(id(dest))
             path = self._carved_paths.pop(id(dest), None)
             if path is not None:
-                self._placed[path] = self.tensors[path]
+                self._placed.add(path)
             ready = arena.complete
         if ready:
             self._transfer(arena)
@@ -398,7 +398,7 @@ class DeviceLoadTarget(LoadTarget):
             self._raise_error()
             self._free.clear()
         if self._placed:  # the state holds slices of reused arenas there: the targets hold the bytes
-            placed = {id(t): self._placed[p] for p, t in tensor_paths(state) if p in self._placed}
+            placed = {id(t): self.tensors[p] for p, t in tensor_paths(state) if p in self._placed}
             state = map_tensors(state, lambda t: placed.get(id(t), t))
         return super().finish(state)
 
