@@ -104,16 +104,29 @@ def native_device(tensors: Sequence[torch.Tensor]) -> NativeDevice | None:
     return NativeDevice(next(iter(devices))) if devices else None
 
 
+_NO_MEMORY_INFO: set[str] = set()
+"""XLA device types whose runtime answered that it keeps no memory statistics: not asked again in this process."""
+
+
 def xla_free_bytes(device: torch.device) -> int | None:
-    """Free device memory as torch_xla reports it (``xm.get_memory_info``), or None where the runtime does not."""
+    """Free device memory as torch_xla reports it (``xm.get_memory_info``), or None where the runtime does not.
+
+    The CPU client (``PJRT_DEVICE=CPU``) is not asked: it has no allocator statistics, and its refusal took 25 ms
+    the first time in a process (inside the first async save's call). A runtime that refuses once is not asked
+    again."""
     module = xla.loaded()
-    if module is None:
+    if module is None or _xla_device_is_host_memory():
+        return None
+    device_type = str(device).split(":")[0]
+    if device_type in _NO_MEMORY_INFO:
         return None
     try:
         import torch_xla.core.xla_model as xm
 
         info = xm.get_memory_info(device)
-    except Exception:  # runtimes without memory statistics (the CPU client) raise
+    except Exception as e:  # runtimes without memory statistics raise
+        if "UNIMPLEMENTED" in str(e) or "not supported" in str(e):
+            _NO_MEMORY_INFO.add(device_type)
         return None
     if "bytes_limit" in info and "bytes_used" in info:
         return max(0, int(info["bytes_limit"]) - int(info["bytes_used"]))

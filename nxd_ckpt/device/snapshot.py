@@ -25,7 +25,7 @@ import torch
 from nxd_ckpt import xla
 from nxd_ckpt.device.backend import SnapshotBudget, kind, native_device, nbytes, on_device
 from nxd_ckpt.device.pinned import PinnedPool
-from nxd_ckpt.device.transfer import DeviceTransfer, stand_in
+from nxd_ckpt.device.transfer import DeviceTransfer, stand_in, start_transfer_thread
 
 
 @dataclass
@@ -71,6 +71,7 @@ def take(
         raise ValueError(
             "a device snapshot takes device tensors only (XLA or an accelerator's); host tensors are staged"
         )
+    start_transfer_thread()  # before the device gets busy with the copies (the first save of a process)
     limit, source = budget.resolve(tensors)
     fit, rest = split_by_budget(tensors, limit)
     keys = [stand_in(t) for t in tensors]
@@ -93,6 +94,28 @@ def take(
     )
 
 
+def graph_order(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """The order in which a snapshot's copies enter XLA's graph: by dtype and shape, so that the compiled graph
+    depends on the state's shapes only (not on the order a save's files list them), and ``warm`` can compile it
+    before the first save."""
+    return sorted(range(len(tensors)), key=lambda i: (str(tensors[i].dtype), tuple(tensors[i].shape)))
+
+
+def warm(tensors: Sequence[torch.Tensor], budget: SnapshotBudget) -> int:
+    """Take, once and at once, the snapshot an async save of these device ``tensors`` takes, and drop it: its
+    graph is then compiled and cached (XLA), and the first save does not compile it in its call. (torch_xla's
+    compile-only ``_xla_warm_up_cache`` hashes a graph apart from a sync's, so it would not serve the save.)
+    A native accelerator compiles nothing. Returns the bytes the snapshot covered."""
+    xla_tensors = list({id(t): t for t in tensors if kind(t) == "xla"}.values())
+    if not xla_tensors:
+        return 0
+    fit, rest = split_by_budget(xla_tensors, budget.resolve(xla_tensors)[0])
+    clones = [xla_tensors[i].detach().clone() for i in fit]
+    live = [xla_tensors[i].detach() for i in rest]
+    xla.sync([clones[j] for j in graph_order(clones)] + live, wait=True)
+    return sum(nbytes(xla_tensors[i]) for i in fit)
+
+
 def _take_xla(
     tensors: Sequence[torch.Tensor],
     keys: list[torch.Tensor],
@@ -104,7 +127,8 @@ def _take_xla(
     sync is only launched when everything fits: torch_xla runs the next step after it and fetches wait for it."""
     clones = [tensors[i].detach().clone() for i in fit]
     live = [tensors[i].detach() for i in rest]
-    xla.sync(clones + live, wait=bool(rest))  # one execution materialises the snapshot (launched, not waited for)
+    # one execution materialises the snapshot (launched, not waited for)
+    xla.sync([clones[j] for j in graph_order(clones)] + live, wait=bool(rest))
     arrived: dict[int, torch.Tensor] = {}
     for batch, copies in xla.iter_to_cpu(live, chunk_bytes, synced=True):
         for j, c in zip(batch, copies, strict=True):

@@ -9,8 +9,10 @@ dropped as soon as it is on the host, so the snapshot's device memory shrinks as
 
 from __future__ import annotations
 
+import os
+import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +21,48 @@ from nxd_ckpt import knobs, xla
 from nxd_ckpt.device.backend import NativeDevice, kind, native_device, nbytes, on_device
 from nxd_ckpt.device.pinned import PinnedPool
 from nxd_ckpt.tree import iter_tensors, map_tensors
+
+THREAD_NAME = "nxd_ckpt_d2h"
+
+
+class _TransferThread:
+    """The process's one background transfer thread: it runs the transfers in the order they come, so a save
+    starts no thread in its call (a thread's start there waited 1-7 ms behind the snapshot's own work on the XLA CPU
+    device). Only one save stages at a time, so transfers do not wait for each other in practice."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the thread unless it runs (a save calls this before it takes its snapshot)."""
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+                self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on the thread after the jobs before it; ``job`` must keep its own errors."""
+        self.start()
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            self._jobs.get()()
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: the parent's thread does not exist there; the next transfer starts a new one."""
+        self.__init__()  # type: ignore[misc]
+
+
+_THREAD = _TransferThread()
+os.register_at_fork(after_in_child=_THREAD.reset_after_fork)
+
+
+def start_transfer_thread() -> None:
+    """Start the background transfer thread now, while the device is idle, rather than inside a save's call."""
+    _THREAD.start()
 
 
 def has_device_tensors(tree: Any) -> bool:
@@ -112,7 +156,6 @@ class DeviceTransfer:
         self._reported = False
         self._done = False
         self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
         if self._native is not None and self._side is None:  # ordered after the caller's stream, recorded here
             self._side = self._native.new_stream()
             self._ready = self._ready if self._ready is not None else self._native.record(self._native.current_stream())
@@ -122,8 +165,7 @@ class DeviceTransfer:
         if background is None:
             background = knobs.xla_transfer_thread()
         if background:
-            self._thread = threading.Thread(target=self._run, name="nxd_ckpt_d2h", daemon=True)
-            self._thread.start()
+            _THREAD.submit(self._run)
         else:
             self._run()
             self._raise_unreported()
@@ -218,10 +260,9 @@ class DeviceTransfer:
             raise RuntimeError(f"copying the state to the host failed: {error}") from error
 
     def close(self) -> None:
-        """Wait for the transfer thread, drop the copies (pinned ones back to their pool), raise an unseen error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        """Wait for the transfer to end, drop the copies (pinned ones back to their pool), raise an unseen error."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._done)
         self._copies.clear()
         self._sources = []
         pinned, self._pinned = self._pinned, []

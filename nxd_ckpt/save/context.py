@@ -54,7 +54,7 @@ class SaveServices:
     """The number this save takes once ``begin`` agrees on it: one more than the last begun save's (identical on
     every rank); handed back in ``SaveOutcome.seq``."""
     writer: AsyncWriter
-    """The background writer thread (its thread starts with its first job)."""
+    """The background writer thread (started by an async save before it copies anything, else by its first job)."""
     staging_pool: staging.StagingPool
     timer: SaveTimer
     """Started at the call, before the wait for the previous save."""

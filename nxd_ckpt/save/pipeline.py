@@ -187,6 +187,8 @@ class SavePipeline:
         (``stage_pooled``) or live (``stage_live``). An async save's write is handed to the writer thread here
         (``hand_off``); ``staging_s`` runs from ``stage_start`` (before ``plan``)."""
         options = ctx.options
+        if options.async_save:
+            self.services.writer.start()  # before any copy keeps the device (or the host) busy
         if options.async_save and options.budget_bytes is not None:
             return self.stage_budgeted(ctx, planned, report, stage_start)
         with ctx.arrive_on_failure():

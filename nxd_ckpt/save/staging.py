@@ -24,7 +24,7 @@ import torch
 
 from nxd_ckpt import pages
 from nxd_ckpt.device import snapshot as device_snapshot
-from nxd_ckpt.device.backend import SnapshotBudget, kind, native_device, on_device
+from nxd_ckpt.device.backend import SnapshotBudget, kind, native_device, on_device, resolve_snapshot_budget
 from nxd_ckpt.device.pinned import PinnedPool
 from nxd_ckpt.device.transfer import DeviceTransfer, stand_in
 from nxd_ckpt.tree import iter_tensors, map_tensors
@@ -232,15 +232,22 @@ class StagingPool:
         in on a background thread, so that the first async save of a process copies into touched memory like
         every later one. Returns the bytes reserved: 0 when the pool already holds or lends out a set. The
         buffers are the pool's: an unused one is dropped by the first save (or by ``clear``). A native
-        accelerator's tensors get their pinned buffers (``PinnedPool.reserve``) instead."""
+        accelerator's tensors get their pinned buffers (``PinnedPool.reserve``) instead; XLA tensors get their
+        snapshot graph compiled (``device.snapshot.warm``), which the first save would otherwise compile in its
+        call."""
         unique: dict[int, torch.Tensor] = {}
         native: dict[int, torch.Tensor] = {}
+        on_xla: dict[int, torch.Tensor] = {}
         for tree in trees:
             for _, t in iter_tensors(tree):
                 if t.device.type == "cpu" and _copyable(t):
                     unique.setdefault(id(t), t)
                 elif kind(t) == "native":
                     native.setdefault(id(t), t)
+                elif kind(t) == "xla":
+                    on_xla.setdefault(id(t), t)
+        if on_xla:
+            device_snapshot.warm(list(on_xla.values()), resolve_snapshot_budget(None))
         pinned = 0
         if native:
             device = native_device(list(native.values()))

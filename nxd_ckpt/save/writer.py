@@ -74,6 +74,17 @@ class AsyncWriter:
         _live_writers.add(self)
 
     # ------------------------------------------------------------------ submitting
+    def start(self) -> None:
+        """Start the thread unless it runs. ``submit`` does too; an async save calls this before its snapshot, so
+        that the thread's start does not wait behind the device's work inside the call."""
+        with self._lock:
+            self._start_locked()
+
+    def _start_locked(self) -> None:
+        if self._thread is None and not self._closed:
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+
     def submit(self, fn: Callable[[], T], name: str) -> Future[T]:
         """Queue ``fn`` to run after every job submitted before it; return its Future."""
         job = _Job(name=name, fn=fn, future=Future())
@@ -81,9 +92,7 @@ class AsyncWriter:
             if self._closed:
                 raise RuntimeError(f"the checkpoint writer is closed; cannot run {name!r}")
             self._unfinished += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-                self._thread.start()
+            self._start_locked()
         self._queue.put(job)
         return job.future
 

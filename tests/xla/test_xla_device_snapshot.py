@@ -16,6 +16,7 @@ import torch
 import nxd_ckpt as nxd
 from nxd_ckpt import xla
 from nxd_ckpt.device import snapshot as device_snapshot
+from nxd_ckpt.device.backend import SnapshotBudget
 from nxd_ckpt.device.transfer import DeviceTransfer
 from nxd_ckpt.testing.fakes import assert_state_equal
 from nxd_ckpt.testing.held_transfer import HeldTransfer, host_copy
@@ -187,3 +188,61 @@ def test_a_failed_transfer_fails_the_save_on_the_next_call(tmp_path, monkeypatch
     assert "device lost" in str(raised.value.__cause__)
     assert not (tmp_path / "step_1" / "done").exists()
     assert nxd.latest_checkpoint_tag(str(tmp_path)) is None
+
+
+def _compiles() -> int:
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("CompileTime")
+    return int(data[0]) if data else 0
+
+
+def _odd_training(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model + AdamW of shapes no other test uses (XLA's graph cache is the process's), trained one step."""
+    torch.manual_seed(width)
+    device = torch_xla.device()
+    model = torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.ones(4, width, device=device)).sum().backward()
+    opt.step()
+    torch_xla.sync()
+    return model, opt
+
+
+def _save_compiles(tmp_path, tag: str, model, opt, **keywords) -> int:
+    before = _compiles()
+    report = nxd.save_checkpoint(str(tmp_path), tag=tag, model=model, optimizer=opt, async_save=True, **keywords)
+    compiled = _compiles() - before
+    report.wait()
+    assert report.device_snapshot_bytes > 0
+    return compiled
+
+
+def test_prepare_async_save_compiles_the_snapshot_graph_so_the_first_save_compiles_nothing(tmp_path):
+    model, opt = _odd_training(37)
+    before = _compiles()
+    nxd.prepare_async_save(model=model, optimizer=opt)
+    assert _compiles() - before == 1  # the snapshot graph, compiled (and run once)
+    assert _save_compiles(tmp_path, "xser", model, opt, use_xser=True) == 0
+    assert _save_compiles(tmp_path, "plain", model, opt, use_xser=False) == 0
+    nxd.finalize_checkpoint()
+    loaded_model, loaded_opt = _odd_training(37)
+    nxd.load_checkpoint(str(tmp_path), tag="xser", model=loaded_model, optimizer=loaded_opt)
+    assert_state_equal(loaded_model.state_dict(), model.state_dict())
+
+
+def test_control_without_prepare_async_save_the_first_save_compiles_its_snapshot(tmp_path):
+    model, opt = _odd_training(41)
+    assert _save_compiles(tmp_path, "first", model, opt, use_xser=True) == 1
+    assert _save_compiles(tmp_path, "second", model, opt, use_xser=True) == 0
+    nxd.finalize_checkpoint()
+
+
+def test_the_snapshot_graph_depends_on_the_shapes_not_on_the_order_a_save_lists_its_tensors(tmp_path):
+    model, opt = _odd_training(43)
+    tensors = [*model.state_dict().values()] + [v for s in opt.state.values() for v in s.values() if xla.is_xla(v)]
+    before = _compiles()
+    device_snapshot.warm(list(reversed(tensors)), SnapshotBudget(None))
+    assert _compiles() - before == 1
+    assert _save_compiles(tmp_path, "after_warm", model, opt, use_xser=True) == 0
+    nxd.finalize_checkpoint()

@@ -52,6 +52,54 @@ def test_a_fixed_budget_is_used_as_is_and_without_any_memory_figure_a_quarter_of
     assert limit == 4000 * 4 // 4 and "no memory figure" in source
 
 
+def _fake_xla_runtime(monkeypatch, host_memory: bool, memory_info) -> list[str]:
+    """torch_xla as the budget sees it: loaded, on the CPU client or not, with ``memory_info`` as
+    ``xm.get_memory_info``; returns the devices it was asked about."""
+    import sys
+    import types
+
+    asked: list[str] = []
+
+    def get_memory_info(device):
+        asked.append(str(device))
+        return memory_info()
+
+    root, core, xm = (types.ModuleType(n) for n in ("torch_xla", "torch_xla.core", "torch_xla.core.xla_model"))
+    xm.get_memory_info = get_memory_info  # type: ignore[attr-defined]
+    root.core, core.xla_model = core, xm  # type: ignore[attr-defined]
+    for module in (root, core, xm):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(backend.xla, "loaded", lambda: root)
+    monkeypatch.setattr(backend, "_xla_device_is_host_memory", lambda: host_memory)
+    monkeypatch.setattr(backend, "_NO_MEMORY_INFO", set())
+    return asked
+
+
+def test_the_xla_cpu_client_is_not_asked_for_memory_and_a_runtime_that_refuses_is_asked_once(monkeypatch):
+    def refuse():
+        raise RuntimeError("Bad StatusOr access: UNIMPLEMENTED: GetAllocatorStats is not supported")
+
+    asked = _fake_xla_runtime(monkeypatch, host_memory=True, memory_info=refuse)
+    assert backend.xla_free_bytes(torch.device("xla:0")) is None and asked == []  # its refusal costs 25 ms
+    asked = _fake_xla_runtime(monkeypatch, host_memory=False, memory_info=refuse)
+    assert [backend.xla_free_bytes(torch.device("xla:0")) for _ in range(3)] == [None] * 3
+    assert asked == ["xla:0"]
+
+
+def test_a_runtime_with_memory_figures_is_asked_at_every_save_and_a_passing_failure_is_not_remembered(monkeypatch):
+    answers = iter([RuntimeError("device busy"), {"bytes_limit": 1000, "bytes_used": 400}, {"kb_free": 2}])
+
+    def answer():
+        a = next(answers)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    asked = _fake_xla_runtime(monkeypatch, host_memory=False, memory_info=answer)
+    assert [backend.xla_free_bytes(torch.device("xla:0")) for _ in range(3)] == [None, 600, 2048]
+    assert len(asked) == 3
+
+
 def test_device_kinds():
     assert backend.kind(torch.ones(1)) == "cpu" and backend.kind(torch.empty(1, device="meta")) == "meta"
     assert not backend.on_device(torch.ones(1)) and not backend.on_device(torch.empty(1, device="meta"))
@@ -136,3 +184,42 @@ def test_the_transfer_runs_on_its_own_thread_or_on_the_callers(monkeypatch):
     threads.clear()
     DeviceTransfer([stand_in(s) for s in sources], list(sources), background=False).close()
     assert threads == [threading.current_thread().name]
+
+
+def _transfer_and_exit() -> None:
+    sources = _sources(2)
+    keys = [stand_in(s) for s in sources]
+    transfer = DeviceTransfer(keys, list(sources))
+    ok = all(torch.equal(transfer.host(k), s) for k, s in zip(keys, sources, strict=True))
+    transfer.close()
+    raise SystemExit(0 if ok else 3)
+
+
+def test_transfers_share_one_thread_that_a_save_starts_before_its_snapshot_and_a_forked_child_gets_its_own():
+    import multiprocessing
+
+    from nxd_ckpt.device.transfer import THREAD_NAME, start_transfer_thread
+
+    start_transfer_thread()
+    before = {t.ident for t in threading.enumerate() if t.name == THREAD_NAME}
+    assert len(before) == 1
+    ran_on: set[int | None] = set()
+    real = DeviceTransfer._copy_chunk
+
+    def recording(transfer, chunk):
+        ran_on.add(threading.get_ident())
+        return real(transfer, chunk)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DeviceTransfer, "_copy_chunk", recording)
+        for _ in range(3):
+            sources = _sources(2)
+            DeviceTransfer([stand_in(s) for s in sources], list(sources)).close()
+    assert ran_on == before  # no thread started per transfer
+    assert {t.ident for t in threading.enumerate() if t.name == THREAD_NAME} == before
+    child = multiprocessing.get_context("fork").Process(target=_transfer_and_exit)
+    child.start()
+    child.join(60)
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == 0, f"a transfer in a forked child ended with {child.exitcode} (None: it hung)"
