@@ -3,7 +3,8 @@
 Run (one process; the model and its AdamW state on CUDA when torch sees a GPU, else on the XLA CPU device):
     PJRT_DEVICE=CPU ~/.cache/nxd-ckpt/envs/xla/bin/python scripts/bench_device.py --size-gb 0.4   # 5 reps, ~4 min
     PYTHONPATH=. python scripts/bench_device.py        # GPU machine, from the repo root: 10 GiB, 3 reps, ~6 min
-    ... [--device auto|cuda|xla] [--size-gb N] [--reps N] [--steady N] [--skip ROWS|none] [--json out.json]
+    ... [--device auto|cuda|xla] [--size-gb N] [--reps N] [--steady N] [--first-runs N] [--skip ROWS|none]
+        [--json out.json]
 The defaults are 10 GiB / 3 reps / 1 steady save per rep on CUDA and 0.4 GiB / 5 reps / 2 on XLA. --skip leaves
 rows out (async_plain, async_nosnap, sync, dcp, torch_save, loads, today, check, memory, memory_sync); by default
 async_plain, async_nosnap and memory_sync on CUDA and async_nosnap on XLA, to keep the default runs short.
@@ -27,6 +28,10 @@ before every timed operation):
                training steps and a 1-rank gloo process group on a TCPStore at 127.0.0.1:0, as a training script
                would): time blocked in the call, the SaveReport's fields, time until durable (``report.wait()``),
                extra device memory, and new resident host memory (VmHWM, no sampler thread in the timed call).
+               A one-time cost is one sample per process, so --first-runs N (default 2 on XLA, 1 on CUDA) fresh
+               child processes, before this process builds its state, make N more first saves, and N first saves
+               after ``prepare_async_save(model=, optimizer=)`` (timed too: on XLA state it takes the snapshot once,
+               so its graph is compiled before the save), alternating; the medians are over every sample.
   floors       (a) device -> host copy of every device tensor of the state: CUDA ``copy_(non_blocking=True)``
                into pinned host buffers allocated and touched once, then one synchronize; XLA one bulk
                ``_xla_get_cpu_tensors`` of the already synced state (torch_xla has no copy into a caller's buffer);
@@ -935,6 +940,53 @@ def first_async(dev: Device, tr: Training, root: str) -> dict[str, Any]:
     return figures
 
 
+def first_child(args: argparse.Namespace) -> int:
+    """In a fresh child: the state, 3 steps, the process group, (--first-prepare) ``prepare_async_save``, then the
+    process's first async save; its figures go to the --first-child file."""
+    import nxd_ckpt as nxd
+
+    dev = Device(pick_device(args.device))
+    tr = Training(dev, args.hidden, args.layers)
+    tr.steps(3)
+    init_process_group()
+    out: dict[str, Any] = {}
+    if args.first_prepare:
+        compiles, start = dev.compiles(), time.perf_counter()
+        nxd.prepare_async_save(model=tr.model, optimizer=tr.opt)
+        out["prepare_s"] = time.perf_counter() - start
+        out["prepare_compiles"] = dev.compiles() - compiles
+    out["first"] = first_async(dev, tr, args.dir)
+    nxd.finalize_checkpoint()
+    with open(args.first_child, "w") as f:
+        json.dump(out, f)
+    return 0
+
+
+def run_first_children(args: argparse.Namespace, kind: str, root: str) -> tuple[list[dict], list[dict]]:
+    """--first-runs fresh processes with a first save each, and as many after ``prepare_async_save``, alternating."""
+    plain: list[dict] = []
+    prepared: list[dict] = []
+    for i in range(args.first_runs):
+        for prepare, into in ((False, plain), (True, prepared)):
+            out, work = os.path.join(root, f"first_{i}_{int(prepare)}.json"), os.path.join(root, f"first_work_{i}")
+            os.makedirs(work)
+            cmd = [sys.executable, os.path.abspath(__file__), "--device", kind, "--hidden", str(args.hidden)]
+            cmd += ["--layers", str(args.layers), "--dir", work, "--first-child", out]
+            cmd += ["--first-prepare"] if prepare else []
+            done = subprocess.run(cmd, check=False)
+            shutil.rmtree(work, ignore_errors=True)
+            if done.returncode != 0 or not os.path.exists(out):
+                say(f"first save in a fresh process{' after prepare_async_save' if prepare else ''}: FAILED (rc "
+                    f"{done.returncode})")  # fmt: skip
+                continue
+            with open(out) as f:
+                figures = json.load(f)
+            into.append(figures)
+            what = f"after prepare_async_save ({figures['prepare_s']:.3f} s) " if prepare else ""
+            say(f"[fresh process {i + 1}] first async save {what}(xser): {describe_save(figures['first'])}")
+    return plain, prepared
+
+
 def today_child(args: argparse.Namespace) -> int:
     """In the child: the same state, first + --reps steady async xser saves with the nxd_ckpt found first."""
     import nxd_ckpt
@@ -1021,7 +1073,7 @@ def median(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
-def build_summary(run: Run, first: dict | None, today: dict | None, meta: dict) -> dict[str, Any]:
+def build_summary(run: Run, firsts: list[dict], prepared: list[dict], today: dict | None, meta: dict) -> dict[str, Any]:
     r = run.results
 
     def col(name: str, key: str, sub: str | None = None) -> list[Any]:
@@ -1041,12 +1093,19 @@ def build_summary(run: Run, first: dict | None, today: dict | None, meta: dict) 
     row("floor: device clone + sync s", r.get("floor_clone_s", []))
     row("floor: disk write + fsync s", r.get("floor_disk_s", []))
     row("one training step (synced), no save in flight s", r.get("floor_step_s", []))
-    if first:
-        row("nxd first async: blocked s", [first["call_s"]])
-        row("nxd first async: next training step (synced) s", [first.get("step_after_s")])
-        row("nxd first async: durable s", [first["durable_s"]])
-        row("nxd first async: page faults in the call", [first.get("call_minflt")])
-        row("nxd first async: graph compiles in the call", [first.get("call_compiles")])
+    row("nxd first async: blocked s", [f["call_s"] for f in firsts])
+    row("nxd first async: next training step (synced) s", [f.get("step_after_s") for f in firsts])
+    row("nxd first async: durable s", [f["durable_s"] for f in firsts])
+    row("nxd first async: page faults in the call", [f.get("call_minflt") for f in firsts])
+    row("nxd first async: graph compiles in the call", [f.get("call_compiles") for f in firsts])
+    row("prepare_async_save s", [p.get("prepare_s") for p in prepared])
+    row("prepare_async_save: graph compiles", [p.get("prepare_compiles") for p in prepared])
+    row("nxd first async after prepare_async_save: blocked s", [p["first"]["call_s"] for p in prepared])
+    row("nxd first async after prepare_async_save: durable s", [p["first"]["durable_s"] for p in prepared])
+    row(
+        "nxd first async after prepare_async_save: graph compiles in the call",
+        [p["first"].get("call_compiles") for p in prepared],
+    )
     for name, label in (
         ("nxd_async", "nxd async xser"),
         ("nxd_async_plain", "nxd async plain"),
@@ -1097,6 +1156,11 @@ def build_summary(run: Run, first: dict | None, today: dict | None, meta: dict) 
         "" if gpu else "<= 1.5 (XLA)",
     )
     ratio("first async blocked / steady async blocked", m("nxd first async: blocked s"), steady, "<= 1.5")
+    ratio(
+        "first async after prepare_async_save blocked / steady async blocked",
+        m("nxd first async after prepare_async_save: blocked s"),
+        steady,
+    )
     step = m("one training step (synced), no save in flight s")
     ratio("steady async: next training step / a step alone", m("nxd async xser: next training step (synced) s"), step)
     ratio("first async: next training step / a step alone", m("nxd first async: next training step (synced) s"), step)
@@ -1139,10 +1203,9 @@ def build_summary(run: Run, first: dict | None, today: dict | None, meta: dict) 
         values = [v for v in values if v is not None]
         memory[label] = max(values) if values else None
 
-    if first:
-        mem("nxd first async: extra device memory (peak)", [first.get("dev_peak")])
-        mem("nxd first async: device_snapshot_bytes", [first["report"].get("device_snapshot_bytes")])
-        mem("nxd first async: extra host memory (resident)", [first.get("first_host_rss")])
+    mem("nxd first async: extra device memory (peak)", [f.get("dev_peak") for f in firsts])
+    mem("nxd first async: device_snapshot_bytes", [f["report"].get("device_snapshot_bytes") for f in firsts])
+    mem("nxd first async: extra host memory (resident)", [f.get("first_host_rss") for f in firsts])
     for name, label in (
         ("nxd_async", "nxd async xser"),
         ("nxd_async_plain", "nxd async plain"),
@@ -1163,7 +1226,8 @@ def build_summary(run: Run, first: dict | None, today: dict | None, meta: dict) 
         "rows": rows,
         "ratios": [{"ratio": a, "value": b, "target": c} for a, b, c in ratios],
         "memory": memory,
-        "first": first,
+        "first": firsts,
+        "first_after_prepare": prepared,
         "today": today,
         "results": run.results,
         "errors": run.errors,
@@ -1235,11 +1299,18 @@ def main(argv: list[str] | None = None) -> int:
         "--today-saves", type=int, default=None, help="steady saves of the today child (default: 1 CUDA, 2 XLA)"
     )
     parser.add_argument("--json", default=None, help="write every figure here")
+    parser.add_argument(
+        "--first-runs", type=int, default=None, help="fresh processes for first saves (default: 2 XLA, 1 CUDA)"
+    )
+    parser.add_argument("--first-child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--first-prepare", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--today-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--today-child-src", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.today_child:
         return today_child(args)
+    if args.first_child:
+        return first_child(args)
     kind = pick_device(args.device)
     cuda = kind == "cuda"
     skip = args.skip if args.skip is not None else ",".join(CUDA_SKIP if cuda else XLA_SKIP)
@@ -1250,6 +1321,7 @@ def main(argv: list[str] | None = None) -> int:
     args.reps = args.reps if args.reps is not None else (3 if cuda else 5)
     args.steady = args.steady if args.steady is not None else (1 if cuda else 2)
     args.today_saves = args.today_saves if args.today_saves is not None else (1 if cuda else 2)
+    args.first_runs = args.first_runs if args.first_runs is not None else (1 if cuda else 2)
     args.hidden, layers = layout_for(int(args.size_gb * GIB), args.hidden)
     args.layers = args.layers or layers
 
@@ -1270,6 +1342,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if "today" not in args.skip:  # first: its child process has the machine to itself
             today = run_today(args, kind, root)
+        fresh_firsts, prepared_firsts = run_first_children(args, kind, root)
         tr = Training(dev, args.hidden, args.layers)
         tr.steps(3)  # AdamW state exists; on XLA the steady step graph is compiled
         init_process_group()
@@ -1343,7 +1416,8 @@ def main(argv: list[str] | None = None) -> int:
             "load_end": os.getloadavg()[0],
             "command": sys.argv,
         }
-        summary = build_summary(run, first, today, meta)
+        firsts = [f for f in [first, *(c["first"] for c in fresh_firsts)] if f is not None]
+        summary = build_summary(run, firsts, prepared_firsts, today, meta)
         print_summary(summary)
         if args.json:
             with open(args.json, "w") as f:
