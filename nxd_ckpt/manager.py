@@ -237,9 +237,10 @@ class CheckpointManager:
     # ----------------------------------------------------------------- save and load
     def prepare_async_save(self, model: Any = None, optimizer: Any = None) -> int:
         """Reserve and fault in, on a low-priority background thread, the host buffers the first async save of
-        ``model``/``optimizer`` will copy into, so that it blocks no longer than later ones. Call it once the
-        model and optimizer exist (after a resume load, say); returns the bytes reserved (0 when buffers are
-        already held). A later save with a host memory budget does not use them; ``finalize`` frees them."""
+        ``model``/``optimizer`` will copy into, and take its device snapshot of XLA state once (its graph is then
+        compiled), so that it blocks no longer than later ones. Call it once the model and optimizer exist (after
+        a resume load, say); returns the host bytes reserved (0 when buffers are already held). A later save with
+        a host memory budget does not use them; ``finalize`` frees them."""
         trees = []
         if model is not None:
             trees.append(adapters.model_state(model))

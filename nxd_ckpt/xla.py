@@ -114,6 +114,16 @@ def sync(tensors: Sequence[torch.Tensor], *, wait: bool = True) -> None:
     xla._XLAC._xla_sync_multi(xla_tensors, devices=[], wait=wait, sync_xla_data=False)
 
 
+def pending(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether any XLA tensor of ``tensors`` has a pending graph (its value needs a sync; e.g. right after an
+    optimizer step, before the step's ``mark_step``)."""
+    xla_tensors = [t for t in tensors if is_xla(t)]
+    if not xla_tensors:
+        return False
+    xla = require("checking XLA tensors for pending graphs")
+    return any(xla._XLAC._check_tensor_need_materialization(xla_tensors))
+
+
 def mark_step() -> None:
     """Cut and run this process's pending graph (torch_xla's ``mark_step``); nothing without torch_xla loaded."""
     if loaded() is None:

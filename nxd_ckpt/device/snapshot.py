@@ -105,9 +105,11 @@ def warm(tensors: Sequence[torch.Tensor], budget: SnapshotBudget) -> int:
     """Take, once and at once, the snapshot an async save of these device ``tensors`` takes, and drop it: its
     graph is then compiled and cached (XLA), and the first save does not compile it in its call. (torch_xla's
     compile-only ``_xla_warm_up_cache`` hashes a graph apart from a sync's, so it would not serve the save.)
-    A native accelerator compiles nothing. Returns the bytes the snapshot covered."""
+    A native accelerator compiles nothing. Nothing is done while a tensor has a pending graph (called between an
+    optimizer step and its ``mark_step``): the clones' graph would hold the step's, and not be the save's. Returns
+    the bytes the snapshot covered."""
     xla_tensors = list({id(t): t for t in tensors if kind(t) == "xla"}.values())
-    if not xla_tensors:
+    if not xla_tensors or xla.pending(xla_tensors):
         return 0
     fit, rest = split_by_budget(xla_tensors, budget.resolve(xla_tensors)[0])
     clones = [xla_tensors[i].detach().clone() for i in fit]

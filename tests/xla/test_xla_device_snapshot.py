@@ -246,3 +246,15 @@ def test_the_snapshot_graph_depends_on_the_shapes_not_on_the_order_a_save_lists_
     assert _compiles() - before == 1
     assert _save_compiles(tmp_path, "after_warm", model, opt, use_xser=True) == 0
     nxd.finalize_checkpoint()
+
+
+def test_a_state_with_pending_graphs_is_not_warmed_the_step_is_not_compiled_into_a_snapshot(tmp_path):
+    model, opt = _odd_training(47)
+    model(torch.ones(4, 47, device=torch_xla.device())).sum().backward()
+    opt.step()  # no sync yet: the parameters' values are a pending graph
+    tensors = [*model.state_dict().values()]
+    before = _compiles()
+    assert device_snapshot.warm(tensors, SnapshotBudget(None)) == 0
+    assert _compiles() == before and xla.pending(tensors)
+    torch_xla.sync()
+    assert not xla.pending(tensors) and device_snapshot.warm(tensors, SnapshotBudget(None)) > 0
