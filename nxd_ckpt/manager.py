@@ -238,7 +238,8 @@ class CheckpointManager:
     def prepare_async_save(self, model: Any = None, optimizer: Any = None) -> int:
         """Reserve and fault in, on a low-priority background thread, the host buffers the first async save of
         ``model``/``optimizer`` will copy into, and take its device snapshot of XLA state once (its graph is then
-        compiled), so that it blocks no longer than later ones. Call it once the model and optimizer exist (after
+        compiled; on a rank without replicas, which saves its whole state), so that it blocks no longer than later
+        ones. Call it once the model and optimizer exist (after
         a resume load, say); returns the host bytes reserved (0 when buffers are already held). A later save with
         a host memory budget does not use them; ``finalize`` frees them."""
         trees = []
@@ -246,7 +247,11 @@ class CheckpointManager:
             trees.append(adapters.model_state(model))
         if optimizer is not None:
             trees.append(adapters.optimizer_state(optimizer))
-        return self._staging_pool.prepare(trees)
+        topo = self.topology()
+        # A rank with DP/CP (or expert) replicas snapshots only its share of the files, which depends on the save's
+        # options: the whole state's graph would not be the save's, so none is taken ahead there.
+        whole = topo.ep_size == 1 and len(topo.replica_ranks()) == 1
+        return self._staging_pool.prepare(trees, warm_snapshot=whole)
 
     def save(
         self, checkpoint_dir: str | os.PathLike[str] | SaveOptions, tag: str | None = None, **keywords: Any

@@ -227,14 +227,14 @@ class StagingPool:
         out = [map_tensors(tree, lambda t: staged[id(t)]) for tree in trees]
         return StagedState(out, nbytes, allocated, copy_s, _pool=self, _set=buffer_set, snapshot=snapshot)
 
-    def prepare(self, trees: Sequence[Any]) -> int:
+    def prepare(self, trees: Sequence[Any], warm_snapshot: bool = True) -> int:
         """Reserve the buffers the next ``stage`` of ``trees`` (or of a part of them) copies into and fault them
         in on a background thread, so that the first async save of a process copies into touched memory like
         every later one. Returns the bytes reserved: 0 when the pool already holds or lends out a set. The
         buffers are the pool's: an unused one is dropped by the first save (or by ``clear``). A native
-        accelerator's tensors get their pinned buffers (``PinnedPool.reserve``) instead; XLA tensors get their
-        snapshot graph compiled (``device.snapshot.warm``), which the first save would otherwise compile in its
-        call."""
+        accelerator's tensors get their pinned buffers (``PinnedPool.reserve``) instead; with ``warm_snapshot``
+        (the save snapshots all of ``trees``' device tensors), XLA tensors get their snapshot graph compiled
+        (``device.snapshot.warm``), which the first save would otherwise compile in its call."""
         unique: dict[int, torch.Tensor] = {}
         native: dict[int, torch.Tensor] = {}
         on_xla: dict[int, torch.Tensor] = {}
@@ -246,7 +246,7 @@ class StagingPool:
                     native.setdefault(id(t), t)
                 elif kind(t) == "xla":
                     on_xla.setdefault(id(t), t)
-        if on_xla:
+        if on_xla and warm_snapshot:
             device_snapshot.warm(list(on_xla.values()), resolve_snapshot_budget(None))
         pinned = 0
         if native:

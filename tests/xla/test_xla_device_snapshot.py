@@ -258,3 +258,15 @@ def test_a_state_with_pending_graphs_is_not_warmed_the_step_is_not_compiled_into
     assert _compiles() == before and xla.pending(tensors)
     torch_xla.sync()
     assert not xla.pending(tensors) and device_snapshot.warm(tensors, SnapshotBudget(None)) > 0
+
+
+def test_a_rank_with_replicas_takes_no_snapshot_ahead_its_save_snapshots_only_its_share(tmp_path):
+    from nxd_ckpt.manager import CheckpointManager
+    from nxd_ckpt.ranks.topology import Topology
+
+    model, opt = _odd_training(53)
+    before = _compiles()
+    CheckpointManager(topology=Topology(dp_size=2, rank=1)).prepare_async_save(model=model, optimizer=opt)
+    assert _compiles() == before  # the whole state's graph would not be the one its save takes
+    CheckpointManager(topology=Topology(dp_size=1, rank=0)).prepare_async_save(model=model, optimizer=opt)
+    assert _compiles() == before + 1
