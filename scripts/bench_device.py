@@ -1296,7 +1296,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--today-ref", default=TODAY_REF, help="git commit of today's nxd_ckpt (default %(default)s)")
     parser.add_argument("--today-src", default=None, help="a directory holding today's nxd_ckpt package instead")
     parser.add_argument(
-        "--today-saves", type=int, default=None, help="steady saves of the today child (default: 1 CUDA, 2 XLA)"
+        "--today-saves", type=int, default=None, help="steady saves of the today child (default: 1 CUDA, 5 XLA)"
     )
     parser.add_argument("--json", default=None, help="write every figure here")
     parser.add_argument(
@@ -1320,7 +1320,7 @@ def main(argv: list[str] | None = None) -> int:
     args.size_gb = args.size_gb if args.size_gb is not None else (10.0 if cuda else 0.4)
     args.reps = args.reps if args.reps is not None else (3 if cuda else 5)
     args.steady = args.steady if args.steady is not None else (1 if cuda else 2)
-    args.today_saves = args.today_saves if args.today_saves is not None else (1 if cuda else 2)
+    args.today_saves = args.today_saves if args.today_saves is not None else (1 if cuda else 5)
     args.first_runs = args.first_runs if args.first_runs is not None else (1 if cuda else 2)
     args.hidden, layers = layout_for(int(args.size_gb * GIB), args.hidden)
     args.layers = args.layers or layers
