@@ -239,9 +239,9 @@ class CheckpointManager:
         """Reserve and fault in, on a low-priority background thread, the host buffers the first async save of
         ``model``/``optimizer`` will copy into, and take its device snapshot of XLA state once (its graph is then
         compiled; on a rank without replicas, which saves its whole state), so that it blocks no longer than later
-        ones. Call it once the model and optimizer exist (after
-        a resume load, say); returns the host bytes reserved (0 when buffers are already held). A later save with
-        a host memory budget does not use them; ``finalize`` frees them."""
+        ones. Call it once the model and optimizer exist (after a resume load, say); returns the host bytes
+        reserved (0 when buffers are already held). A later save with a host memory budget does not use them;
+        ``finalize`` frees them."""
         trees = []
         if model is not None:
             trees.append(adapters.model_state(model))

@@ -35,6 +35,13 @@ class _TransferThread:
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
+    def reset_after_fork(self) -> None:
+        """In a forked child: the parent's thread does not exist there, and its lock or queue may have been in use
+        at the fork; the next transfer starts a new thread with new ones."""
+        self._lock = threading.Lock()
+        self._jobs = queue.SimpleQueue()
+        self._thread = None
+
     def start(self) -> None:
         """Start the thread unless it runs (a save calls this before it takes its snapshot)."""
         with self._lock:
@@ -50,10 +57,6 @@ class _TransferThread:
     def _run(self) -> None:
         while True:
             self._jobs.get()()
-
-    def reset_after_fork(self) -> None:
-        """In a forked child: the parent's thread does not exist there; the next transfer starts a new one."""
-        self.__init__()  # type: ignore[misc]
 
 
 _THREAD = _TransferThread()
