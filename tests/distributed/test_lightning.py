@@ -206,3 +206,58 @@ def _xla_rank(tmp: str) -> None:
 @pytest.mark.xla
 def test_lightning_xla_resumes_exactly(tmp_path):
     run_on_ranks(_xla_rank, WORLD, {"tmp": str(tmp_path)}, env=TORCHRUN_ENV, timeout=480)
+
+
+def _xla_single_rank_snapshot_ahead(tmp: str) -> None:
+    import torch_xla
+    import torch_xla.debug.metrics as met
+
+    from nxd_ckpt.device import snapshot
+    from nxd_ckpt.lightning import NxdCheckpointIO, NxdXLAStrategy
+
+    torch_xla.device()
+    taken: list[int] = []
+    real_warm = snapshot.warm
+
+    def recording_warm(*args: object, **kwargs: object) -> int:
+        taken.append(real_warm(*args, **kwargs))
+        return taken[-1]
+
+    def compiles() -> int:
+        data = met.metric_data("CompileTime")
+        return int(data[0]) if data else 0
+
+    class Counting(NxdCheckpointIO):
+        compiled: list[int] = []
+
+        def save_checkpoint(self, *args: object, **kwargs: object) -> None:
+            before = compiles()
+            super().save_checkpoint(*args, **kwargs)
+            self.compiled.append(compiles() - before)
+
+    snapshot.warm = recording_warm
+    try:
+        io = Counting(use_xser=True, async_save=True)
+        trainer = pl.Trainer(
+            max_steps=4,
+            callbacks=[pl.callbacks.ModelCheckpoint(dirpath=tmp, every_n_train_steps=2, save_top_k=-1)],
+            plugins=[io],
+            devices=1,
+            num_nodes=1,
+            strategy=NxdXLAStrategy(),
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+        )
+        trainer.fit(Tiny(per_rank_data=False))
+    finally:
+        snapshot.warm = real_warm
+    # XLAPrecision runs mark_step right after the step, so the strategy's prepare_async_save finds no pending graph
+    assert len(taken) == 1 and taken[0] > 0, taken
+    assert io.compiled == [0, 0], io.compiled  # the first save's snapshot graph was compiled ahead
+
+
+@pytest.mark.xla
+def test_lightning_xla_on_one_rank_takes_the_device_snapshot_ahead_of_the_first_save(tmp_path):
+    run_on_ranks(_xla_single_rank_snapshot_ahead, 1, {"tmp": str(tmp_path)}, env=TORCHRUN_ENV, timeout=300)
