@@ -235,23 +235,21 @@ class CheckpointManager:
             writer.check_for_errors()
 
     # ----------------------------------------------------------------- save and load
-    def prepare_async_save(self, model: Any = None, optimizer: Any = None) -> int:
+    def prepare_async_save(self, model: Any = None, optimizer: Any = None, *, use_xser: bool = False) -> int:
         """Reserve and fault in, on a low-priority background thread, the host buffers the first async save of
         ``model``/``optimizer`` will copy into, and take its device snapshot of XLA state once (its graph is then
-        compiled; on a rank without replicas, which saves its whole state), so that it blocks no longer than later
-        ones. Call it once the model and optimizer exist (after a resume load, say); returns the host bytes
-        reserved (0 when buffers are already held). A later save with a host memory budget does not use them;
-        ``finalize`` frees them."""
+        compiled), so that it blocks no longer than later ones. ``use_xser`` as the saves will pass it: with DP
+        replicas a rank snapshots only its share of the files, which depends on it. Call it once the model and
+        optimizer exist (after a resume load, say); returns the host bytes reserved (0 when buffers are already
+        held). A later save with a host memory budget does not use them; ``finalize`` frees them."""
         trees = []
         if model is not None:
             trees.append(adapters.model_state(model))
         if optimizer is not None:
             trees.append(adapters.optimizer_state(optimizer))
-        topo = self.topology()
-        # A rank with DP/CP (or expert) replicas snapshots only its share of the files, which depends on the save's
-        # options: the whole state's graph would not be the save's, so none is taken ahead there.
-        whole = topo.ep_size == 1 and len(topo.replica_ranks()) == 1
-        return self._staging_pool.prepare(trees, warm_snapshot=whole)
+        zero1 = optimizer is not None and adapters.is_zero1_optimizer(optimizer)
+        planned = save_pipeline.planned_tensors(self.topology(), model, optimizer, use_xser=use_xser, zero1=zero1)
+        return self._staging_pool.prepare(trees, snapshot_of=planned)
 
     def save(
         self, checkpoint_dir: str | os.PathLike[str] | SaveOptions, tag: str | None = None, **keywords: Any

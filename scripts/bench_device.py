@@ -952,7 +952,7 @@ def first_child(args: argparse.Namespace) -> int:
     out: dict[str, Any] = {}
     if args.first_prepare:
         compiles, start = dev.compiles(), time.perf_counter()
-        nxd.prepare_async_save(model=tr.model, optimizer=tr.opt)
+        nxd.prepare_async_save(model=tr.model, optimizer=tr.opt, use_xser=True)
         out["prepare_s"] = time.perf_counter() - start
         out["prepare_compiles"] = dev.compiles() - compiles
     out["first"] = first_async(dev, tr, args.dir)

@@ -38,6 +38,7 @@ class SavesOnEveryRank:
             api.prepare_async_save(
                 model=self.lightning_module_state_dict(),  # type: ignore[attr-defined]
                 optimizer=self.optimizer_state(optimizers[0]) if len(optimizers) == 1 else None,  # type: ignore[attr-defined]
+                use_xser=io.use_xser,
             )
         return out
 

@@ -36,6 +36,8 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any, TypeAlias
 
+import torch
+
 from nxd_ckpt import adapters, statefile, tree
 from nxd_ckpt import rank_state as rank_states
 from nxd_ckpt.device.backend import on_device
@@ -394,17 +396,35 @@ def capture(coord: Coordinator, topo: Topology, options: SaveOptions) -> Capture
 def plan_writes(ctx: SaveContext, model_sd: Any) -> list[plan.StateWrite]:
     """The state files this rank writes, over the state as NxD's containers hold it."""
     options = ctx.options
-    optimizer = adapters.optimizer_state(options.optimizer) if options.optimizer is not None else None
     return plan.plan_save(
         ctx.commit.topology,
         ctx.tag,
         model=model_sd,
-        optimizer=tree.nxd_containers(optimizer) if optimizer is not None else None,
+        optimizer=_optimizer_tree(options.optimizer),
         scheduler=adapters.scheduler_state(options.scheduler) if options.scheduler is not None else None,
         user_content=options.user_content,
         zero1=ctx.commit.zero1,
         use_xser=options.use_xser,
     )
+
+
+def planned_tensors(topo: Topology, model: Any, optimizer: Any, *, use_xser: bool, zero1: bool) -> list[torch.Tensor]:
+    """The tensors an async save of ``model``/``optimizer`` with these options stages on this rank (its share of
+    xser files among DP replicas, nothing of a plain file another replica writes), by the save's own plan."""
+    writes = plan.plan_save(
+        topo,
+        "planned",
+        model=adapters.model_state(model) if model is not None else None,
+        optimizer=_optimizer_tree(optimizer),
+        zero1=zero1,
+        use_xser=use_xser,
+    )
+    return plan.tensors_to_write(writes, topo.rank)
+
+
+def _optimizer_tree(optimizer: Any) -> Any:
+    """The optimizer's state as a save plans it (NxD's containers), or None."""
+    return tree.nxd_containers(adapters.optimizer_state(optimizer)) if optimizer is not None else None
 
 
 def write_files(target: Storage, staged: Staged, rank: int, report: SaveReport) -> list[str]:

@@ -227,27 +227,26 @@ class StagingPool:
         out = [map_tensors(tree, lambda t: staged[id(t)]) for tree in trees]
         return StagedState(out, nbytes, allocated, copy_s, _pool=self, _set=buffer_set, snapshot=snapshot)
 
-    def prepare(self, trees: Sequence[Any], warm_snapshot: bool = True) -> int:
+    def prepare(self, trees: Sequence[Any], snapshot_of: Sequence[torch.Tensor] = ()) -> int:
         """Reserve the buffers the next ``stage`` of ``trees`` (or of a part of them) copies into and fault them
         in on a background thread, so that the first async save of a process copies into touched memory like
         every later one. Returns the bytes reserved: 0 when the pool already holds or lends out a set. The
         buffers are the pool's: an unused one is dropped by the first save (or by ``clear``). A native
-        accelerator's tensors get their pinned buffers (``PinnedPool.reserve``) instead; with ``warm_snapshot``
-        (the save snapshots all of ``trees``' device tensors), XLA tensors get their snapshot graph compiled
-        (``device.snapshot.warm``), which the first save would otherwise compile in its call."""
+        accelerator's tensors get their pinned buffers (``PinnedPool.reserve``) instead. The XLA tensors of
+        ``snapshot_of`` (those the save will snapshot on this rank) get their snapshot taken once
+        (``device.snapshot.warm``): its graph is then compiled, which the first save would otherwise do in its
+        call."""
         unique: dict[int, torch.Tensor] = {}
         native: dict[int, torch.Tensor] = {}
-        on_xla: dict[int, torch.Tensor] = {}
         for tree in trees:
             for _, t in iter_tensors(tree):
                 if t.device.type == "cpu" and _copyable(t):
                     unique.setdefault(id(t), t)
                 elif kind(t) == "native":
                     native.setdefault(id(t), t)
-                elif kind(t) == "xla":
-                    on_xla.setdefault(id(t), t)
-        if on_xla and warm_snapshot:
-            device_snapshot.warm(list(on_xla.values()), resolve_snapshot_budget(None))
+        on_xla = [t for t in snapshot_of if kind(t) == "xla"]
+        if on_xla:
+            device_snapshot.warm(on_xla, resolve_snapshot_budget(None))
         pinned = 0
         if native:
             device = native_device(list(native.values()))

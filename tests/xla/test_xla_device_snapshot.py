@@ -260,13 +260,16 @@ def test_a_state_with_pending_graphs_is_not_warmed_the_step_is_not_compiled_into
     assert not xla.pending(tensors) and device_snapshot.warm(tensors, SnapshotBudget(None)) > 0
 
 
-def test_a_rank_with_replicas_takes_no_snapshot_ahead_its_save_snapshots_only_its_share(tmp_path):
+def test_ahead_of_the_save_a_rank_snapshots_what_its_save_will_by_the_saves_plan(tmp_path):
     from nxd_ckpt.manager import CheckpointManager
     from nxd_ckpt.ranks.topology import Topology
 
-    model, opt = _odd_training(53)
+    model, opt = _odd_training(136)  # weights over the 64 KiB xser inline limit: tensor files, shared by replicas
+    replica = CheckpointManager(topology=Topology(dp_size=2, rank=1))
     before = _compiles()
-    CheckpointManager(topology=Topology(dp_size=2, rank=1)).prepare_async_save(model=model, optimizer=opt)
-    assert _compiles() == before  # the whole state's graph would not be the one its save takes
-    CheckpointManager(topology=Topology(dp_size=1, rank=0)).prepare_async_save(model=model, optimizer=opt)
+    replica.prepare_async_save(model=model, optimizer=opt)  # plain: the other replica writes the files
+    assert _compiles() == before
+    replica.prepare_async_save(model=model, optimizer=opt, use_xser=True)  # xser: this replica's share
     assert _compiles() == before + 1
+    CheckpointManager(topology=Topology(dp_size=1, rank=0)).prepare_async_save(model=model, optimizer=opt)
+    assert _compiles() == before + 2  # the whole state

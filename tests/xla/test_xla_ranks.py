@@ -64,3 +64,48 @@ def test_xla_default_group_save_load_over_library_gloo_group(tmp_path):
     losses = coord.all_gather_object(reference)  # CPU objects over gloo: both replicas trained identically
     assert losses[0] == losses[1]
     assert isinstance(losses[0][0], float) and not isinstance(losses[0][0], torch.Tensor)
+
+
+def _compiles() -> int:
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("CompileTime")
+    return int(data[0]) if data else 0
+
+
+def _wide_training(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Model + AdamW of shapes no other test uses, one step trained (the same on both DP replicas)."""
+    import torch_xla
+
+    torch.manual_seed(width)
+    device = torch_xla.device()
+    layers = [torch.nn.Linear(width, width) for _ in range(6)]  # weights over the 64 KiB inline limit: tensor files
+    model = torch.nn.Sequential(*layers).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.ones(2, width, device=device)).sum().backward()
+    opt.step()
+    torch_xla.sync()
+    return model, opt
+
+
+def _async_save_compiles(ckpt: str, tag: str, model, opt) -> int:
+    before = _compiles()
+    report = nxd.save_checkpoint(ckpt, tag, model=model, optimizer=opt, use_xser=True, async_save=True)
+    compiled = _compiles() - before
+    report.wait()
+    return compiled
+
+
+@run_with_ranks(2)
+def test_dp_replicas_take_their_xser_share_of_the_snapshot_ahead_and_the_first_save_compiles_nothing(tmp_path):
+    nxd.reset_manager()
+    ckpt = str(tmp_path / "ckpt")
+    model, opt = _wide_training(160)
+    before = _compiles()
+    nxd.prepare_async_save(model=model, optimizer=opt, use_xser=True)
+    assert _compiles() - before == 1  # this rank's share: the graph its save takes
+    assert _async_save_compiles(ckpt, "prepared", model, opt) == 0
+    control, control_opt = _wide_training(176)  # no prepare_async_save: the first save compiles its snapshot
+    assert _async_save_compiles(ckpt, "control", control, control_opt) == 1
+    nxd.finalize_checkpoint()
+    assert os.path.exists(os.path.join(ckpt, "prepared", "done"))
