@@ -1,5 +1,5 @@
-"""Instrumentation for tests and the scale benchmark: local storage counting the bytes a load really reads, and a
-c10d store client counting the operations a rank makes."""
+"""Instrumentation for tests and the scale benchmark: local storage counting the bytes a load really reads, a
+c10d store client counting the operations a rank makes, and the graphs torch_xla compiled."""
 
 from __future__ import annotations
 
@@ -260,3 +260,11 @@ class GatedStorage(LocalStorage):
             raise TimeoutError(f"GatedStorage: the gate of {path} stayed closed for {self.timeout_s} s")
         with super().open_write(path) as f:
             yield f
+
+
+def xla_graph_compiles() -> int:
+    """Graphs torch_xla compiled so far in this process (its ``CompileTime`` metric's count)."""
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("CompileTime")
+    return int(data[0]) if data else 0

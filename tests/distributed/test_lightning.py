@@ -210,10 +210,10 @@ def test_lightning_xla_resumes_exactly(tmp_path):
 
 def _xla_single_rank_snapshot_ahead(tmp: str) -> None:
     import torch_xla
-    import torch_xla.debug.metrics as met
 
     from nxd_ckpt.device import snapshot
     from nxd_ckpt.lightning import NxdCheckpointIO, NxdXLAStrategy
+    from nxd_ckpt.testing.counting import xla_graph_compiles
 
     torch_xla.device()
     taken: list[int] = []
@@ -223,17 +223,13 @@ def _xla_single_rank_snapshot_ahead(tmp: str) -> None:
         taken.append(real_warm(*args, **kwargs))
         return taken[-1]
 
-    def compiles() -> int:
-        data = met.metric_data("CompileTime")
-        return int(data[0]) if data else 0
-
     class Counting(NxdCheckpointIO):
         compiled: list[int] = []
 
         def save_checkpoint(self, *args: object, **kwargs: object) -> None:
-            before = compiles()
+            before = xla_graph_compiles()
             super().save_checkpoint(*args, **kwargs)
-            self.compiled.append(compiles() - before)
+            self.compiled.append(xla_graph_compiles() - before)
 
     snapshot.warm = recording_warm
     try:

@@ -18,6 +18,7 @@ from nxd_ckpt import xla
 from nxd_ckpt.device import snapshot as device_snapshot
 from nxd_ckpt.device.backend import SnapshotBudget
 from nxd_ckpt.device.transfer import DeviceTransfer
+from nxd_ckpt.testing.counting import xla_graph_compiles
 from nxd_ckpt.testing.fakes import assert_state_equal
 from nxd_ckpt.testing.held_transfer import HeldTransfer, host_copy
 
@@ -190,13 +191,6 @@ def test_a_failed_transfer_fails_the_save_on_the_next_call(tmp_path, monkeypatch
     assert nxd.latest_checkpoint_tag(str(tmp_path)) is None
 
 
-def _compiles() -> int:
-    import torch_xla.debug.metrics as met
-
-    data = met.metric_data("CompileTime")
-    return int(data[0]) if data else 0
-
-
 def _odd_training(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A model + AdamW of shapes no other test uses (XLA's graph cache is the process's), trained one step."""
     torch.manual_seed(width)
@@ -210,9 +204,9 @@ def _odd_training(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def _save_compiles(tmp_path, tag: str, model, opt, **keywords) -> int:
-    before = _compiles()
+    before = xla_graph_compiles()
     report = nxd.save_checkpoint(str(tmp_path), tag=tag, model=model, optimizer=opt, async_save=True, **keywords)
-    compiled = _compiles() - before
+    compiled = xla_graph_compiles() - before
     report.wait()
     assert report.device_snapshot_bytes > 0
     return compiled
@@ -220,9 +214,9 @@ def _save_compiles(tmp_path, tag: str, model, opt, **keywords) -> int:
 
 def test_prepare_async_save_compiles_the_snapshot_graph_so_the_first_save_compiles_nothing(tmp_path):
     model, opt = _odd_training(37)
-    before = _compiles()
+    before = xla_graph_compiles()
     nxd.prepare_async_save(model=model, optimizer=opt)
-    assert _compiles() - before == 1  # the snapshot graph, compiled (and run once)
+    assert xla_graph_compiles() - before == 1  # the snapshot graph, compiled (and run once)
     assert _save_compiles(tmp_path, "xser", model, opt, use_xser=True) == 0
     assert _save_compiles(tmp_path, "plain", model, opt, use_xser=False) == 0
     nxd.finalize_checkpoint()
@@ -241,9 +235,9 @@ def test_control_without_prepare_async_save_the_first_save_compiles_its_snapshot
 def test_the_snapshot_graph_depends_on_the_shapes_not_on_the_order_a_save_lists_its_tensors(tmp_path):
     model, opt = _odd_training(43)
     tensors = [*model.state_dict().values()] + [v for s in opt.state.values() for v in s.values() if xla.is_xla(v)]
-    before = _compiles()
+    before = xla_graph_compiles()
     device_snapshot.warm(list(reversed(tensors)), SnapshotBudget(None))
-    assert _compiles() - before == 1
+    assert xla_graph_compiles() - before == 1
     assert _save_compiles(tmp_path, "after_warm", model, opt, use_xser=True) == 0
     nxd.finalize_checkpoint()
 
@@ -253,9 +247,9 @@ def test_a_state_with_pending_graphs_is_not_warmed_the_step_is_not_compiled_into
     model(torch.ones(4, 47, device=torch_xla.device())).sum().backward()
     opt.step()  # no sync yet: the parameters' values are a pending graph
     tensors = [*model.state_dict().values()]
-    before = _compiles()
+    before = xla_graph_compiles()
     assert device_snapshot.warm(tensors, SnapshotBudget(None)) == 0
-    assert _compiles() == before and xla.pending(tensors)
+    assert xla_graph_compiles() == before and xla.pending(tensors)
     torch_xla.sync()
     assert not xla.pending(tensors) and device_snapshot.warm(tensors, SnapshotBudget(None)) > 0
 
@@ -266,10 +260,10 @@ def test_ahead_of_the_save_a_rank_snapshots_what_its_save_will_by_the_saves_plan
 
     model, opt = _odd_training(136)  # weights over the 64 KiB xser inline limit: tensor files, shared by replicas
     replica = CheckpointManager(topology=Topology(dp_size=2, rank=1))
-    before = _compiles()
+    before = xla_graph_compiles()
     replica.prepare_async_save(model=model, optimizer=opt)  # plain: the other replica writes the files
-    assert _compiles() == before
+    assert xla_graph_compiles() == before
     replica.prepare_async_save(model=model, optimizer=opt, use_xser=True)  # xser: this replica's share
-    assert _compiles() == before + 1
+    assert xla_graph_compiles() == before + 1
     CheckpointManager(topology=Topology(dp_size=1, rank=0)).prepare_async_save(model=model, optimizer=opt)
-    assert _compiles() == before + 2  # the whole state
+    assert xla_graph_compiles() == before + 2  # the whole state

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import nxd_ckpt as nxd
 from nxd_ckpt.testing import rendezvous
+from nxd_ckpt.testing.counting import xla_graph_compiles
 from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_steps
 from nxd_ckpt.testing.multiprocess import run_with_ranks
 
@@ -66,13 +67,6 @@ def test_xla_default_group_save_load_over_library_gloo_group(tmp_path):
     assert isinstance(losses[0][0], float) and not isinstance(losses[0][0], torch.Tensor)
 
 
-def _compiles() -> int:
-    import torch_xla.debug.metrics as met
-
-    data = met.metric_data("CompileTime")
-    return int(data[0]) if data else 0
-
-
 def _wide_training(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Model + AdamW of shapes no other test uses, one step trained (the same on both DP replicas)."""
     import torch_xla
@@ -89,9 +83,9 @@ def _wide_training(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def _async_save_compiles(ckpt: str, tag: str, model, opt) -> int:
-    before = _compiles()
+    before = xla_graph_compiles()
     report = nxd.save_checkpoint(ckpt, tag, model=model, optimizer=opt, use_xser=True, async_save=True)
-    compiled = _compiles() - before
+    compiled = xla_graph_compiles() - before
     report.wait()
     return compiled
 
@@ -101,9 +95,9 @@ def test_dp_replicas_take_their_xser_share_of_the_snapshot_ahead_and_the_first_s
     nxd.reset_manager()
     ckpt = str(tmp_path / "ckpt")
     model, opt = _wide_training(160)
-    before = _compiles()
+    before = xla_graph_compiles()
     nxd.prepare_async_save(model=model, optimizer=opt, use_xser=True)
-    assert _compiles() - before == 1  # this rank's share: the graph its save takes
+    assert xla_graph_compiles() - before == 1  # this rank's share: the graph its save takes
     assert _async_save_compiles(ckpt, "prepared", model, opt) == 0
     control, control_opt = _wide_training(176)  # no prepare_async_save: the first save compiles its snapshot
     assert _async_save_compiles(ckpt, "control", control, control_opt) == 1
