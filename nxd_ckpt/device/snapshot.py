@@ -112,10 +112,19 @@ def warm(tensors: Sequence[torch.Tensor], budget: SnapshotBudget) -> int:
     if not xla_tensors or xla.pending(xla_tensors):
         return 0
     fit, rest = split_by_budget(xla_tensors, budget.resolve(xla_tensors)[0])
-    clones = [xla_tensors[i].detach().clone() for i in fit]
-    live = [xla_tensors[i].detach() for i in rest]
-    xla.sync([clones[j] for j in graph_order(clones)] + live, wait=True)
+    _launch_xla_copies(xla_tensors, fit, rest, wait=True)
     return sum(nbytes(xla_tensors[i]) for i in fit)
+
+
+def _launch_xla_copies(
+    tensors: Sequence[torch.Tensor], fit: list[int], rest: list[int], *, wait: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The clones of ``fit`` and the live ``rest``, under one sync in ``graph_order`` (the graph ``warm`` and
+    ``take`` must share); returns (clones, live) in the order of their indices."""
+    clones = [tensors[i].detach().clone() for i in fit]
+    live = [tensors[i].detach() for i in rest]
+    xla.sync([clones[j] for j in graph_order(clones)] + live, wait=wait)
+    return clones, live
 
 
 def _take_xla(
@@ -127,10 +136,8 @@ def _take_xla(
 ) -> DeviceTransfer:
     """Clones under one sync (together with the tensors that do not fit), then the rest by bulk transfers here. The
     sync is only launched when everything fits: torch_xla runs the next step after it and fetches wait for it."""
-    clones = [tensors[i].detach().clone() for i in fit]
-    live = [tensors[i].detach() for i in rest]
     # one execution materialises the snapshot (launched, not waited for)
-    xla.sync([clones[j] for j in graph_order(clones)] + live, wait=bool(rest))
+    clones, live = _launch_xla_copies(tensors, fit, rest, wait=bool(rest))
     arrived: dict[int, torch.Tensor] = {}
     for batch, copies in xla.iter_to_cpu(live, chunk_bytes, synced=True):
         for j, c in zip(batch, copies, strict=True):
