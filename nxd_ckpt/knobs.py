@@ -80,6 +80,13 @@ KNOBS: dict[str, Knob] = {
             "(no overlap)",
         ),
         Knob(
+            "NXD_CKPT_PREPARE_ON_RESUME",
+            "bool",
+            True,
+            "0: a load of a tag saved with `async_save=True` does not end with `prepare_async_save` of the model and "
+            "optimizer it restored (the first async save after the resume then pays its one-time costs)",
+        ),
+        Knob(
             "NXD_CKPT_TIMEOUT_S",
             "duration",
             1800.0,
@@ -264,6 +271,10 @@ def device_snapshot_budget() -> str:
 
 def xla_transfer_thread() -> bool:
     return get_bool("NXD_CKPT_XLA_TRANSFER_THREAD")
+
+
+def prepare_on_resume() -> bool:
+    return get_bool("NXD_CKPT_PREPARE_ON_RESUME")
 
 
 def timeout_s() -> float:

@@ -338,4 +338,5 @@ class CheckpointManager:
             storage_for=self._storage_for,
             tier_runtime=self._tier,
             on_restore=self._set_restore,
+            prepare_saves=self.prepare_async_save,
         )

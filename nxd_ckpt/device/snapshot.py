@@ -112,8 +112,21 @@ def warm(tensors: Sequence[torch.Tensor], budget: SnapshotBudget) -> int:
     if not xla_tensors or xla.pending(xla_tensors):
         return 0
     fit, rest = split_by_budget(xla_tensors, budget.resolve(xla_tensors)[0])
-    _launch_xla_copies(xla_tensors, fit, rest, wait=True)
+    if _graph_key(xla_tensors, fit, rest) not in _launched_graphs:  # else compiled already: by a save or a warm
+        _launch_xla_copies(xla_tensors, fit, rest, wait=True)
     return sum(nbytes(xla_tensors[i]) for i in fit)
+
+
+_launched_graphs: set[tuple] = set()
+"""``_graph_key`` of every snapshot graph this process ran (so compiled): ``warm`` does not run one again (a
+resume's preparation, then Lightning's after the first step, cost one clone of the state, not two)."""
+
+
+def _graph_key(tensors: Sequence[torch.Tensor], fit: list[int], rest: list[int]) -> tuple:
+    """What the snapshot graph of ``_launch_xla_copies`` depends on: the dtypes and shapes of the copies, in graph
+    order, and of the live tensors synced with them."""
+    copies = sorted((str(tensors[i].dtype), tuple(tensors[i].shape)) for i in fit)  # graph_order's key
+    return tuple(copies), tuple((str(tensors[i].dtype), tuple(tensors[i].shape)) for i in rest)
 
 
 def _launch_xla_copies(
@@ -121,9 +134,14 @@ def _launch_xla_copies(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The clones of ``fit`` and the live ``rest``, under one sync in ``graph_order`` (the graph ``warm`` and
     ``take`` must share); returns (clones, live) in the order of their indices."""
+    key = _graph_key(tensors, fit, rest)
+    # a state with a pending graph (a save before the step's mark_step) runs another graph, not this one
+    compiles_the_snapshot = key not in _launched_graphs and not xla.pending(tensors)
     clones = [tensors[i].detach().clone() for i in fit]
     live = [tensors[i].detach() for i in rest]
     xla.sync([clones[j] for j in graph_order(clones)] + live, wait=wait)
+    if compiles_the_snapshot:
+        _launched_graphs.add(key)
     return clones, live
 
 

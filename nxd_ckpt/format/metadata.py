@@ -29,6 +29,7 @@ _KNOWN = (
     "zero1",
     "zero1_dp_size",
     "xser",
+    "async_save",
     "items",
     "torch_version",
     "zero1_full",
@@ -81,6 +82,9 @@ class TagMetadata:
     """For convert-zero1 outputs: ``{"tag", "zero1_dp_size"}`` of the input."""
     manifest_ranks: int | None = None
     """How many per-rank manifests the tag has (ranks 0..n-1); None: one per rank of ``world_size``."""
+    saved_async: bool | None = None
+    """Whether the save was asynchronous (``async_save``): a resume of such a tag prepares the next async save
+    (``load.pipeline``); None: not recorded (tags written before this key, or by tools)."""
     sharding: ShardingRecord | None = None
     """How each model tensor was sharded over TP ranks and PP stages (format/sharding.py); None: not recorded."""
     extra: Mapping[str, Any] = field(default_factory=dict)
@@ -133,6 +137,8 @@ class TagMetadata:
                 "torch_version": self.torch_version,
             }
         )
+        if self.saved_async is not None:
+            out["async_save"] = self.saved_async
         if self.zero1_full is not None:
             out["zero1_full"] = self.zero1_full
         if self.converted_from is not None:
@@ -167,6 +173,7 @@ class TagMetadata:
             if converted is not None and not isinstance(converted, Mapping):
                 raise TypeError("'converted_from' must be an object")
             zero1_full = doc.get("zero1_full")
+            saved_async = doc.get("async_save")
             return cls(
                 tag=str(doc.get("tag", "")),
                 created_at=None if doc.get("created_at") is None else float(doc["created_at"]),
@@ -183,6 +190,7 @@ class TagMetadata:
                 torch_version=None if doc.get("torch_version") is None else str(doc["torch_version"]),
                 format_version=int(doc.get("format_version", FORMAT_VERSION)),
                 zero1_full=None if zero1_full is None else bool(zero1_full),
+                saved_async=None if saved_async is None else bool(saved_async),
                 converted_from=converted,
                 manifest_ranks=_opt_int(doc.get("manifest_ranks")),
                 sharding=None if doc.get("sharding") is None else ShardingRecord.from_json(doc["sharding"], where),

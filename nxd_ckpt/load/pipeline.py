@@ -18,6 +18,12 @@
                  ``num_workers`` ranks per host;
   5. restore     per-rank state (data loaders, RNG) last: nothing after it may draw random numbers.
 
+After the load, on each rank, no collective:
+  6. prepare     a resume of a tag saved with ``async_save=True`` into its model and optimizer ends with the
+                 manager's ``prepare_async_save`` of them (``use_xser`` as the tag was saved), so the first async
+                 save after the resume blocks like the later ones: its host buffers are reserved and its device
+                 snapshot's graph compiled here, before training goes on (``NXD_CKPT_PREPARE_ON_RESUME=0``: not).
+
 The per-process state the steps need (coordinator, topology, storage, the tier run-time) belongs to the manager
 and is lent through ``LoadServices``.
 """
@@ -30,9 +36,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from nxd_ckpt import knobs, xla
 from nxd_ckpt import rank_state as rank_states
-from nxd_ckpt import xla
 from nxd_ckpt.format import integrity
+from nxd_ckpt.format.describe import TagDescription
 from nxd_ckpt.load import candidates
 from nxd_ckpt.load.read import PlanRead, loaded_bytes, prepare_reshard
 from nxd_ckpt.load.read_plan import plan_read
@@ -61,6 +68,8 @@ class LoadServices:
     """The memory tier's run-time state for a checkpoint directory (set up collectively on first use)."""
     on_restore: Callable[[RestoreReport], None]
     """Where a load through the memory tier found its checkpoint (the manager's ``last_restore``)."""
+    prepare_saves: Callable[..., int] | None = None
+    """``prepare_async_save(model, optimizer, use_xser=)`` of the manager (step 6); None: no step 6."""
 
 
 class LoadPipeline:
@@ -69,12 +78,17 @@ class LoadPipeline:
     def __init__(self, services: LoadServices) -> None:
         self.services = services
         self.coord = services.coordinator
+        self.loaded: TagDescription | None = None
+        """The description of the tag the last successful ``load_tag`` read (the one step 6 looks at)."""
 
     def run(self, options: LoadOptions) -> Any:
         """Load ``options`` on this rank (every rank calls it); returns the saved user content."""
         if options.memory_tier is not None:
-            return self.from_tiers(options, options.memory_tier)
-        return self.from_directory(options.checkpoint_dir, options)
+            result = self.from_tiers(options, options.memory_tier)
+        else:
+            result = self.from_directory(options.checkpoint_dir, options)
+        self.prepare_next_save(options)
+        return result
 
     def from_tiers(self, options: LoadOptions, tier: MemoryTier) -> Any:
         """Step 0, memory tier: every rank agrees on the layout and sets up the tier, then ``TierLoad`` tries
@@ -132,4 +146,30 @@ class LoadPipeline:
             logger.info("loaded %s from %s: %s on this rank in %.2f s (%s), training blocked %.2f s", resolved,
                         storage.url, format_bytes(nbytes), elapsed, format_rate(nbytes, elapsed),
                         time.perf_counter() - call_start)  # fmt: skip
+        self.loaded = info
         return result
+
+    def prepare_next_save(self, options: LoadOptions) -> None:
+        """Step 6: after a resume of a tag saved asynchronously, ``prepare_async_save`` of what the load restored,
+        when that is what the tag holds of the model and optimizer (a save of both would not use a preparation
+        of one). A failure here leaves the loaded state as it is: it is logged, and the first save pays as
+        without the step."""
+        meta = self.loaded.metadata if self.loaded is not None else None
+        if self.services.prepare_saves is None or meta is None or not meta.saved_async:
+            return
+        given = (("model", options.model), ("optimizer", options.optimizer))
+        restored = {name for name, target in given if target is not None}
+        if not restored or restored != {"model", "optimizer"} & set(meta.items) or not knobs.prepare_on_resume():
+            return
+        start = time.perf_counter()
+        try:
+            reserved = self.services.prepare_saves(options.model, options.optimizer, use_xser=meta.xser)
+        except Exception as e:  # the load itself succeeded; the next save prepares itself
+            logger.warning(
+                "the load of %r succeeded, but preparing the next async save failed (%s: %s); the first async save "
+                "will pay its one-time costs itself (NXD_CKPT_PREPARE_ON_RESUME=0 skips this step)",
+                meta.tag, type(e).__name__, e,
+            )  # fmt: skip
+            return
+        logger.debug("prepared the next async save after the resume: %s of host buffers in %.3f s",
+                     format_bytes(reserved), time.perf_counter() - start)  # fmt: skip

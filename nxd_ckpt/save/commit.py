@@ -41,6 +41,7 @@ class CommitTarget:
     use_xser: bool
     items: tuple[str, ...]
     monitor: StorageMonitor
+    saved_async: bool | None = None
     sharding: ShardingRecord | None = None
     resave_of: Storage | None = None
     """Set when the tag already held a complete checkpoint: the storage in which the re-save is swapped in."""
@@ -64,6 +65,7 @@ class CommitTarget:
             zero1=self.zero1,
             zero1_dp_size=topo.zero1_size if self.zero1 else None,
             xser=self.use_xser,
+            saved_async=self.saved_async,
             items=self.items,
             torch_version=torch.__version__,
             sharding=self.sharding,

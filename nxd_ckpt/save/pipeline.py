@@ -160,6 +160,7 @@ class SavePipeline:
             zero1=bool(options.zero1_optimizer) or adapters.is_zero1_optimizer(options.optimizer),
             use_xser=options.use_xser,
             items=options.items,
+            saved_async=options.async_save,
             monitor=monitor,
             sharding=record,
             resave_of=storage if resave else None,

@@ -268,3 +268,11 @@ def xla_graph_compiles() -> int:
 
     data = met.metric_data("CompileTime")
     return int(data[0]) if data else 0
+
+
+def xla_graph_executions() -> int:
+    """Graphs torch_xla ran so far in this process (its ``ExecuteTime`` metric's count)."""
+    import torch_xla.debug.metrics as met
+
+    data = met.metric_data("ExecuteTime")
+    return int(data[0]) if data else 0

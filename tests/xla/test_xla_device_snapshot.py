@@ -18,7 +18,7 @@ from nxd_ckpt import xla
 from nxd_ckpt.device import snapshot as device_snapshot
 from nxd_ckpt.device.backend import SnapshotBudget
 from nxd_ckpt.device.transfer import DeviceTransfer
-from nxd_ckpt.testing.counting import xla_graph_compiles
+from nxd_ckpt.testing.counting import xla_graph_compiles, xla_graph_executions
 from nxd_ckpt.testing.fakes import assert_state_equal
 from nxd_ckpt.testing.held_transfer import HeldTransfer, host_copy
 
@@ -267,3 +267,74 @@ def test_ahead_of_the_save_a_rank_snapshots_what_its_save_will_by_the_saves_plan
     assert xla_graph_compiles() == before + 1
     CheckpointManager(topology=Topology(dp_size=1, rank=0)).prepare_async_save(model=model, optimizer=opt)
     assert xla_graph_compiles() == before + 2  # the whole state
+
+
+def _tag_saved(tmp_path, width: int, *, async_save: bool) -> str:
+    """A tag of ``_odd_training(width)``, saved without compiling its snapshot graph here (an async save with a
+    snapshot budget of 0 moves the state in its call), so that a load in this process stands for a fresh one's."""
+    model, opt = _odd_training(width)
+    before = xla_graph_compiles()
+    keywords = {"async_save": True, "device_snapshot_budget": 0} if async_save else {}
+    nxd.save_checkpoint(str(tmp_path), "saved", model=model, optimizer=opt, use_xser=True, **keywords)
+    nxd.finalize_checkpoint()
+    assert xla_graph_compiles() == before
+    return "saved"
+
+
+def _load_compiles(tmp_path, model, opt, **keywords) -> int:
+    before = xla_graph_compiles()
+    nxd.load_checkpoint(str(tmp_path), model=model, optimizer=opt, **keywords)
+    return xla_graph_compiles() - before
+
+
+def test_a_resume_of_an_async_saved_tag_compiles_the_snapshot_graph_so_the_first_save_compiles_nothing(tmp_path):
+    _tag_saved(tmp_path, 59, async_save=True)
+    model, opt = _odd_training(59)
+    assert _load_compiles(tmp_path, model, opt) == 1  # the snapshot graph, moved into the load
+    _steps_odd(model, opt, 59)
+    assert _save_compiles(tmp_path, "after_resume", model, opt, use_xser=True) == 0
+    nxd.finalize_checkpoint()
+
+
+def test_control_a_resume_of_a_synchronously_saved_tag_prepares_nothing(tmp_path):
+    _tag_saved(tmp_path, 61, async_save=False)
+    model, opt = _odd_training(61)
+    assert _load_compiles(tmp_path, model, opt) == 0
+    assert _save_compiles(tmp_path, "after_resume", model, opt, use_xser=True) == 1
+    nxd.finalize_checkpoint()
+
+
+def test_control_prepare_on_resume_off_leaves_the_compile_to_the_first_save(tmp_path, monkeypatch):
+    _tag_saved(tmp_path, 67, async_save=True)
+    monkeypatch.setenv("NXD_CKPT_PREPARE_ON_RESUME", "0")
+    model, opt = _odd_training(67)
+    assert _load_compiles(tmp_path, model, opt) == 0
+    assert _save_compiles(tmp_path, "after_resume", model, opt, use_xser=True) == 1
+    nxd.finalize_checkpoint()
+
+
+def test_a_snapshot_graph_already_run_is_not_run_again_by_a_later_preparation(tmp_path):
+    _tag_saved(tmp_path, 73, async_save=True)
+    model, opt = _odd_training(73)
+    _load_compiles(tmp_path, model, opt)
+    before = xla_graph_executions()
+    nxd.prepare_async_save(model=model, optimizer=opt, use_xser=True)  # as Lightning's strategies do after a step
+    assert xla_graph_executions() == before  # the resume ran this graph: no second clone of the state
+    nxd.prepare_async_save(model=model)  # the model alone: another graph, run once
+    assert xla_graph_executions() == before + 1
+    nxd.finalize_checkpoint()
+
+
+def test_a_resume_of_the_model_alone_does_not_prepare_a_save_of_model_and_optimizer(tmp_path):
+    _tag_saved(tmp_path, 71, async_save=True)
+    model, _ = _odd_training(71)
+    before = xla_graph_compiles()
+    nxd.load_checkpoint(str(tmp_path), model=model)
+    assert xla_graph_compiles() == before  # a graph of the model alone would not be the save's
+
+
+def _steps_odd(model: torch.nn.Module, opt, width: int) -> None:
+    model(torch.ones(4, width, device=torch_xla.device())).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    torch_xla.sync()

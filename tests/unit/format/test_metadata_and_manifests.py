@@ -78,6 +78,15 @@ def test_metadata_records_context_and_expert_parallel_sizes_in_the_layout():
     assert TagMetadata.from_json(golden) == meta
 
 
+def test_metadata_records_whether_the_save_was_asynchronous_after_the_other_keys():
+    for saved_async in (True, False):
+        meta = SAVED.with_changes(saved_async=saved_async)
+        golden = GOLDEN_METADATA[:-2] + f',\n "async_save": {str(saved_async).lower()}\n}}'.encode()
+        assert meta.to_json() == golden
+        assert TagMetadata.from_json(golden) == meta
+    assert TagMetadata.from_json(GOLDEN_METADATA).saved_async is None  # not recorded: unchanged bytes, None
+
+
 def test_metadata_records_the_sharding_after_the_other_keys():
     record = ShardingRecord(
         {"qkv.weight": TensorSharding((12, 4), 0, 3, 2, 0), "norm.weight": TensorSharding((4,), pp_stage=0)},
@@ -160,7 +169,7 @@ def test_every_key_is_documented():
     keys = (
         set(SAVED.to_dict())
         | set(SAVED.to_dict()["layout"])
-        | {"zero1_full", "converted_from", "manifest_ranks", "sharding"}
+        | {"zero1_full", "converted_from", "manifest_ranks", "sharding", "async_save"}
     )
     missing = [k for k in sorted(keys) if not re.search(rf"`{k}`", section)]
     assert not missing, f"docs/format.md does not document {missing}"
