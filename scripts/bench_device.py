@@ -6,7 +6,7 @@ Run (one process; the model and its AdamW state on CUDA when torch sees a GPU, e
     ... [--device auto|cuda|xla] [--size-gb N] [--reps N] [--steady N] [--first-runs N] [--skip ROWS|none]
         [--json out.json]
 The defaults are 10 GiB / 3 reps / 1 steady save per rep on CUDA and 0.4 GiB / 5 reps / 2 on XLA. --skip leaves
-rows out (async_plain, async_nosnap, sync, dcp, torch_save, loads, today, check, memory, memory_sync); by default
+rows out (async_plain, async_nosnap, sync, dcp, torch_save, loads, today, check, memory, memory_sync, resume); by default
 async_plain, async_nosnap and memory_sync on CUDA and async_nosnap on XLA, to keep the default runs short.
 A missing device is a clear error: --device xla without torch_xla, --device cuda without a GPU.
 
@@ -31,7 +31,10 @@ before every timed operation):
                A one-time cost is one sample per process, so --first-runs N (default 2 on XLA, 1 on CUDA) fresh
                child processes, before this process builds its state, make N more first saves, and N first saves
                after ``prepare_async_save(model=, optimizer=)`` (timed too: on XLA state it takes the snapshot once,
-               so its graph is compiled before the save), alternating; the medians are over every sample.
+               so its graph is compiled before the save), and (row ``resume``) N first saves after a resume:
+               ``load_checkpoint`` of a tag one more child saved with ``async_save=True``, then 3 steps; the load
+               prepares the next async save (timed: where the one-time cost went), and N with
+               NXD_CKPT_PREPARE_ON_RESUME=0 as the control; alternating; the medians are over every sample.
   floors       (a) device -> host copy of every device tensor of the state: CUDA ``copy_(non_blocking=True)``
                into pinned host buffers allocated and touched once, then one synchronize; XLA one bulk
                ``_xla_get_cpu_tensors`` of the already synced state (torch_xla has no copy into a caller's buffer);
@@ -97,7 +100,19 @@ import torch
 GIB = 1 << 30
 CHUNK = 64 << 20
 TODAY_REF = "e83f748"  # the last commit before device snapshots (async saves moved XLA state in the call)
-ROWS = ("async_plain", "async_nosnap", "sync", "dcp", "torch_save", "loads", "today", "check", "memory", "memory_sync")
+ROWS = (
+    "async_plain",
+    "async_nosnap",
+    "sync",
+    "dcp",
+    "torch_save",
+    "loads",
+    "today",
+    "check",
+    "memory",
+    "memory_sync",
+    "resume",
+)
 CUDA_SKIP = ("async_plain", "async_nosnap", "memory_sync")  # default --skip: 10 GiB within 6 minutes
 XLA_SKIP = ("async_nosnap",)  # 0.4 GiB on 2 cores within about 4 minutes
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -941,15 +956,32 @@ def first_async(dev: Device, tr: Training, root: str) -> dict[str, Any]:
 
 
 def first_child(args: argparse.Namespace) -> int:
-    """In a fresh child: the state, 3 steps, the process group, (--first-prepare) ``prepare_async_save``, then the
-    process's first async save; its figures go to the --first-child file."""
+    """In a fresh child: the state, 3 steps, the process group, then the process's first async save; its figures
+    go to the --first-child file. Before the save, --first-prepare: ``prepare_async_save``; --first-resume on|off:
+    instead of the steps, ``load_checkpoint`` of the async-saved tag in --resume-dir (which prepares the next
+    async save; ``off``: with NXD_CKPT_PREPARE_ON_RESUME=0), then the 3 steps; --write-resume-tag: only that tag's
+    async save (into --resume-dir), no figures."""
     import nxd_ckpt as nxd
 
     dev = Device(pick_device(args.device))
     tr = Training(dev, args.hidden, args.layers)
-    tr.steps(3)
-    init_process_group()
     out: dict[str, Any] = {}
+    if args.first_resume:
+        init_process_group()
+        if args.first_resume == "off":
+            os.environ["NXD_CKPT_PREPARE_ON_RESUME"] = "0"
+        compiles, start = dev.compiles(), time.perf_counter()
+        nxd.load_checkpoint(args.resume_dir, model=tr.model, optimizer=tr.opt)
+        out["load_s"] = time.perf_counter() - start
+        out["load_compiles"] = dev.compiles() - compiles
+        tr.steps(3)
+    else:
+        tr.steps(3)
+        init_process_group()
+    if args.write_resume_tag:
+        nxd.save_checkpoint(args.resume_dir, "resume", model=tr.model, optimizer=tr.opt, use_xser=True, async_save=True)
+        nxd.finalize_checkpoint()
+        return 0
     if args.first_prepare:
         compiles, start = dev.compiles(), time.perf_counter()
         nxd.prepare_async_save(model=tr.model, optimizer=tr.opt, use_xser=True)
@@ -962,29 +994,55 @@ def first_child(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_first_children(args: argparse.Namespace, kind: str, root: str) -> tuple[list[dict], list[dict]]:
-    """--first-runs fresh processes with a first save each, and as many after ``prepare_async_save``, alternating."""
-    plain: list[dict] = []
-    prepared: list[dict] = []
+FIRST_KINDS = {
+    "plain": ([], ""),
+    "prepared": (["--first-prepare"], "after prepare_async_save"),
+    "resumed": (["--first-resume", "on"], "after a resume of an async-saved tag"),
+    "resumed_off": (["--first-resume", "off"], "after a resume with NXD_CKPT_PREPARE_ON_RESUME=0"),
+}
+
+
+def run_first_children(args: argparse.Namespace, kind: str, root: str) -> dict[str, list[dict]]:
+    """--first-runs fresh processes of each kind of first save (``FIRST_KINDS``), alternating; the resumed ones
+    load a tag one more child saved asynchronously first (with this nxd_ckpt, where it can resume)."""
+    common = [sys.executable, os.path.abspath(__file__), "--device", kind, "--hidden", str(args.hidden)]
+    common += ["--layers", str(args.layers)]
+    kinds = list(FIRST_KINDS)
+    resume_dir = os.path.join(root, "resume_tag")
+    import nxd_ckpt
+
+    if "resume" in args.skip or not hasattr(nxd_ckpt, "prepare_async_save"):
+        kinds = ["plain", "prepared"]
+    else:
+        written = subprocess.run(
+            [*common, "--dir", root, "--first-child", "-", "--write-resume-tag", "--resume-dir", resume_dir],
+            check=False,
+        )
+        if written.returncode != 0:
+            say(f"the tag the resumed first saves load: FAILED (rc {written.returncode}); no resumed first saves")
+            kinds = ["plain", "prepared"]
+    samples: dict[str, list[dict]] = {k: [] for k in FIRST_KINDS}
     for i in range(args.first_runs):
-        for prepare, into in ((False, plain), (True, prepared)):
-            out, work = os.path.join(root, f"first_{i}_{int(prepare)}.json"), os.path.join(root, f"first_work_{i}")
+        for name in kinds:
+            flags, what = FIRST_KINDS[name]
+            out, work = os.path.join(root, f"first_{i}_{name}.json"), os.path.join(root, f"first_work_{i}")
             os.makedirs(work)
-            cmd = [sys.executable, os.path.abspath(__file__), "--device", kind, "--hidden", str(args.hidden)]
-            cmd += ["--layers", str(args.layers), "--dir", work, "--first-child", out]
-            cmd += ["--first-prepare"] if prepare else []
+            cmd = [*common, "--dir", work, "--first-child", out, "--resume-dir", resume_dir, *flags]
             done = subprocess.run(cmd, check=False)
             shutil.rmtree(work, ignore_errors=True)
             if done.returncode != 0 or not os.path.exists(out):
-                say(f"first save in a fresh process{' after prepare_async_save' if prepare else ''}: FAILED (rc "
-                    f"{done.returncode})")  # fmt: skip
+                say(f"first save in a fresh process {what}: FAILED (rc {done.returncode})")
                 continue
             with open(out) as f:
                 figures = json.load(f)
-            into.append(figures)
-            what = f"after prepare_async_save ({figures['prepare_s']:.3f} s) " if prepare else ""
-            say(f"[fresh process {i + 1}] first async save {what}(xser): {describe_save(figures['first'])}")
-    return plain, prepared
+            samples[name].append(figures)
+            if "prepare_s" in figures:
+                what += f" ({figures['prepare_s']:.3f} s, {figures['prepare_compiles']} compiles)"
+            if "load_s" in figures:
+                what += f" (load {figures['load_s']:.3f} s, {figures['load_compiles']} compiles)"
+            say(f"[fresh process {i + 1}] first async save {what} (xser): {describe_save(figures['first'])}")
+    shutil.rmtree(resume_dir, ignore_errors=True)
+    return samples
 
 
 def today_child(args: argparse.Namespace) -> int:
@@ -1073,8 +1131,11 @@ def median(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
-def build_summary(run: Run, firsts: list[dict], prepared: list[dict], today: dict | None, meta: dict) -> dict[str, Any]:
+def build_summary(
+    run: Run, firsts: list[dict], first_samples: dict[str, list[dict]], today: dict | None, meta: dict
+) -> dict[str, Any]:
     r = run.results
+    prepared, resumed, resumed_off = (first_samples[k] for k in ("prepared", "resumed", "resumed_off"))
 
     def col(name: str, key: str, sub: str | None = None) -> list[Any]:
         items = r.get(name, [])
@@ -1105,6 +1166,19 @@ def build_summary(run: Run, firsts: list[dict], prepared: list[dict], today: dic
     row(
         "nxd first async after prepare_async_save: graph compiles in the call",
         [p["first"].get("call_compiles") for p in prepared],
+    )
+    row("resume: load_checkpoint of an async-saved tag (prepares the next save) s", [x["load_s"] for x in resumed])
+    row("resume: load_checkpoint: graph compiles", [x["load_compiles"] for x in resumed])
+    row("nxd first async after a resume: blocked s", [x["first"]["call_s"] for x in resumed])
+    row("nxd first async after a resume: durable s", [x["first"]["durable_s"] for x in resumed])
+    row(
+        "nxd first async after a resume: graph compiles in the call", [x["first"].get("call_compiles") for x in resumed]
+    )
+    row("resume, PREPARE_ON_RESUME=0: load_checkpoint s", [x["load_s"] for x in resumed_off])
+    row("nxd first async after a resume, PREPARE_ON_RESUME=0: blocked s", [x["first"]["call_s"] for x in resumed_off])
+    row(
+        "nxd first async after a resume, PREPARE_ON_RESUME=0: graph compiles in the call",
+        [x["first"].get("call_compiles") for x in resumed_off],
     )
     for name, label in (
         ("nxd_async", "nxd async xser"),
@@ -1160,6 +1234,22 @@ def build_summary(run: Run, firsts: list[dict], prepared: list[dict], today: dic
         "first async after prepare_async_save blocked / steady async blocked",
         m("nxd first async after prepare_async_save: blocked s"),
         steady,
+    )
+    ratio(
+        "first async after a resume blocked / steady async blocked",
+        m("nxd first async after a resume: blocked s"),
+        steady,
+        "<= 1.5",
+    )
+    ratio(
+        "first async after a resume with PREPARE_ON_RESUME=0 blocked / steady async blocked",
+        m("nxd first async after a resume, PREPARE_ON_RESUME=0: blocked s"),
+        steady,
+    )
+    ratio(
+        "resume load that prepares / resume load with PREPARE_ON_RESUME=0",
+        m("resume: load_checkpoint of an async-saved tag (prepares the next save) s"),
+        m("resume, PREPARE_ON_RESUME=0: load_checkpoint s"),
     )
     step = m("one training step (synced), no save in flight s")
     ratio("steady async: next training step / a step alone", m("nxd async xser: next training step (synced) s"), step)
@@ -1228,6 +1318,8 @@ def build_summary(run: Run, firsts: list[dict], prepared: list[dict], today: dic
         "memory": memory,
         "first": firsts,
         "first_after_prepare": prepared,
+        "first_after_resume": resumed,
+        "first_after_resume_unprepared": resumed_off,
         "today": today,
         "results": run.results,
         "errors": run.errors,
@@ -1304,12 +1396,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--first-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--first-prepare", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--first-resume", choices=("on", "off"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--write-resume-tag", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--resume-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--today-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--today-child-src", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.today_child:
         return today_child(args)
-    if args.first_child:
+    if args.first_child or args.write_resume_tag:
         return first_child(args)
     kind = pick_device(args.device)
     cuda = kind == "cuda"
@@ -1342,7 +1437,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if "today" not in args.skip:  # first: its child process has the machine to itself
             today = run_today(args, kind, root)
-        fresh_firsts, prepared_firsts = run_first_children(args, kind, root)
+        first_samples = run_first_children(args, kind, root)
         tr = Training(dev, args.hidden, args.layers)
         tr.steps(3)  # AdamW state exists; on XLA the steady step graph is compiled
         init_process_group()
@@ -1416,8 +1511,8 @@ def main(argv: list[str] | None = None) -> int:
             "load_end": os.getloadavg()[0],
             "command": sys.argv,
         }
-        firsts = [f for f in [first, *(c["first"] for c in fresh_firsts)] if f is not None]
-        summary = build_summary(run, firsts, prepared_firsts, today, meta)
+        firsts = [f for f in [first, *(c["first"] for c in first_samples["plain"])] if f is not None]
+        summary = build_summary(run, firsts, first_samples, today, meta)
         print_summary(summary)
         if args.json:
             with open(args.json, "w") as f:
