@@ -242,6 +242,16 @@ class CheckpointManager:
         replicas a rank snapshots only its share of the files, which depends on it. Call it once the model and
         optimizer exist (after a resume load, say); returns the host bytes reserved (0 when buffers are already
         held). A later save with a host memory budget does not use them; ``finalize`` frees them."""
+        return self._prepare(model, optimizer, use_xser=use_xser, host_buffers=True)
+
+    def _prepare_after_resume(self, model: Any, optimizer: Any, *, use_xser: bool) -> int:
+        """Step 6 of a load (a resume of an async-saved tag): ``prepare_async_save``, without host buffers when a
+        host memory budget is set: those saves stage in pieces and would not use them, and a whole copy of the
+        state held from the load on would break the budget."""
+        budgeted = resolve_budget(self.host_memory_budget) is not None
+        return self._prepare(model, optimizer, use_xser=use_xser, host_buffers=not budgeted)
+
+    def _prepare(self, model: Any, optimizer: Any, *, use_xser: bool, host_buffers: bool) -> int:
         trees = []
         if model is not None:
             trees.append(adapters.model_state(model))
@@ -249,7 +259,7 @@ class CheckpointManager:
             trees.append(adapters.optimizer_state(optimizer))
         zero1 = optimizer is not None and adapters.is_zero1_optimizer(optimizer)
         planned = save_pipeline.planned_tensors(self.topology(), model, optimizer, use_xser=use_xser, zero1=zero1)
-        return self._staging_pool.prepare(trees, snapshot_of=planned)
+        return self._staging_pool.prepare(trees if host_buffers else [], snapshot_of=planned)
 
     def save(
         self, checkpoint_dir: str | os.PathLike[str] | SaveOptions, tag: str | None = None, **keywords: Any
@@ -338,5 +348,5 @@ class CheckpointManager:
             storage_for=self._storage_for,
             tier_runtime=self._tier,
             on_restore=self._set_restore,
-            prepare_saves=self.prepare_async_save,
+            prepare_saves=self._prepare_after_resume,
         )

@@ -69,6 +69,14 @@ def test_control_prepare_on_resume_off(tmp_path, monkeypatch):
     assert reserved == 0 and allocated > 0
 
 
+def test_under_a_host_memory_budget_no_host_buffers_are_reserved(tmp_path, monkeypatch):
+    """Saves under a budget stage in pieces: a whole copy reserved at the resume would break the budget."""
+    _saved(tmp_path, async_save=True)
+    monkeypatch.setenv("NXD_CKPT_HOST_MEMORY_BUDGET", "64KiB")
+    reserved, _ = _resume_then_save(tmp_path)
+    assert reserved == 0
+
+
 def test_a_tag_from_before_the_record_is_not_taken_for_an_async_one(tmp_path):
     _saved(tmp_path, async_save=True)
     storage = LocalStorage(str(tmp_path))
@@ -96,7 +104,7 @@ def test_a_failed_preparation_is_logged_and_the_loaded_state_stays(tmp_path, mon
     def broken(*args, **keywords):
         raise RuntimeError("device out of memory")
 
-    monkeypatch.setattr(manager, "prepare_async_save", broken)
+    monkeypatch.setattr(manager._staging_pool, "prepare", broken)  # where a device out of memory would raise
     model, opt, _ = make_training(seed=9, device="cpu")
     expected, _, _ = make_training(seed=3, device="cpu")
     with caplog.at_level(logging.WARNING, logger="nxd_ckpt"):
