@@ -6,8 +6,8 @@ Run (one process; the model and its AdamW state on CUDA when torch sees a GPU, e
     ... [--device auto|cuda|xla] [--size-gb N] [--reps N] [--steady N] [--first-runs N] [--skip ROWS|none]
         [--json out.json]
 The defaults are 10 GiB / 3 reps / 1 steady save per rep on CUDA and 0.4 GiB / 5 reps / 2 on XLA. --skip leaves
-rows out (async_plain, async_nosnap, sync, dcp, torch_save, loads, today, check, memory, memory_sync, resume); by default
-async_plain, async_nosnap and memory_sync on CUDA and async_nosnap on XLA, to keep the default runs short.
+rows out (async_plain, async_nosnap, sync, dcp, torch_save, loads, today, check, memory, memory_sync, resume); by
+default async_plain, async_nosnap and memory_sync on CUDA and async_nosnap on XLA, to keep the default runs short.
 A missing device is a clear error: --device xla without torch_xla, --device cuda without a GPU.
 
 State: an ``nn.Module`` of transformer blocks (LayerNorm, qkv/proj/fc1/fc2 Linear layers; the hidden size is the
@@ -23,6 +23,8 @@ before every timed operation):
                steady ones with nxd_ckpt as of --today-ref (``git archive``; default e83f748, the last commit before
                device snapshots, when async saves moved device state to the host inside the call), or of
                --today-src DIR (a directory holding an ``nxd_ckpt`` package); skipped, with the reason, without either.
+               Then the same child with this tree's nxd_ckpt: its durable times against today's, both measured in a
+               process of their own (the steady rows of this process run between other blocks' writes).
   first async  the process's first ``save_checkpoint(async_save=True, use_xser=True)``, made in this process
                before anything else touches checkpointing or copies the state (after building the model, 3
                training steps and a 1-rank gloo process group on a TCPStore at 127.0.0.1:0, as a training script
@@ -1057,7 +1059,8 @@ def today_child(args: argparse.Namespace) -> int:
     init_process_group()
     out: dict[str, Any] = {"nxd_ckpt": os.path.dirname(nxd_ckpt.__file__)}
     out["first"] = first_async(dev, tr, args.dir)
-    say(f"[today] first async save: {describe_save(out['first'])}")
+    who = "today" if os.path.abspath(args.today_child_src) != REPO else "this tree"
+    say(f"[{who}] first async save: {describe_save(out['first'])}")
     out["steady"] = []
     path = os.path.join(args.dir, "today")
     for i in range(args.reps):
@@ -1065,16 +1068,18 @@ def today_child(args: argparse.Namespace) -> int:
         figures = nxd_save(dev, path, f"s{i}", tr, xser=True, async_save=True)
         remove(os.path.join(path, f"s{i}"))
         out["steady"].append(figures)
-        say(f"[today] steady async save #{i + 1}: {describe_save(figures)}")
+        say(f"[{who}] steady async save #{i + 1}: {describe_save(figures)}")
     nxd_ckpt.finalize_checkpoint()
     with open(args.today_child, "w") as f:
         json.dump(out, f)
     return 0
 
 
-def run_today(args: argparse.Namespace, kind: str, root: str) -> dict[str, Any] | None:
-    """The saves of today's nxd_ckpt (--today-src, or --today-ref extracted with git archive) in a child process."""
-    src = args.today_src
+def run_today(args: argparse.Namespace, kind: str, root: str, src: str | None = None) -> dict[str, Any] | None:
+    """The saves of today's nxd_ckpt (--today-src, or --today-ref extracted with git archive) in a child process;
+    ``src``: another tree's nxd_ckpt (this one's, for durable times measured the same way as today's)."""
+    name = "today" if src is None else "this tree"
+    src = src or args.today_src
     if src is None:
         src = os.path.join(root, "today_src")
         os.makedirs(src)
@@ -1090,9 +1095,9 @@ def run_today(args: argparse.Namespace, kind: str, root: str) -> dict[str, Any] 
         subprocess.run(["tar", "-x", "-C", src], input=archive.stdout, check=True)
         say(f"today: nxd_ckpt as of {args.today_ref} (git archive), in a child process")
     if not os.path.isdir(os.path.join(src, "nxd_ckpt")):
-        say(f"today: skipped: {src} holds no nxd_ckpt package")
+        say(f"{name}: skipped: {src} holds no nxd_ckpt package")
         return None
-    out = os.path.join(root, "today.json")
+    out = os.path.join(root, f"today_{len(os.listdir(root))}.json")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])]))
     work = os.path.join(root, "today_work")
     os.makedirs(work)
@@ -1117,7 +1122,7 @@ def run_today(args: argparse.Namespace, kind: str, root: str) -> dict[str, Any] 
     done = subprocess.run(cmd, env=env, check=False)
     shutil.rmtree(work, ignore_errors=True)
     if done.returncode != 0 or not os.path.exists(out):
-        say(f"today: skipped: the child failed (rc {done.returncode})")
+        say(f"{name}: skipped: the child failed (rc {done.returncode})")
         return None
     with open(out) as f:
         return json.load(f)
@@ -1201,6 +1206,14 @@ def build_summary(
         row("today's nxd async xser: next training step (synced) s", [x.get("step_after_s") for x in today["steady"]])
         row("today's nxd async xser: blocked s", [x["call_s"] for x in today["steady"]])
         row("today's nxd async xser: durable s", [x["durable_s"] for x in today["steady"]])
+        mine = today.get("this_tree")
+        if mine:
+            row("this tree in a child like today's, async xser: blocked s", [x["call_s"] for x in mine["steady"]])
+            row(
+                "this tree in a child like today's, async xser: next training step (synced) s",
+                [x.get("step_after_s") for x in mine["steady"]],
+            )
+            row("this tree in a child like today's, async xser: durable s", [x["durable_s"] for x in mine["steady"]])
     row("nxd sync save (xser) s", col("nxd_sync", "call_s"))
     row("torch.save + fsync s", col("torch_save", "s"))
     row("load: nxd load_checkpoint s", col("load_nxd", "s"))
@@ -1259,6 +1272,12 @@ def build_summary(
         "steady async durable / today's async durable",
         m("nxd async xser: durable s"),
         m("today's nxd async xser: durable s"),
+    )
+    ratio(
+        "steady async durable, each in a child of its own: this tree / today's",
+        m("this tree in a child like today's, async xser: durable s"),
+        m("today's nxd async xser: durable s"),
+        "<= 1.0 (no worse)",
     )
     ratio(
         "steady async durable / device_snapshot_budget=0 durable",
@@ -1437,6 +1456,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if "today" not in args.skip:  # first: its child process has the machine to itself
             today = run_today(args, kind, root)
+            if today is not None:  # and this tree's saves measured the same way, for durable times
+                today["this_tree"] = run_today(args, kind, root, src=REPO)
         first_samples = run_first_children(args, kind, root)
         tr = Training(dev, args.hidden, args.layers)
         tr.steps(3)  # AdamW state exists; on XLA the steady step graph is compiled
