@@ -98,7 +98,12 @@ def graph_order(tensors: Sequence[torch.Tensor]) -> list[int]:
     """The order in which a snapshot's copies enter XLA's graph: by dtype and shape, so that the compiled graph
     depends on the state's shapes only (not on the order a save's files list them), and ``warm`` can compile it
     before the first save."""
-    return sorted(range(len(tensors)), key=lambda i: (str(tensors[i].dtype), tuple(tensors[i].shape)))
+    return sorted(range(len(tensors)), key=lambda i: _layout(tensors[i]))
+
+
+def _layout(t: torch.Tensor) -> tuple[str, tuple[int, ...]]:
+    """What a tensor contributes to the snapshot graph: its dtype and shape (``graph_order`` sorts by it)."""
+    return str(t.dtype), tuple(t.shape)
 
 
 def warm(tensors: Sequence[torch.Tensor], budget: SnapshotBudget) -> int:
@@ -125,8 +130,7 @@ resume's preparation, then Lightning's after the first step, cost one clone of t
 def _graph_key(tensors: Sequence[torch.Tensor], fit: list[int], rest: list[int]) -> tuple:
     """What the snapshot graph of ``_launch_xla_copies`` depends on: the dtypes and shapes of the copies, in graph
     order, and of the live tensors synced with them."""
-    copies = sorted((str(tensors[i].dtype), tuple(tensors[i].shape)) for i in fit)  # graph_order's key
-    return tuple(copies), tuple((str(tensors[i].dtype), tuple(tensors[i].shape)) for i in rest)
+    return tuple(sorted(_layout(tensors[i]) for i in fit)), tuple(_layout(tensors[i]) for i in rest)
 
 
 def _launch_xla_copies(

@@ -197,10 +197,16 @@ def _odd_training(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     device = torch_xla.device()
     model = torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model(torch.ones(4, width, device=device)).sum().backward()
-    opt.step()
-    torch_xla.sync()
+    _steps_odd(model, opt, width)
     return model, opt
+
+
+def _steps_odd(model: torch.nn.Module, opt, width: int) -> None:
+    """One optimizer step of an ``_odd_training`` state, synced."""
+    model(torch.ones(4, width, device=torch_xla.device())).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    torch_xla.sync()
 
 
 def _save_compiles(tmp_path, tag: str, model, opt, **keywords) -> int:
@@ -331,10 +337,3 @@ def test_a_resume_of_the_model_alone_does_not_prepare_a_save_of_model_and_optimi
     before = xla_graph_compiles()
     nxd.load_checkpoint(str(tmp_path), model=model)
     assert xla_graph_compiles() == before  # a graph of the model alone would not be the save's
-
-
-def _steps_odd(model: torch.nn.Module, opt, width: int) -> None:
-    model(torch.ones(4, width, device=torch_xla.device())).sum().backward()
-    opt.step()
-    opt.zero_grad()
-    torch_xla.sync()
