@@ -59,7 +59,10 @@ def test_store_ops_per_rank_do_not_grow_with_the_ranks(tmp_path):
         return _save_ops(tmp_path / str(n), world, managers, "s1", 0.0, False)
 
     small, large = per_rank(2), per_rank(16)
-    assert max(large) <= max(small) + 2, (small, large)
+    # Equal but for who arrives last at a step (a few operations more, as in the test above: which rank that is
+    # depends on thread scheduling; a clean-clone CI run under load saw the master at 32 against 29). Growth with
+    # the ranks would add at least one operation per extra rank: 14 here.
+    assert max(large) <= max(small) + 4, (small, large)
 
 
 def test_write_waves_wait_only_for_the_ranks_of_their_node():
