@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -107,23 +108,42 @@ class CrashLoop:
             raise AssertionError(f"a saving rank exited on its own before the kill (exit codes {crashed})")
 
 
-def _kill_at_call(kill_after: int, names: tuple[str, ...]) -> list[int]:
+def _kill_at_call(kill_after: int, names: tuple[str, ...], log_path: str | None = None) -> list[int]:
     """Wrap the ``os`` functions ``names`` so this process SIGKILLs itself at their ``kill_after``-th call in all
-    (never, if negative); returns the call counter (``[n]``)."""
-    calls = [0]
+    (never, if negative); returns the call counter (``[n]``).
 
-    def counted(real: Any) -> Any:
+    The calls are serialized by one lock, held through each call, so a kill lands between two mutations and never
+    beside one another thread is making. With ``log_path``, each call that ran is appended there as
+    ``name<TAB>arg<TAB>arg``: which mutations a killed run made, by name, whatever order its threads took."""
+    calls = [0]
+    lock = threading.RLock()
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if log_path else -1
+
+    def counted(name: str, real: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if calls[0] == kill_after:
-                os.kill(os.getpid(), signal.SIGKILL)
-            calls[0] += 1
-            return real(*args, **kwargs)
+            with lock:
+                if calls[0] == kill_after:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                calls[0] += 1
+                result = real(*args, **kwargs)
+                if log_fd >= 0:
+                    fields = [name, *(str(a) for a in args if isinstance(a, (str, bytes, os.PathLike)))]
+                    os.write(log_fd, ("\t".join(fields) + "\n").encode())
+                return result
 
         return wrapper
 
     for name in names:
-        setattr(os, name, counted(getattr(os, name)))
+        setattr(os, name, counted(name, getattr(os, name)))
     return calls
+
+
+def read_mutation_log(log_path: str) -> list[tuple[str, ...]]:
+    """The mutations a ``run_resave(..., log_path=...)`` made, in order: ``(name, *path arguments)``."""
+    if not os.path.exists(log_path):
+        return []
+    with open(log_path) as f:
+        return [tuple(line.rstrip("\n").split("\t")) for line in f if line.strip()]
 
 
 def _retention_child(ckpt_dir: str, keep: int, kill_after: int) -> None:
@@ -159,12 +179,14 @@ _MUTATIONS = ("replace", "rename", "unlink", "remove", "rmdir", "fsync", "mkdir"
 """The os functions through which a save changes or makes durable what is on disk."""
 
 
-def _resave_child(ckpt_dir: str, tag: str, version: int, kill_after: int, options: dict[str, Any]) -> None:
+def _resave_child(
+    ckpt_dir: str, tag: str, version: int, kill_after: int, options: dict[str, Any], log_path: str | None
+) -> None:
     """Save ``tag`` at ``version`` in one process, SIGKILLing it at its ``kill_after``-th filesystem mutation
     (on any thread, so async writer threads too; never, if negative). One intra-op thread: a forked child's
     first tensor copies otherwise spend longer starting a thread pool than copying this small state."""
     torch.set_num_threads(1)
-    calls = _kill_at_call(kill_after, _MUTATIONS)
+    calls = _kill_at_call(kill_after, _MUTATIONS, log_path)
     report = nxd.save_checkpoint(
         ckpt_dir,
         tag,
@@ -179,13 +201,19 @@ def _resave_child(ckpt_dir: str, tag: str, version: int, kill_after: int, option
 
 
 def run_resave(
-    ckpt_dir: str, tag: str, version: int, kill_after: int = -1, options: dict[str, Any] | None = None
+    ckpt_dir: str,
+    tag: str,
+    version: int,
+    kill_after: int = -1,
+    options: dict[str, Any] | None = None,
+    log_path: str | None = None,
 ) -> int:
     """Save ``tag`` with the state of ``version`` (``model_state(version)``, user content ``{"version": v}``) in a
     forked process killed at its ``kill_after``-th filesystem mutation; return the mutations a run that finished
-    made (-1 when it was killed)."""
+    made (-1 when it was killed). With ``log_path``, the mutations that ran are logged there (``read_mutation_log``)."""
     ctx = rank_context(__name__)
-    p = ctx.Process(target=_resave_child, args=(ckpt_dir, tag, version, kill_after, dict(options or {})), daemon=True)
+    args = (ckpt_dir, tag, version, kill_after, dict(options or {}), log_path)
+    p = ctx.Process(target=_resave_child, args=args, daemon=True)
     p.start()
     p.join(timeout=120)
     if p.exitcode == -signal.SIGKILL:

@@ -15,7 +15,7 @@ import pytest
 
 import nxd_ckpt as nxd
 from nxd_ckpt.format import layout
-from nxd_ckpt.testing.crashloop import model_state, optimizer_state, run_resave
+from nxd_ckpt.testing.crashloop import model_state, optimizer_state, read_mutation_log, run_resave
 from nxd_ckpt.testing.fakes import assert_state_equal
 
 pytestmark = pytest.mark.device_independent
@@ -42,6 +42,13 @@ def _hidden(ckpt: str) -> list[str]:
     return sorted(n for n in os.listdir(ckpt) if n.startswith(".") and not n.startswith(ours))
 
 
+def _made_new_complete(log: list[tuple[str, ...]]) -> bool:
+    """Whether a re-save's logged mutations include the one that marks its new copy complete (its ``done`` put in
+    place): from there on the tag must load as the new version, before it the old."""
+    done = f"{layout.resave_dir(TAG)}/{layout.DONE_MARKER}"
+    return any(m[0] in ("replace", "rename") and m[-1].endswith(done) for m in log)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "options",
@@ -53,30 +60,34 @@ def test_sigkill_at_every_mutation_of_a_resave(tmp_path, options):
     assert run_resave(pristine, TAG, version=1, options=options) > 0
     full = str(tmp_path / "full")
     shutil.copytree(pristine, full)
-    mutations = run_resave(full, TAG, version=2, options=options)
+    full_log = str(tmp_path / "full.log")
+    mutations = run_resave(full, TAG, version=2, options=options, log_path=full_log)
     assert _load(full) == 2 and _hidden(full) == [] and mutations > 10
+    assert _made_new_complete(read_mutation_log(full_log))
     swapped_at = None
     for kill_after in range(mutations):
-        ckpt = str(tmp_path / f"k{kill_after}")
+        ckpt, log_path = str(tmp_path / f"k{kill_after}"), str(tmp_path / f"k{kill_after}.log")
         shutil.copytree(pristine, ckpt)
-        outcome = run_resave(ckpt, TAG, version=2, kill_after=kill_after, options=options)
+        outcome = run_resave(ckpt, TAG, version=2, kill_after=kill_after, options=options, log_path=log_path)
         # -1: killed at that mutation. An async save's mutation count can differ by a few between runs (which
         # thread reaches the filesystem first); a run that finished before the kill point must have made fewer.
         assert outcome == -1 or outcome <= kill_after, (kill_after, outcome)
         # The tag stays loadable after any kill: the old version until the new one was complete, then the new.
+        # Which mutation completed the new copy is read from this run's log: an async save's threads need not
+        # reach the filesystem in the same order each run, so an index names a different mutation in each.
         assert nxd.list_checkpoint_tags(ckpt) == [TAG] or _hidden(ckpt), kill_after
         version = _load(ckpt, TAG)  # loading finishes a swap the kill interrupted
-        assert version in (1, 2), kill_after
+        expected = 2 if _made_new_complete(read_mutation_log(log_path)) else 1
+        assert version == expected, f"kill point {kill_after}: loaded version {version}, its log says {expected}"
         if version == 2:
             swapped_at = kill_after if swapped_at is None else swapped_at
-        else:
-            assert swapped_at is None, f"kill point {kill_after} went back to the old version after {swapped_at}"
         assert nxd.verify(ckpt, TAG).ok
         assert nxd.list_checkpoint_tags(ckpt) == [TAG]
         if kill_after % 3 == 0:  # (every third point, for time) the next save cleans up and re-saving works
             assert run_resave(ckpt, TAG, version=3, options=options) > 0
             assert _load(ckpt) == 3 and _hidden(ckpt) == [] and nxd.verify(ckpt, TAG).ok
         shutil.rmtree(ckpt)
+        os.unlink(log_path)
     assert swapped_at is not None and swapped_at > mutations // 2
     print(f"\n[re-save] {mutations} kill points, the new version is loadable from kill point {swapped_at} on")
 
