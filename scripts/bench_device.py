@@ -24,7 +24,11 @@ before every timed operation):
                device snapshots, when async saves moved device state to the host inside the call), or of
                --today-src DIR (a directory holding an ``nxd_ckpt`` package); skipped, with the reason, without either.
                Then the same child with this tree's nxd_ckpt: its durable times against today's, both measured in a
-               process of their own (the steady rows of this process run between other blocks' writes).
+               process of their own (the steady rows of this process run between other blocks' writes). Each child
+               then makes --training-saves async saves while training goes on, as a real loop does: steps launched
+               back to back from the call's return until the save is durable (at least 4): blocked, durable, steps,
+               and the training time the save cost in all (the loop's time less as many steps without a save, timed
+               just before).
   first async  the process's first ``save_checkpoint(async_save=True, use_xser=True)``, made in this process
                before anything else touches checkpointing or copies the state (after building the model, 3
                training steps and a 1-rank gloo process group on a TCPStore at 127.0.0.1:0, as a training script
@@ -331,13 +335,17 @@ class Training:
 
     def steps(self, n: int) -> None:
         for _ in range(n):
-            loss = self.model(self.x).pow(2).mean()
-            loss.backward()
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-            if self.dev.kind == "xla":
-                self.dev.xla.sync()
+            self.launch_step()
         self.dev.sync()
+
+    def launch_step(self) -> None:
+        """One optimizer step, launched and not waited for (XLA: its ``mark_step``), as a training loop runs it."""
+        loss = self.model(self.x).pow(2).mean()
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.dev.kind == "xla":
+            self.dev.xla.sync()
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of the state, in a fixed order: parameters, then each one's AdamW state."""
@@ -1069,10 +1077,72 @@ def today_child(args: argparse.Namespace) -> int:
         remove(os.path.join(path, f"s{i}"))
         out["steady"].append(figures)
         say(f"[{who}] steady async save #{i + 1}: {describe_save(figures)}")
+    out["training"] = []
+    for i in range(args.training_saves):
+        figures = save_while_training(dev, tr, os.path.join(args.dir, "training"), f"t{i}")
+        out["training"].append(figures)
+        say(
+            f"[{who}] async save while training goes on #{i + 1}: blocked {figures['call_s']:.3f} s, durable "
+            f"{figures['durable_s']:.2f} s, {figures['steps']} steps in {figures['total_s']:.2f} s against "
+            f"{figures['step_alone_s']:.3f} s a step alone: training lost {figures['lost_s']:.2f} s"
+        )
     nxd_ckpt.finalize_checkpoint()
     with open(args.today_child, "w") as f:
         json.dump(out, f)
     return 0
+
+
+TRAINING_MIN_STEPS = 4
+
+
+def save_while_training(dev: Device, tr: Training, path: str, tag: str) -> dict[str, Any]:
+    """An async xser save in a loop that goes on training, as a real one does: steps launched back to back from the
+    call's return until the save is durable (at least ``TRAINING_MIN_STEPS``), then the device synced. Times the
+    call, durable (``report.wait()`` on a thread), and the loop against the same number of steps without a save,
+    timed just before: what the save cost training in all (blocked + slower steps)."""
+    import threading
+
+    import nxd_ckpt as nxd
+
+    start = time.perf_counter()
+    for _ in range(TRAINING_MIN_STEPS):
+        tr.launch_step()
+    dev.sync()
+    step_alone_s = (time.perf_counter() - start) / TRAINING_MIN_STEPS
+    durable = threading.Event()
+    stamps: dict[str, Any] = {}
+
+    def wait_durable(report: Any) -> None:
+        try:
+            report.wait()
+        except BaseException as e:
+            stamps["error"] = repr(e)
+        stamps["durable"] = time.perf_counter()
+        durable.set()
+
+    start = time.perf_counter()
+    report = nxd.save_checkpoint(path, tag, model=tr.model, optimizer=tr.opt, use_xser=True, async_save=True)
+    call_s = time.perf_counter() - start
+    threading.Thread(target=wait_durable, args=(report,), daemon=True).start()
+    steps = 0
+    while steps < TRAINING_MIN_STEPS or (not durable.is_set() and steps < 500):
+        tr.launch_step()
+        steps += 1
+    dev.sync()
+    total_s = time.perf_counter() - start
+    if not durable.wait(600):
+        raise RuntimeError(f"the save {tag} was not durable 600 s after its training steps")
+    if "error" in stamps:
+        raise RuntimeError(f"the save {tag} failed: {stamps['error']}")
+    remove(os.path.join(path, tag))
+    return {
+        "call_s": call_s,
+        "durable_s": stamps["durable"] - start,
+        "steps": steps,
+        "total_s": total_s,
+        "step_alone_s": step_alone_s,
+        "lost_s": total_s - steps * step_alone_s,
+    }
 
 
 def run_today(args: argparse.Namespace, kind: str, root: str, src: str | None = None) -> dict[str, Any] | None:
@@ -1112,6 +1182,8 @@ def run_today(args: argparse.Namespace, kind: str, root: str, src: str | None = 
         str(args.layers),
         "--reps",
         str(args.today_saves),
+        "--training-saves",
+        str(args.training_saves),
         "--dir",
         work,
         "--today-child",
@@ -1214,6 +1286,15 @@ def build_summary(
                 [x.get("step_after_s") for x in mine["steady"]],
             )
             row("this tree in a child like today's, async xser: durable s", [x["durable_s"] for x in mine["steady"]])
+        for who, figures in (("today's", today), ("this tree's", mine)):
+            for key, what in (
+                ("call_s", "blocked s"),
+                ("durable_s", "durable s"),
+                ("lost_s", "training time lost s"),
+                ("steps", "steps until durable"),
+            ):
+                if figures and figures.get("training"):
+                    row(f"{who} nxd async xser while training goes on: {what}", [x[key] for x in figures["training"]])
     row("nxd sync save (xser) s", col("nxd_sync", "call_s"))
     row("torch.save + fsync s", col("torch_save", "s"))
     row("load: nxd load_checkpoint s", col("load_nxd", "s"))
@@ -1278,6 +1359,17 @@ def build_summary(
         m("this tree in a child like today's, async xser: durable s"),
         m("today's nxd async xser: durable s"),
         "<= 1.0 (no worse)",
+    )
+    ratio(
+        "async durable while training goes on, each in a child of its own: this tree / today's",
+        m("this tree's nxd async xser while training goes on: durable s"),
+        m("today's nxd async xser while training goes on: durable s"),
+        "<= 1.0 (no worse)",
+    )
+    ratio(
+        "training time lost to an async save while training goes on: this tree / today's",
+        m("this tree's nxd async xser while training goes on: training time lost s"),
+        m("today's nxd async xser while training goes on: training time lost s"),
     )
     ratio(
         "steady async durable / device_snapshot_budget=0 durable",
@@ -1394,6 +1486,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--steady", type=int, default=None, help="steady nxd async xser saves per repetition (default: 1 CUDA, 2 XLA)"
     )
+    parser.add_argument(
+        "--training-saves",
+        type=int,
+        default=None,
+        help="saves while training goes on, in each of the today and this-tree children (default: 1 CUDA, 5 XLA)",
+    )
     parser.add_argument("--hidden", type=int, default=None, help="hidden size (default: from --size-gb)")
     parser.add_argument("--layers", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument(
@@ -1435,6 +1533,7 @@ def main(argv: list[str] | None = None) -> int:
     args.reps = args.reps if args.reps is not None else (3 if cuda else 5)
     args.steady = args.steady if args.steady is not None else (1 if cuda else 2)
     args.today_saves = args.today_saves if args.today_saves is not None else (1 if cuda else 5)
+    args.training_saves = args.training_saves if args.training_saves is not None else (1 if cuda else 5)
     args.first_runs = args.first_runs if args.first_runs is not None else (1 if cuda else 2)
     args.hidden, layers = layout_for(int(args.size_gb * GIB), args.hidden)
     args.layers = args.layers or layers
