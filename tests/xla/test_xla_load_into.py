@@ -8,7 +8,7 @@ import torch
 
 import nxd_ckpt as nxd
 from nxd_ckpt import adapters, statefile
-from nxd_ckpt.device.load import DeviceLoadTarget
+from nxd_ckpt.device.load import LOAD_ARENA_BYTES, LOAD_ARENAS, DeviceLoadTarget
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.fakes import assert_state_equal
 
@@ -46,6 +46,17 @@ def test_load_onto_the_device_keeps_the_parameter_objects_and_is_bit_exact(tmp_p
     model(torch.ones(2, 256, device=device)).sum().backward()  # training goes on with the loaded state
     opt.step()
     torch_xla.sync()
+
+
+def test_a_load_into_a_live_model_on_the_device_streams_through_the_documented_arenas(monkeypatch):
+    """What a load builds for a live model on the device: ``LOAD_ARENAS`` host buffers of ``LOAD_ARENA_BYTES`` (the
+    sizes measured best), not the class's bare defaults."""
+    monkeypatch.delenv("NXD_CKPT_XLA_TRANSFER_BATCH_BYTES", raising=False)
+    model, opt = _model(1, torch_xla.device())
+    for obj, role in ((model, "model"), (opt, "optimizer")):
+        target = adapters.load_target(obj, role)
+        assert isinstance(target, DeviceLoadTarget), role
+        assert (target.max_arenas, target.arena_bytes) == (LOAD_ARENAS, LOAD_ARENA_BYTES), role
 
 
 @pytest.mark.timeout(120)
