@@ -206,7 +206,7 @@ class SavePipeline:
         device, brought to the host by a transfer thread), handed back once the files are written. The per-rank
         state files are copies already (``begin``)."""
         pool, files = self.services.staging_pool, planned.state_files
-        needed = {id(t) for t in plan.tensors_to_write(files, self.coord.rank)}
+        needed = [id(t) for t in plan.tensors_to_write(files, self.coord.rank)]  # in the writers' order
         lease = pool.stage([w.state for w in files], needed=needed, device_budget=ctx.options.device_budget)
         report.staging_allocated_bytes = lease.allocated_bytes
         if lease.snapshot is not None:

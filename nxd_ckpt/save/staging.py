@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,27 +176,29 @@ class StagingPool:
         self,
         trees: Sequence[Any],
         timeout: float | None = None,
-        needed: Collection[int] | None = None,
+        needed: Sequence[int] | None = None,
         device_budget: SnapshotBudget | None = None,
     ) -> StagedState:
         """Copy ``trees`` to memory no later training step can modify; same structure.
 
         A tensor object that appears several times (tied weights) is staged once and stays shared. With ``needed``
-        (ids of tensors), other tensors are not copied: they become data-less ``meta`` tensors of the same shape and
-        dtype (writers of a DP replica's xser share only look at the others' metadata), so any attempt to read
-        their data fails instead of writing something stale. Device tensors are snapshotted on the device within
-        ``device_budget`` (default: what the device reports free) and reach the host through
-        ``StagedState.transfer``.
+        (ids of tensors, in the order the writers read them), other tensors are not copied: they become data-less
+        ``meta`` tensors of the same shape and dtype (writers of a DP replica's xser share only look at the others'
+        metadata), so any attempt to read their data fails instead of writing something stale. Device tensors are
+        snapshotted on the device within ``device_budget`` (default: what the device reports free) and reach the
+        host through ``StagedState.transfer``, in the order of ``needed``: a writer waiting for a tensor that a
+        later chunk brings holds its thread while tensors already on the host wait to be written.
         """
         unique: dict[int, torch.Tensor] = {}
         skipped: dict[int, torch.Tensor] = {}
+        order = {tid: i for i, tid in reversed(list(enumerate(needed)))} if needed is not None else {}
         for tree in trees:
             for _, t in iter_tensors(tree):
-                if needed is None or id(t) in needed:
+                if needed is None or id(t) in order:
                     unique.setdefault(id(t), t)
                 elif id(t) not in skipped:
                     skipped[id(t)] = stand_in(t)
-        device = [t for t in unique.values() if on_device(t)]
+        device = sorted((t for t in unique.values() if on_device(t)), key=lambda t: order.get(id(t), 0))
         host_cpu = [t for t in unique.values() if t.device.type == "cpu" and _copyable(t)]
         start = time.perf_counter()
         snapshot = None

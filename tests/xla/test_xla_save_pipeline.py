@@ -140,3 +140,46 @@ def test_a_failed_transfer_on_the_calling_thread_fails_at_once(monkeypatch):
     monkeypatch.setattr(xla, "fetch", failing)
     with pytest.raises(RuntimeError, match="device lost"):
         DeviceTransfer(tensors, tensors, background=False)
+
+
+def test_an_async_save_brings_device_tensors_to_the_host_in_the_order_its_writers_write_them(tmp_path, monkeypatch):
+    """The snapshot travels in the writers' order (the optimizer's xser files list its state in another order than
+    the state dict does): a writer never waits for a tensor a later chunk brings while arrived ones wait."""
+    device = torch_xla.device()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(3))).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.ones(4, 32, device=device)).sum().backward()
+    opt.step()
+    torch_xla.sync()
+    fetched: list[int] = []
+    written: list[int] = []
+    lock = threading.Lock()
+    real_fetch = xla.fetch
+    real_save = statefile.xser.save_tensor
+
+    def recording_fetch(chunk):
+        out = real_fetch(chunk)
+        with lock:
+            fetched.extend(t.data_ptr() for t in out)
+        return out
+
+    def recording_save(tensor, f):
+        with lock:
+            written.append(tensor.data_ptr())
+        real_save(tensor, f)
+
+    monkeypatch.setattr(xla, "fetch", recording_fetch)
+    monkeypatch.setattr(statefile.xser, "save_tensor", recording_save)
+    monkeypatch.setenv("NXD_CKPT_XLA_TRANSFER_BATCH_BYTES", "1")  # one tensor per chunk
+    monkeypatch.setenv("NXD_CKPT_XSER_INLINE_BYTES", "0")  # every tensor in a file of its own
+    monkeypatch.setenv("NXD_CKPT_IO_THREADS", "1")
+    expected_model = {k: v.cpu() for k, v in model.state_dict().items()}
+    nxd.save_checkpoint(str(tmp_path), "step_1", model=model, optimizer=opt, use_xser=True, async_save=True)
+    nxd.finalize_checkpoint()
+    from_device = set(fetched)
+    assert len(from_device) == 6 * 3  # weights and biases, each with two AdamW moments
+    assert [p for p in written if p in from_device] == fetched
+    loaded: dict = {}
+    nxd.load_checkpoint(str(tmp_path), model=loaded)
+    assert_state_equal(expected_model, loaded)

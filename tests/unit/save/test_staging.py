@@ -152,7 +152,7 @@ def test_tensors_not_needed_become_metadata_only():
     state = _state()
     expert = state["model"]["b"]
     expert.expert_model_parallel = True
-    needed = {id(state["model"]["w"])}
+    needed = [id(state["model"]["w"])]
     staged = staging.StagingPool().stage([state], needed=needed)
     out = staged.trees[0]
     assert out["model"]["w"].device.type == "cpu" and torch.equal(out["model"]["w"], state["model"]["w"])
