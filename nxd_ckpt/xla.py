@@ -82,17 +82,22 @@ def batch_bytes_from_env() -> int:
     return knobs.xla_transfer_batch_bytes()
 
 
-def plan_batches(sizes: Sequence[int], budget: int) -> list[list[int]]:
-    """Group indices (in order) so each group's total stays within ``budget``; a bigger item goes alone."""
+def plan_batches(sizes: Sequence[int], budget: int, first: int | None = None) -> list[list[int]]:
+    """Group indices (in order) so each group's total stays within ``budget``; a bigger item goes alone. With
+    ``first``, the first group stays within ``first`` and each next one within twice the one before, up to
+    ``budget`` (a consumer of the groups starts on a small one while the larger ones travel)."""
     if budget < 1:
         raise ValueError(f"transfer batch budget must be >= 1 byte, got {budget}")
+    if first is not None and first < 1:
+        raise ValueError(f"first transfer batch must be >= 1 byte, got {first}")
+    limit = budget if first is None else min(first, budget)
     batches: list[list[int]] = []
     current: list[int] = []
     used = 0
     for i, size in enumerate(sizes):
-        if current and used + size > budget:
+        if current and used + size > limit:
             batches.append(current)
-            current, used = [], 0
+            current, used, limit = [], 0, min(2 * limit, budget)
         current.append(i)
         used += size
     if current:

@@ -23,6 +23,10 @@ from nxd_ckpt.device.pinned import PinnedPool
 from nxd_ckpt.tree import iter_tensors, map_tensors
 
 THREAD_NAME = "nxd_ckpt_d2h"
+FIRST_CHUNK_BYTES = 32 << 20
+"""The first chunk of a transfer, at most: the writers start on it while the next ones, each twice the one before
+up to ``chunk_bytes``, travel. (XLA CPU device, 0.45 GB while training goes on: durable ~10% sooner than with
+256 MiB chunks from the start, whose first took 0.15-0.25 s to arrive.)"""
 
 
 class _TransferThread:
@@ -200,12 +204,14 @@ class DeviceTransfer:
                 self._cond.notify_all()
 
     def _batches(self) -> list[list[int]]:
-        """Chunks in the given order, XLA ones apart, each at most ``chunk_bytes`` (or one larger tensor)."""
+        """Chunks in the given order, XLA ones apart, each at most ``chunk_bytes`` (or one larger tensor); the first
+        of each kind at most ``FIRST_CHUNK_BYTES``, each next one at most twice the one before."""
         batches: list[list[int]] = []
         for xla_kind in (True, False):
             idx = [i for i, s in enumerate(self._sources) if s is not None and (kind(s) == "xla") == xla_kind]
             sizes = [nbytes(self._sources[i]) for i in idx]  # type: ignore[arg-type]
-            batches += [[idx[j] for j in b] for b in xla.plan_batches(sizes, max(1, self._chunk))]
+            chunk = max(1, self._chunk)
+            batches += [[idx[j] for j in b] for b in xla.plan_batches(sizes, chunk, first=FIRST_CHUNK_BYTES)]
         return batches
 
     def _copy_chunk(self, sources: list[torch.Tensor]) -> list[torch.Tensor]:

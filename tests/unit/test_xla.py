@@ -79,6 +79,17 @@ def test_transfer_batches_respect_the_byte_budget():
         xla.plan_batches([1], budget=0)
 
 
+def test_transfer_batches_can_start_small_and_double_up_to_the_budget():
+    sizes = [10] * 16
+    batches = xla.plan_batches(sizes, budget=80, first=20)
+    assert [sum(sizes[i] for i in b) for b in batches] == [20, 40, 80, 20]  # 20, then x2 up to the budget
+    assert [i for b in batches for i in b] == list(range(len(sizes)))
+    assert xla.plan_batches([100, 10], budget=80, first=20) == [[0], [1]]  # a big first item still travels alone
+    assert xla.plan_batches(sizes, budget=80, first=500) == xla.plan_batches(sizes, budget=80)
+    with pytest.raises(ValueError, match="first transfer batch"):
+        xla.plan_batches([1], budget=8, first=0)
+
+
 def test_transfer_budget_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv(xla.BATCH_BYTES_ENV, raising=False)
     assert xla.batch_bytes_from_env() == xla.DEFAULT_BATCH_BYTES

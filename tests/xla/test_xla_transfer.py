@@ -43,6 +43,28 @@ def test_pending_graphs_run_once_and_batches_follow_the_budget():
         assert torch.equal(got, want)
 
 
+def test_a_background_transfer_starts_with_a_small_chunk_and_doubles_it(monkeypatch):
+    """The writers get the first tensors soon: the first chunk is small, the next ones grow to the chunk size."""
+    device = torch_xla.device()
+    cpu = [torch.full((1024,), float(i)) for i in range(12)]  # 4 KiB each
+    on_device = [t.to(device) for t in cpu]
+    torch_xla.sync()
+    chunks: list[int] = []
+    real_fetch = xla.fetch
+
+    def recording_fetch(sources):
+        chunks.append(sum(s.numel() * s.element_size() for s in sources))
+        return real_fetch(sources)
+
+    monkeypatch.setattr(xla, "fetch", recording_fetch)
+    monkeypatch.setattr(transfer, "FIRST_CHUNK_BYTES", 4 << 10)
+    copies = transfer.DeviceTransfer(on_device, on_device, chunk_bytes=16 << 10, background=True)
+    host = [copies.host(t) for t in on_device]
+    copies.close()
+    assert chunks == [4 << 10, 8 << 10, 16 << 10, 16 << 10, 4 << 10]  # 48 KiB in all
+    assert all(torch.equal(h, c) for h, c in zip(host, cpu, strict=True))
+
+
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_save_materialises_model_and_optimizer_with_one_execution(tmp_path, async_save):
     model, opt, sched = make_training(device=torch_xla.device())
