@@ -207,10 +207,10 @@ class DeviceTransfer:
         """Chunks in the given order, XLA ones apart, each at most ``chunk_bytes`` (or one larger tensor); the first
         of each kind at most ``FIRST_CHUNK_BYTES``, each next one at most twice the one before."""
         batches: list[list[int]] = []
+        chunk = max(1, self._chunk)
         for xla_kind in (True, False):
             idx = [i for i, s in enumerate(self._sources) if s is not None and (kind(s) == "xla") == xla_kind]
             sizes = [nbytes(self._sources[i]) for i in idx]  # type: ignore[arg-type]
-            chunk = max(1, self._chunk)
             batches += [[idx[j] for j in b] for b in xla.plan_batches(sizes, chunk, first=FIRST_CHUNK_BYTES)]
         return batches
 

@@ -191,7 +191,7 @@ class StagingPool:
         """
         unique: dict[int, torch.Tensor] = {}
         skipped: dict[int, torch.Tensor] = {}
-        order = {tid: i for i, tid in reversed(list(enumerate(needed)))} if needed is not None else {}
+        order = {tid: i for i, tid in enumerate(dict.fromkeys(needed))} if needed is not None else {}
         for tree in trees:
             for _, t in iter_tensors(tree):
                 if needed is None or id(t) in order:
