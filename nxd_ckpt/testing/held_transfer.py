@@ -9,28 +9,30 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import torch
-
 from nxd_ckpt.device.transfer import DeviceTransfer
 from nxd_ckpt.tree import map_tensors
 
 
 class HeldTransfer:
-    """Patches ``DeviceTransfer._copy_chunk`` (through ``monkeypatch``) so that every chunk waits for ``release``;
-    ``threads`` lists the threads the chunks were copied on."""
+    """Patches ``DeviceTransfer`` (through ``monkeypatch``) so that it waits for ``release``: with ``hold="chunks"``
+    each chunk's copy (``_copy_chunk``), with ``hold="thread"`` the whole job on the transfer thread (``_run``: also
+    the wait for copies the save's call queued itself). ``threads`` lists the threads that waited."""
 
-    def __init__(self, monkeypatch: Any, timeout_s: float = 120.0) -> None:
+    def __init__(self, monkeypatch: Any, timeout_s: float = 120.0, hold: str = "chunks") -> None:
+        if hold not in ("chunks", "thread"):
+            raise ValueError(f"hold must be 'chunks' or 'thread', got {hold!r}")
         self.released = threading.Event()
         self.threads: list[int] = []
-        real = DeviceTransfer._copy_chunk
+        name = "_copy_chunk" if hold == "chunks" else "_run"
+        real = getattr(DeviceTransfer, name)
 
-        def held(transfer: DeviceTransfer, sources: list[torch.Tensor]) -> list[torch.Tensor]:
+        def held(transfer: DeviceTransfer, *args: Any) -> Any:
             self.threads.append(threading.get_ident())
             if not self.released.wait(timeout_s):
                 raise TimeoutError(f"the test never released the held transfer ({timeout_s:g} s)")
-            return real(transfer, sources)
+            return real(transfer, *args)
 
-        monkeypatch.setattr(DeviceTransfer, "_copy_chunk", held)
+        monkeypatch.setattr(DeviceTransfer, name, held)
 
     def release(self) -> None:
         self.released.set()

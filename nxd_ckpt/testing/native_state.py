@@ -1,0 +1,126 @@
+"""Scenarios for training state on a native accelerator, shared by the CUDA tests (on a GPU) and the fake
+accelerator's (``testing.fake_accelerator``, anywhere): a small model and AdamW on ``device``, async saves with
+optimizer steps right after the call, pinned buffers kept across saves, loads into the live tensors."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+import nxd_ckpt as nxd
+from nxd_ckpt.device.backend import NativeDevice
+from nxd_ckpt.manager import CheckpointManager
+from nxd_ckpt.testing.fakes import assert_state_equal
+from nxd_ckpt.testing.held_transfer import HeldTransfer, host_copy
+
+WIDTH = 512
+
+
+def training(device: str, width: int = WIDTH) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The same model and optimizer on every call (seeded), on ``device``."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.Tanh(), torch.nn.Linear(4 * width, width))
+    model = model.to(device)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def steps(model: torch.nn.Module, opt: torch.optim.Optimizer, count: int, seed: int) -> None:
+    """``count`` optimizer steps on batches drawn from ``seed``: every parameter and moment changes in place."""
+    device = next(model.parameters()).device
+    width = next(model.parameters()).shape[1]
+    for i in range(count):
+        g = torch.Generator().manual_seed(seed * 1000 + i)
+        x = torch.randn(64, width, generator=g).to(device, non_blocking=True)
+        loss = torch.nn.functional.mse_loss(model(x), x)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def synchronize(device: str) -> None:
+    """Wait for every stream of ``device``."""
+    NativeDevice(torch.device(device)).module.synchronize()
+
+
+@contextlib.contextmanager
+def patched() -> Iterator[Any]:
+    """A pytest ``MonkeyPatch`` for code that runs outside a fixture (a spawned rank)."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        yield monkeypatch
+
+
+def save_during_training(
+    path: str,
+    monkeypatch: Any,
+    device: str,
+    use_xser: bool,
+    *,
+    hold: str = "chunks",
+    width: int = WIDTH,
+    **keywords: Any,
+) -> nxd.SaveReport:
+    """An async save, 5 optimizer steps while its transfer is held (``HeldTransfer``), then a load into a fresh
+    model after a step of its own: it must hold the state of the call, bit for bit."""
+    model, opt = training(device, width)
+    steps(model, opt, 3, seed=1)
+    expected_model, expected_opt = host_copy(model.state_dict()), host_copy(opt.state_dict())
+    gate = HeldTransfer(monkeypatch, hold=hold)
+    report = nxd.save_checkpoint(
+        path, "step_3", model=model, optimizer=opt, async_save=True, use_xser=use_xser, **keywords
+    )
+    try:
+        steps(model, opt, 5, seed=2)  # updates every tensor in place, enqueued right after the call
+        synchronize(device)
+    finally:
+        gate.release()
+    report.wait()
+    nxd.finalize_checkpoint()
+    model2, opt2 = training(device, width)
+    steps(model2, opt2, 1, seed=9)
+    nxd.load_checkpoint(path, "step_3", model=model2, optimizer=opt2)
+    assert_state_equal(host_copy(model2.state_dict()), expected_model)
+    assert_state_equal(host_copy(opt2.state_dict())["state"], expected_opt["state"])
+    return report
+
+
+def state_bytes(device: str, width: int = WIDTH) -> int:
+    """Bytes of the model's state (what a budget is compared with)."""
+    model, _ = training(device, width)
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def pinned_buffers_are_kept_across_saves(path: str, device: str, width: int = WIDTH) -> None:
+    """The first async save pins host buffers, the second reuses them, ``finalize`` frees them."""
+    manager = CheckpointManager()
+    model, opt = training(device, width)
+    steps(model, opt, 1, seed=1)
+    report = manager.save(path, "step_1", model=model, optimizer=opt, async_save=True).wait()
+    pool = manager._staging_pool.pinned
+    first = pool.allocated_bytes
+    assert first > 0 and pool.held_bytes == first and report.staging_allocated_bytes >= first
+    steps(model, opt, 1, seed=2)
+    report = manager.save(path, "step_2", model=model, optimizer=opt, async_save=True).wait()
+    assert pool.allocated_bytes == first and report.staging_allocated_bytes < 1024, "the second save pinned memory"
+    manager.finalize()
+    assert pool.held_bytes == 0
+
+
+def load_into_live_tensors(path: str, device: str, width: int = WIDTH) -> None:
+    """A load fills the live device tensors in place (same storage), bit for bit, and training goes on."""
+    model, opt = training(device, width)
+    steps(model, opt, 2, seed=1)
+    nxd.save_checkpoint(path, "step_2", model=model, optimizer=opt, use_xser=True)
+    expected_model, expected_opt = host_copy(model.state_dict()), host_copy(opt.state_dict())
+    model2, opt2 = training(device, width)
+    steps(model2, opt2, 1, seed=5)
+    pointers = {k: v.data_ptr() for k, v in model2.state_dict().items()}
+    nxd.load_checkpoint(path, "step_2", model=model2, optimizer=opt2)
+    assert {k: v.data_ptr() for k, v in model2.state_dict().items()} == pointers
+    assert_state_equal(host_copy(model2.state_dict()), expected_model)
+    assert_state_equal(host_copy(opt2.state_dict())["state"], expected_opt["state"])
+    steps(model2, opt2, 1, seed=3)  # the loaded optimizer state trains on

@@ -1,0 +1,93 @@
+"""The native-accelerator design (device snapshot, pinned buffers, side streams, loads through pinned arenas) on
+the fake accelerator of ``testing.fake_accelerator``: copies queued on a side stream run only once an event after
+them is waited for, so a path that reads a buffer early, reuses one still being copied, or lets training update a
+source before its copy ran loads other bytes than it saved. Each scenario (``testing.native_state``, the CUDA tests'
+own) runs in a spawned process, since a backend registered in Python cannot be removed. Transfer chunks and load
+arenas of 256 KiB, the size of the model's largest tensors, make every buffer be reused many times."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils.backend_registration as backend_registration
+
+from nxd_ckpt.testing.multiprocess import run_with_ranks
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(backend_registration, "_setup_privateuseone_for_python_backend"),
+    reason=f"torch {torch.__version__} cannot register a backend written in Python (torch >= 2.10 can)",
+)
+
+SMALL_BUFFERS = {"NXD_CKPT_XLA_TRANSFER_BATCH_BYTES": str(256 << 10)}
+WIDTH = 128
+"""The model's widest tensors are 4 x 128 x 128 fp32: 256 KiB, one load arena each."""
+
+
+def _fake() -> str:
+    from nxd_ckpt.testing import fake_accelerator
+
+    fake_accelerator.install()
+    return fake_accelerator.DEVICE_TYPE
+
+
+@run_with_ranks(1)
+def test_the_fake_runs_side_stream_copies_only_once_an_event_after_them_is_waited_for():
+    from nxd_ckpt.device.backend import NativeDevice
+
+    device = NativeDevice(torch.device(_fake()))
+    source = torch.arange(8.0).to(device.device)
+    host = device.pinned_empty((8,), torch.float32)
+    assert torch.isnan(host).all()  # marked until a copy lands
+    side = device.new_stream()
+    with device.on(side):
+        host.copy_(source, non_blocking=True)
+    with torch.no_grad():
+        source.add_(100)  # training's next kernel, on the training stream: runs at once
+    done = device.record(side)
+    assert torch.isnan(host).all() and not done.query()
+    done.synchronize()
+    assert torch.equal(host, torch.arange(8.0) + 100), "the copy read its source when it ran, not when queued"
+    device.current_stream().wait_event(device.record(side))  # nothing left: no-op
+    back = torch.zeros(8).to(device.device)
+    with device.on(side):
+        back.copy_(host, non_blocking=True)
+    assert torch.equal(back.cpu(), torch.zeros(8))
+    device.current_stream().wait_event(device.record(side))
+    assert torch.equal(back.cpu(), host)
+
+
+@pytest.mark.parametrize("use_xser", [False, True], ids=["plain", "xser"])
+@run_with_ranks(1, env=SMALL_BUFFERS)
+def test_async_save_of_accelerator_state_holds_the_call_while_training_goes_on(tmp_path, use_xser):
+    from nxd_ckpt.testing import native_state
+
+    with native_state.patched() as monkeypatch:
+        report = native_state.save_during_training(str(tmp_path), monkeypatch, _fake(), use_xser, width=WIDTH)
+    assert report.device_snapshot_bytes > 0 and report.device_direct_bytes == 0
+
+
+@run_with_ranks(1, env=SMALL_BUFFERS)
+def test_a_budget_smaller_than_the_state_copies_the_rest_on_a_side_stream_training_waits_for(tmp_path):
+    from nxd_ckpt.testing import native_state
+
+    device = _fake()
+    budget = native_state.state_bytes(device, WIDTH) // 2
+    with native_state.patched() as monkeypatch:  # the transfer thread waits: only training's wait runs the copies
+        report = native_state.save_during_training(
+            str(tmp_path), monkeypatch, device, True, hold="thread", width=WIDTH, device_snapshot_budget=budget
+        )
+    assert 0 < report.device_snapshot_bytes <= budget and report.device_direct_bytes > 0
+
+
+@run_with_ranks(1, env=SMALL_BUFFERS)
+def test_pinned_buffers_are_kept_across_saves_and_freed_by_finalize(tmp_path):
+    from nxd_ckpt.testing import native_state
+
+    native_state.pinned_buffers_are_kept_across_saves(str(tmp_path), _fake(), WIDTH)
+
+
+@run_with_ranks(1, env=SMALL_BUFFERS)
+def test_a_load_fills_the_live_accelerator_tensors_through_reused_arenas_and_is_exact(tmp_path):
+    from nxd_ckpt.testing import native_state
+
+    native_state.load_into_live_tensors(str(tmp_path), _fake(), WIDTH)
