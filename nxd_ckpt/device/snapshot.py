@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -91,6 +92,59 @@ def take(
         direct_s=time.perf_counter() - start if rest else 0.0,
         budget_bytes=limit,
         budget_source=source,
+    )
+
+
+@dataclass
+class DeviceCopies:
+    """What ``copy_on_device`` made for a save under a host memory budget: device copies that a background thread
+    brings to the host piece by piece (``fetch``), as the budget allows."""
+
+    sources: dict[int, torch.Tensor]
+    """``id`` of each live device tensor that fit the snapshot budget -> its copy on the device."""
+    snapshot_bytes: int
+    budget_bytes: int
+    budget_source: str
+    ready: Any = None
+    """A native device's event recorded after the clones (the first fetch waits for it)."""
+
+    def fetch(self, copies: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Host copies of some of ``sources``' values (any thread; XLA: one bulk transfer, which waits for the
+        clones' execution; native: after the clones' kernels)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
+        if copies and kind(copies[0]) == "xla":
+            return xla.fetch(copies)
+        return [c.to("cpu") for c in copies]
+
+
+def copy_on_device(tensors: Sequence[torch.Tensor], budget: SnapshotBudget) -> DeviceCopies:
+    """On the training thread: a copy on the device of each of ``tensors`` (device tensors, in the writers' order)
+    that fits ``budget``, launched and not waited for (XLA: the clones under one sync; native: clone kernels on the
+    training stream). The rest stay live: the save's call stages them itself."""
+    if not all(on_device(t) for t in tensors):
+        raise ValueError("device copies are taken of device tensors only")
+    kinds = {kind(t) for t in tensors}
+    if len(kinds) > 1:
+        raise ValueError(f"one rank's state spans device kinds {sorted(kinds)}; expected one device per rank")
+    limit, source = budget.resolve(tensors)
+    fit, _rest = split_by_budget(tensors, limit)
+    ready = None
+    if kinds == {"xla"}:
+        clones, _ = _launch_xla_copies([tensors[i] for i in fit], list(range(len(fit))), [], wait=False)
+    else:
+        native = native_device(tensors)
+        assert native is not None
+        with torch.no_grad():
+            clones = [tensors[i].detach().clone() for i in fit]
+        ready = native.record(native.current_stream())
+    return DeviceCopies(
+        sources={id(tensors[i]): c for i, c in zip(fit, clones, strict=True)},
+        snapshot_bytes=sum(nbytes(tensors[i]) for i in fit),
+        budget_bytes=limit,
+        budget_source=source,
+        ready=ready,
     )
 
 

@@ -72,6 +72,12 @@ def start_transfer_thread() -> None:
     _THREAD.start()
 
 
+def run_on_transfer_thread(job: Callable[[], None]) -> None:
+    """Run ``job`` on the process's transfer thread, after the transfers queued before it (``job`` keeps its own
+    errors)."""
+    _THREAD.submit(job)
+
+
 def has_device_tensors(tree: Any) -> bool:
     """Whether ``tree`` holds a tensor whose bytes live off the host."""
     return any(on_device(t) for _, t in iter_tensors(tree))

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, BinaryIO
 
 import torch
@@ -79,12 +79,26 @@ class BudgetedStager:
     frees the copies its writer thread fetched). ``close`` (the writer's end) frees everything and wakes ``stage``.
     """
 
-    def __init__(self, order: Sequence[torch.Tensor], budget: int, timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        order: Sequence[torch.Tensor],
+        budget: int,
+        timeout_s: float | None = None,
+        frozen: Mapping[int, torch.Tensor] | None = None,
+        fetch: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
+        batch_bytes: int | None = None,
+    ) -> None:
         if budget < 1:
             raise ValueError(f"the host memory budget must be a positive number of bytes, got {budget}")
         self.budget = budget
         self.timeout_s = timeout_s
         self._order = list({id(t): t for t in order}.values())
+        self._frozen: dict[int, torch.Tensor] = dict(frozen or {})
+        """Key -> a copy of its tensor that nothing changes (a device snapshot): staged beside training by
+        ``stage_frozen``, not by the call."""
+        self._fetch = fetch if fetch is not None else (lambda ts: [_copy(t)[0] for t in ts])
+        self._batch_bytes = batch_bytes if batch_bytes is not None else self.budget
+        self._error: BaseException | None = None
         self._state: dict[int, int] = {id(t): _PENDING for t in self._order}
         self._copies: dict[int, torch.Tensor] = {}
         self._mapped: set[int] = set()
@@ -101,6 +115,8 @@ class BudgetedStager:
         """Bytes copied in all (each byte once)."""
         self.borrowed_bytes = 0
         """Bytes written straight from the live tensors while the training thread waited."""
+        self.overdrawn_bytes = 0
+        """Bytes of frozen tensors a writer reached before ``stage_frozen`` and copied itself, beyond the budget."""
         self.waited_s = 0.0
         """Time ``stage`` spent waiting for the writer (memory to be freed, live tensors to be written)."""
 
@@ -111,6 +127,8 @@ class BudgetedStager:
         start = time.monotonic()
         for t in self._order:
             key, n = id(t), _nbytes(t)
+            if key in self._frozen:
+                continue  # copied beside training (stage_frozen)
             with self._cond:
                 waited = time.monotonic()
                 self._wait(lambda k=key, n=n: self._state[k] != _PENDING or self.held_bytes + n <= self.budget, start)
@@ -121,10 +139,56 @@ class BudgetedStager:
             copy, mapped = _copy(t)
             with self._cond:
                 self._stored(t, copy, mapped)
+        live = [id(t) for t in self._order if id(t) not in self._frozen]
         with self._cond:
             waited = time.monotonic()
-            self._wait(lambda: not any(s in (_PENDING, _COPYING, _BORROWED) for s in self._state.values()), start)
+            self._wait(lambda: not any(self._state[k] in (_PENDING, _COPYING, _BORROWED) for k in live), start)
             self.waited_s += time.monotonic() - waited
+
+    def stage_frozen(self) -> None:
+        """(A background thread.) Copy the frozen tensors in the writers' order, in batches of at most
+        ``batch_bytes`` that fit the budget, waiting for room while the writer runs. One larger than the budget is
+        left to the writer. Keeps its error for the writers (``host`` raises it)."""
+        try:
+            pending = [t for t in self._order if id(t) in self._frozen and _nbytes(t) <= self.budget]
+            while True:
+                with self._cond:
+                    pending = [t for t in pending if self._state[id(t)] == _PENDING]  # not reached by a writer
+                    if not pending:
+                        return
+                    first = pending[0]
+                    self._cond.wait_for(
+                        lambda first=first: (
+                            self._closed
+                            or self._abandoned is not None
+                            or self._state[id(first)] != _PENDING
+                            or self.held_bytes + _nbytes(first) <= self.budget
+                        )
+                    )
+                    if self._closed or self._abandoned is not None:
+                        return
+                    if self._state[id(first)] != _PENDING:
+                        continue
+                    limit, batch = min(self.budget - self.held_bytes, max(self._batch_bytes, _nbytes(first))), []
+                    for t in pending:
+                        if self._state[id(t)] != _PENDING:
+                            continue
+                        if _nbytes(t) > limit:
+                            break
+                        self._reserve(id(t), _nbytes(t))
+                        limit -= _nbytes(t)
+                        batch.append(t)
+                    sources = [self._frozen[id(t)] for t in batch]
+                copies = self._fetch(sources)
+                del sources
+                with self._cond:
+                    for t, copy in zip(batch, copies, strict=True):
+                        self._stored(t, copy, False)
+                        self._frozen.pop(id(t), None)  # its device copy can go now
+        except BaseException as e:
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
 
     def _wait(self, ready: Any, start: float) -> None:
         """(Under the lock.) Wait until ``ready()``, the writer has ended, or the deadline has passed."""
@@ -167,13 +231,20 @@ class BudgetedStager:
             state = self._state.get(key)
             if state is None:  # not planned (should not happen): a private copy, outside the budget
                 return _copy(t)[0]
-            while state == _COPYING:
+            while state == _COPYING and self._error is None:
                 self._cond.wait()
                 state = self._state[key]
+            if self._error is not None and state != _STAGED:
+                raise RuntimeError(f"copying the state to the host failed: {self._error}") from self._error
             self._fetched().append(t)
             if state == _STAGED:
                 return self._copies[key]
-            if state == _PENDING and _nbytes(t) <= SMALL_BYTES and self.held_bytes + _nbytes(t) <= self.budget:
+            frozen = self._frozen.get(key) if state == _PENDING else None
+            if frozen is not None:  # ahead of stage_frozen: copied here, even beyond the budget
+                self._reserve(key, _nbytes(t))
+                if self.held_bytes > self.budget:
+                    self.overdrawn_bytes += _nbytes(t)
+            elif state == _PENDING and _nbytes(t) <= SMALL_BYTES and self.held_bytes + _nbytes(t) <= self.budget:
                 self._reserve(key, _nbytes(t))
             elif state == _PENDING:
                 self._state[key] = _BORROWED
@@ -181,9 +252,14 @@ class BudgetedStager:
                 return t.detach()
             else:  # done: fetched again after its file was written (a tensor shared by two files)
                 return self._copies.get(key, t.detach())
-        copy, mapped = _copy(t)
+        if frozen is not None:
+            copy, mapped = self._fetch([frozen])[0], False
+            del frozen
+        else:
+            copy, mapped = _copy(t)
         with self._cond:
             self._stored(t, copy, mapped)
+            self._frozen.pop(key, None)
         return copy
 
     def _fetched(self) -> list[torch.Tensor]:
@@ -233,6 +309,7 @@ class BudgetedStager:
         with self._cond:
             self._closed = True
             self._copies.clear()
+            self._frozen.clear()
             self.held_bytes = 0
             self._cond.notify_all()
 

@@ -38,10 +38,11 @@ from typing import Any, TypeAlias
 
 import torch
 
-from nxd_ckpt import adapters, statefile, tree
+from nxd_ckpt import adapters, knobs, statefile, tree
 from nxd_ckpt import rank_state as rank_states
+from nxd_ckpt.device import snapshot as device_snapshot
 from nxd_ckpt.device.backend import on_device
-from nxd_ckpt.device.transfer import DeviceTransfer
+from nxd_ckpt.device.transfer import DeviceTransfer, run_on_transfer_thread
 from nxd_ckpt.errors import CheckpointTimeoutError
 from nxd_ckpt.format import integrity, layout, retention, sharding_marks, tags
 from nxd_ckpt.format.metadata import metadata_path, write_metadata
@@ -225,15 +226,30 @@ class SavePipeline:
         needs a live tensor (``budget.BudgetedStager``)."""
         options = ctx.options
         with ctx.arrive_on_failure():
+            tensors = plan.tensors_to_write(planned.state_files, self.coord.rank)
+            device = list({id(t): t for t in tensors if on_device(t)}.values())
+            copies = device_snapshot.copy_on_device(device, options.device_budget) if device else None
             stager = budget.BudgetedStager(
-                plan.tensors_to_write(planned.state_files, self.coord.rank), options.budget_bytes, options.timeout_s
+                tensors,
+                options.budget_bytes,
+                options.timeout_s,
+                frozen=copies.sources if copies is not None else None,
+                fetch=copies.fetch if copies is not None else None,
+                batch_bytes=knobs.xla_transfer_batch_bytes(),
             )
             stager.watch(ctx.storage)  # a written file frees the copies it was written from
             if ctx.tier is not None:
                 stager.watch(ctx.tier.storage)
+        if copies is not None:
+            copies.sources.clear()  # the stager holds the device copies now, and drops each once it is on the host
+            report.device_snapshot_bytes = copies.snapshot_bytes
+            report.device_direct_bytes = sum(t.numel() * t.element_size() for t in device) - copies.snapshot_bytes
+            report.device_budget_bytes = copies.budget_bytes
         staged = Staged(planned.writes, fetcher=stager)
         report.staging_s = self.timer.since(stage_start)
         self.hand_off(ctx, staged, report)
+        if copies is not None and copies.snapshot_bytes:
+            run_on_transfer_thread(stager.stage_frozen)  # the device copies travel beside training, within the budget
         stager.stage()  # copies what fits, waits for the rest
         report.budget_wait_s = stager.waited_s
         report.staging_s = self.timer.since(stage_start)

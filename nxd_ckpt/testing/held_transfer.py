@@ -9,30 +9,35 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from nxd_ckpt.device.snapshot import DeviceCopies
 from nxd_ckpt.device.transfer import DeviceTransfer
 from nxd_ckpt.tree import map_tensors
 
 
 class HeldTransfer:
-    """Patches ``DeviceTransfer`` (through ``monkeypatch``) so that it waits for ``release``: with ``hold="chunks"``
-    each chunk's copy (``_copy_chunk``), with ``hold="thread"`` the whole job on the transfer thread (``_run``: also
-    the wait for copies the save's call queued itself). ``threads`` lists the threads that waited."""
+    """Patches the device -> host copies of async saves (through ``monkeypatch``) so that they wait for
+    ``release``: with ``hold="chunks"`` each chunk of a ``DeviceTransfer`` (``_copy_chunk``) and each batch of
+    device copies staged under a host memory budget (``DeviceCopies.fetch``), with ``hold="thread"`` a
+    ``DeviceTransfer``'s whole job on the transfer thread (``_run``: also the wait for copies the save's call queued
+    itself). ``threads`` lists the threads that waited."""
 
     def __init__(self, monkeypatch: Any, timeout_s: float = 120.0, hold: str = "chunks") -> None:
         if hold not in ("chunks", "thread"):
             raise ValueError(f"hold must be 'chunks' or 'thread', got {hold!r}")
         self.released = threading.Event()
         self.threads: list[int] = []
-        name = "_copy_chunk" if hold == "chunks" else "_run"
-        real = getattr(DeviceTransfer, name)
+        targets = [(DeviceTransfer, "_copy_chunk"), (DeviceCopies, "fetch")] if hold == "chunks" else []
+        for owner, name in targets or [(DeviceTransfer, "_run")]:
+            monkeypatch.setattr(owner, name, self._held(getattr(owner, name), timeout_s))
 
-        def held(transfer: DeviceTransfer, *args: Any) -> Any:
+    def _held(self, real: Any, timeout_s: float) -> Any:
+        def held(owner: Any, *args: Any) -> Any:
             self.threads.append(threading.get_ident())
             if not self.released.wait(timeout_s):
                 raise TimeoutError(f"the test never released the held transfer ({timeout_s:g} s)")
-            return real(transfer, *args)
+            return real(owner, *args)
 
-        monkeypatch.setattr(DeviceTransfer, name, held)
+        return held
 
     def release(self) -> None:
         self.released.set()

@@ -33,3 +33,9 @@ def test_pinned_buffers_are_kept_across_saves_and_freed_by_finalize(tmp_path):
 
 def test_load_into_live_cuda_tensors_keeps_them_and_is_exact(tmp_path):
     native_state.load_into_live_tensors(str(tmp_path), "cuda")
+
+
+def test_under_a_host_memory_budget_the_call_snapshots_and_the_copies_travel_beside_training(tmp_path, monkeypatch):
+    budget = native_state.state_bytes("cuda") // 4
+    report = native_state.save_during_training(str(tmp_path), monkeypatch, "cuda", True, host_memory_budget=budget)
+    assert report.device_snapshot_bytes > 0 and report.device_direct_bytes == 0

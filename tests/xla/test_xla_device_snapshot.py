@@ -133,6 +133,49 @@ def test_a_budget_smaller_than_the_state_still_saves_the_call_exactly(tmp_path, 
     assert 0 < peak.bytes <= budget
 
 
+@pytest.mark.parametrize("kind", ["plain", "xser", "zero1"])
+def test_under_a_host_memory_budget_the_call_snapshots_and_the_state_travels_within_the_budget(
+    tmp_path, monkeypatch, kind
+):
+    """With a host memory budget of a quarter of the state, the call returns after the snapshot on the device; its
+    copies come to the host beside training, never more than the budget at once (beyond what a writer that got
+    ahead of them copied itself), and the tag holds the state of the call."""
+    stagers = _Stagers(monkeypatch)
+    model, opt = _training(kind)
+    _steps(model, opt, 1, seed=1)
+    budget = sum(t.numel() * t.element_size() for t in xla_state_tensors(model, opt)) // 4
+    report = _save_train_and_check(tmp_path, monkeypatch, kind, host_memory_budget=budget)
+    assert report.device_snapshot_bytes > 0 and report.device_direct_bytes == 0
+    (stager,) = stagers.made
+    assert stager.peak_bytes <= budget + stager.overdrawn_bytes
+    assert stager.staged_bytes >= report.device_snapshot_bytes
+    assert not stager._frozen, "a device copy outlived the save"
+
+
+def xla_state_tensors(model: torch.nn.Module, opt) -> list[torch.Tensor]:
+    """The XLA tensors of the model's and the optimizer's state."""
+    from nxd_ckpt.tree import iter_tensors
+
+    found = [t for _, t in iter_tensors([model.state_dict(), opt.state_dict()]) if t.device.type == "xla"]
+    return list({id(t): t for t in found}.values())
+
+
+class _Stagers:
+    """Every ``BudgetedStager`` made while the test runs."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from nxd_ckpt.save.budget import BudgetedStager
+
+        self.made: list[BudgetedStager] = []
+        real_init = BudgetedStager.__init__
+
+        def init(stager, *args, **kwargs):
+            real_init(stager, *args, **kwargs)
+            self.made.append(stager)
+
+        monkeypatch.setattr(BudgetedStager, "__init__", init)
+
+
 def test_a_zero_budget_takes_no_snapshot_and_saves_on_the_call(tmp_path, monkeypatch):
     monkeypatch.setenv("NXD_CKPT_DEVICE_SNAPSHOT_BUDGET", "0")
     report = _save_train_and_check(tmp_path, monkeypatch, "xser", background=False)

@@ -91,3 +91,16 @@ def test_a_load_fills_the_live_accelerator_tensors_through_reused_arenas_and_is_
     from nxd_ckpt.testing import native_state
 
     native_state.load_into_live_tensors(str(tmp_path), _fake(), WIDTH)
+
+
+@run_with_ranks(1, env=SMALL_BUFFERS)
+def test_under_a_host_memory_budget_the_call_snapshots_and_the_copies_travel_beside_training(tmp_path):
+    from nxd_ckpt.testing import native_state
+
+    device = _fake()
+    budget = native_state.state_bytes(device, WIDTH) // 4
+    with native_state.patched() as monkeypatch:
+        report = native_state.save_during_training(
+            str(tmp_path), monkeypatch, device, True, width=WIDTH, host_memory_budget=budget
+        )
+    assert report.device_snapshot_bytes > 0 and report.device_direct_bytes == 0

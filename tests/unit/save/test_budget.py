@@ -143,6 +143,62 @@ def test_a_tensor_larger_than_the_budget_is_written_live_before_the_call_returns
     thread.join(timeout=60)
 
 
+def _frozen(order: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Copies of ``order`` that nothing changes, as a device snapshot's are (keyed by the live tensor)."""
+    return {id(t): t.clone() for t in order}
+
+
+def test_frozen_tensors_are_staged_beside_training_within_the_budget_and_the_call_does_not_wait_for_them():
+    order = [torch.full((MIB // 4,), float(i)) for i in range(8)]  # 1 MiB each
+    live = torch.full((MIB // 4,), 8.0)  # one live tensor: the call waits for it alone
+    fetched: list[int] = []
+
+    def fetch(sources: list[torch.Tensor]) -> list[torch.Tensor]:
+        fetched.append(len(sources))
+        return [t.clone() for t in sources]
+
+    everything = [*order, live]
+    stager = BudgetedStager(
+        everything, budget=3 * MIB, timeout_s=60, frozen=_frozen(order), fetch=fetch, batch_bytes=2 * MIB
+    )
+    stager.stage()  # only the live tensor: copied, nothing waited for
+    assert stager.staged_bytes == MIB and stager.waited_s < 1.0
+    for t in everything:  # training resumes
+        t.add_(100.0)
+    beside = threading.Thread(target=stager.stage_frozen)
+    beside.start()
+    out: list = []
+    _writer(stager, everything, out, [[0, 1], [2], [3, 4, 5], [6, 7], [8]])
+    beside.join(timeout=60)
+    assert [[float(t[0]) for t in f] for f in out] == [[0.0, 1.0], [2.0], [3.0, 4.0, 5.0], [6.0, 7.0], [8.0]]
+    assert stager.peak_bytes <= 3 * MIB + stager.overdrawn_bytes
+    assert max(fetched) <= 2, "a batch is at most batch_bytes"
+    assert not stager._frozen, "every device copy is dropped once on the host"
+
+
+def test_a_writer_ahead_of_the_frozen_copies_copies_what_it_needs_itself():
+    order = [torch.full((MIB // 4,), float(i)) for i in range(3)]
+    stager = BudgetedStager(order, budget=MIB, timeout_s=60, frozen=_frozen(order))
+    for t in order:
+        t.add_(100.0)
+    out: list = []
+    _writer(stager, order, out, [[0, 1, 2]])  # stage_frozen never ran: all three in one file, over the budget
+    assert [float(t[0]) for t in out[0]] == [0.0, 1.0, 2.0]
+    assert stager.overdrawn_bytes == 2 * MIB
+
+
+def test_an_error_while_copying_frozen_tensors_reaches_the_writer():
+    order = [torch.ones(MIB // 4) for _ in range(2)]
+
+    def fetch(sources: list[torch.Tensor]) -> list[torch.Tensor]:
+        raise OSError("the device fell off the bus")
+
+    stager = BudgetedStager(order, budget=4 * MIB, timeout_s=60, frozen=_frozen(order), fetch=fetch)
+    stager.stage_frozen()
+    with pytest.raises(RuntimeError, match="copying the state to the host failed: the device fell off the bus"):
+        stager.host(order[0])
+
+
 def test_a_stuck_writer_makes_the_call_fail_after_its_deadline_and_the_save_fail_too():
     from nxd_ckpt.errors import CheckpointTimeoutError
 
