@@ -87,3 +87,74 @@ class PinnedPool:
         with self._lock:
             self._free.clear()
             self._generation += 1
+
+
+ALIGN = 256
+"""Pieces of a ``PinnedArena`` start at multiples of this many bytes (any dtype's alignment, and DMA-friendly)."""
+
+
+class PinnedArena:
+    """One page-locked host buffer of ``capacity`` bytes, carved into tensors and given back piece by piece: an
+    async save under a host memory budget copies a native accelerator's snapshot into it, so its pinned memory is
+    the budget, kept across saves. Pieces go back in about the order they were taken (the writers'), so the free
+    space stays in few runs; ``take`` answers None when no run is large enough (the caller copies elsewhere).
+    Allocated (pinned) on the first ``take``, on the thread that takes. Thread-safe."""
+
+    def __init__(self, capacity: int, allocate: Callable[[Sequence[int], torch.dtype], torch.Tensor]) -> None:
+        self.capacity = capacity
+        self._allocate = allocate
+        self._lock = threading.Lock()
+        self._memory: torch.Tensor | None = None
+        self._free: list[tuple[int, int]] = [(0, capacity)]
+        """Free runs (start, end), sorted and coalesced."""
+        self._taken: dict[int, tuple[int, int]] = {}
+        """``data_ptr`` of a piece lent out -> its run."""
+        self.allocated_bytes = 0
+        self.refused_bytes = 0
+        """Bytes of the pieces ``take`` had no free run for (copied into pageable memory instead)."""
+
+    def take(self, like: torch.Tensor) -> torch.Tensor | None:
+        """A piece of ``like``'s shape and dtype (contiguous), or None when no free run holds it."""
+        n = like.numel() * like.element_size()
+        size = max(ALIGN, -(-n // ALIGN) * ALIGN)
+        with self._lock:
+            run = next((i for i, (start, end) in enumerate(self._free) if end - start >= size), None)
+            if run is None:
+                self.refused_bytes += n
+                return None
+            start, end = self._free[run]
+            if end - start == size:
+                del self._free[run]
+            else:
+                self._free[run] = (start + size, end)
+            if self._memory is None:
+                self._memory = self._allocate((self.capacity,), torch.uint8)
+                self.allocated_bytes = self.capacity
+            piece = self._memory[start : start + n].view(like.dtype).view(like.shape)
+            self._taken[piece.data_ptr()] = (start, start + size)
+            return piece
+
+    def owns(self, t: torch.Tensor) -> bool:
+        with self._lock:
+            return t.data_ptr() in self._taken
+
+    def give_back(self, piece: torch.Tensor) -> None:
+        """Free ``piece`` (a tensor ``take`` returned) for later pieces."""
+        with self._lock:
+            run = self._taken.pop(piece.data_ptr(), None)
+            if run is None:
+                return
+            self._free.append(run)
+            self._free.sort()
+            merged: list[tuple[int, int]] = []
+            for start, end in self._free:
+                if merged and merged[-1][1] == start:
+                    merged[-1] = (merged[-1][0], end)
+                else:
+                    merged.append((start, end))
+            self._free = merged
+
+    @property
+    def lent_bytes(self) -> int:
+        with self._lock:
+            return sum(end - start for start, end in self._taken.values())

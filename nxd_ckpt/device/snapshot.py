@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from nxd_ckpt import xla
-from nxd_ckpt.device.backend import SnapshotBudget, kind, native_device, nbytes, on_device
-from nxd_ckpt.device.pinned import PinnedPool
+from nxd_ckpt.device.backend import NativeDevice, SnapshotBudget, kind, native_device, nbytes, on_device
+from nxd_ckpt.device.pinned import PinnedArena, PinnedPool
 from nxd_ckpt.device.transfer import DeviceTransfer, stand_in, start_transfer_thread
 
 
@@ -105,24 +105,52 @@ class DeviceCopies:
     snapshot_bytes: int
     budget_bytes: int
     budget_source: str
+    native: NativeDevice | None = None
     ready: Any = None
-    """A native device's event recorded after the clones (the first fetch waits for it)."""
+    """A native device's event recorded after the clones (the first fetch's copies wait for it)."""
+    arena: PinnedArena | None = None
+    """A native device's pinned memory for the host copies (the budget's worth, kept across saves)."""
+    side: Any = None
 
     def fetch(self, copies: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Host copies of some of ``sources``' values (any thread; XLA: one bulk transfer, which waits for the
-        clones' execution; native: after the clones' kernels)."""
-        if self.ready is not None:
-            self.ready.synchronize()
-            self.ready = None
-        if copies and kind(copies[0]) == "xla":
+        clones' execution; native: non-blocking copies on a side stream after the clones' kernels, into pieces of
+        ``arena`` where one is free, else into pageable memory)."""
+        if not copies:
+            return []
+        if kind(copies[0]) == "xla":
             return xla.fetch(copies)
-        return [c.to("cpu") for c in copies]
+        native = self.native
+        assert native is not None
+        if self.side is None:
+            self.side = native.new_stream()
+        if self.ready is not None:
+            self.side.wait_event(self.ready)
+            self.ready = None
+        out: list[torch.Tensor] = []
+        with native.on(self.side), torch.no_grad():
+            for c in copies:
+                piece = self.arena.take(c) if self.arena is not None else None
+                if piece is None:
+                    piece = torch.empty(c.shape, dtype=c.dtype)
+                piece.copy_(c, non_blocking=True)
+                out.append(piece)
+        native.record(self.side).synchronize()
+        return out
+
+    def give_back(self, copy: torch.Tensor) -> None:
+        """A host copy ``fetch`` made is no longer read: its pinned piece (if any) serves later copies."""
+        if self.arena is not None:
+            self.arena.give_back(copy)
 
 
-def copy_on_device(tensors: Sequence[torch.Tensor], budget: SnapshotBudget) -> DeviceCopies:
+def copy_on_device(
+    tensors: Sequence[torch.Tensor], budget: SnapshotBudget, arena: PinnedArena | None = None
+) -> DeviceCopies:
     """On the training thread: a copy on the device of each of ``tensors`` (device tensors, in the writers' order)
     that fits ``budget``, launched and not waited for (XLA: the clones under one sync; native: clone kernels on the
-    training stream). The rest stay live: the save's call stages them itself."""
+    training stream). The rest stay live: the save's call stages them itself. ``arena``: pinned memory that a
+    native device's copies are fetched into."""
     if not all(on_device(t) for t in tensors):
         raise ValueError("device copies are taken of device tensors only")
     kinds = {kind(t) for t in tensors}
@@ -130,7 +158,7 @@ def copy_on_device(tensors: Sequence[torch.Tensor], budget: SnapshotBudget) -> D
         raise ValueError(f"one rank's state spans device kinds {sorted(kinds)}; expected one device per rank")
     limit, source = budget.resolve(tensors)
     fit, _rest = split_by_budget(tensors, limit)
-    ready = None
+    native = ready = None
     if kinds == {"xla"}:
         clones, _ = _launch_xla_copies([tensors[i] for i in fit], list(range(len(fit))), [], wait=False)
     else:
@@ -144,7 +172,9 @@ def copy_on_device(tensors: Sequence[torch.Tensor], budget: SnapshotBudget) -> D
         snapshot_bytes=sum(nbytes(tensors[i]) for i in fit),
         budget_bytes=limit,
         budget_source=source,
+        native=native,
         ready=ready,
+        arena=arena if native is not None else None,
     )
 
 

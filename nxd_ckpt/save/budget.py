@@ -32,6 +32,8 @@ from nxd_ckpt import pages
 from nxd_ckpt.errors import CheckpointTimeoutError
 from nxd_ckpt.storage import DelegatingStorage, Storage
 
+STUCK_S = 1.0
+"""How long writers wait for frozen copies while ``stage_frozen`` waits for room, before copying themselves."""
 SMALL_BYTES = 1 << 20
 """Tensors up to this size that the writer needs before they are staged are copied by the writer itself."""
 
@@ -87,6 +89,7 @@ class BudgetedStager:
         frozen: Mapping[int, torch.Tensor] | None = None,
         fetch: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
         batch_bytes: int | None = None,
+        give_back: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         if budget < 1:
             raise ValueError(f"the host memory budget must be a positive number of bytes, got {budget}")
@@ -97,6 +100,13 @@ class BudgetedStager:
         """Key -> a copy of its tensor that nothing changes (a device snapshot): staged beside training by
         ``stage_frozen``, not by the call."""
         self._fetch = fetch if fetch is not None else (lambda ts: [_copy(t)[0] for t in ts])
+        self._give_back = give_back
+        """Called with each host copy ``fetch`` made once nothing reads it any more (its pinned memory is reused)."""
+        self._fetched_from_frozen: set[int] = set()
+        self._frozen_beside = False
+        """``stage_frozen`` will run or runs (``begin_frozen`` until it ends): writers wait for its copies."""
+        self._stuck_since: float | None = None
+        """Since when ``stage_frozen`` waits for room (None while it does not)."""
         self._batch_bytes = batch_bytes if batch_bytes is not None else self.budget
         self._error: BaseException | None = None
         self._state: dict[int, int] = {id(t): _PENDING for t in self._order}
@@ -145,6 +155,11 @@ class BudgetedStager:
             self._wait(lambda: not any(self._state[k] in (_PENDING, _COPYING, _BORROWED) for k in live), start)
             self.waited_s += time.monotonic() - waited
 
+    def begin_frozen(self) -> None:
+        """``stage_frozen`` is about to be started: a writer waits for its copies (unless it waits for room)."""
+        with self._cond:
+            self._frozen_beside = bool(self._frozen)
+
     def stage_frozen(self) -> None:
         """(A background thread.) Copy the frozen tensors in the writers' order, in batches of at most
         ``batch_bytes`` that fit the budget, waiting for room while the writer runs. One larger than the budget is
@@ -157,6 +172,9 @@ class BudgetedStager:
                     if not pending:
                         return
                     first = pending[0]
+                    if self.held_bytes + _nbytes(first) > self.budget:
+                        self._stuck_since = time.monotonic()
+                        self._cond.notify_all()  # a writer that holds room of its own copies what it needs itself
                     self._cond.wait_for(
                         lambda first=first: (
                             self._closed
@@ -165,6 +183,7 @@ class BudgetedStager:
                             or self.held_bytes + _nbytes(first) <= self.budget
                         )
                     )
+                    self._stuck_since = None
                     if self._closed or self._abandoned is not None:
                         return
                     if self._state[id(first)] != _PENDING:
@@ -184,10 +203,15 @@ class BudgetedStager:
                 with self._cond:
                     for t, copy in zip(batch, copies, strict=True):
                         self._stored(t, copy, False)
+                        self._fetched_from_frozen.add(id(t))
                         self._frozen.pop(id(t), None)  # its device copy can go now
         except BaseException as e:
             with self._cond:
                 self._error = e
+                self._cond.notify_all()
+        finally:
+            with self._cond:
+                self._frozen_beside, self._stuck_since = False, None
                 self._cond.notify_all()
 
     def _wait(self, ready: Any, start: float) -> None:
@@ -231,9 +255,9 @@ class BudgetedStager:
             state = self._state.get(key)
             if state is None:  # not planned (should not happen): a private copy, outside the budget
                 return _copy(t)[0]
-            while state == _COPYING and self._error is None:
-                self._cond.wait()
-                state = self._state[key]
+            while self._waits_for(key, t):
+                self._cond.wait(STUCK_S / 4)
+            state = self._state[key]
             if self._error is not None and state != _STAGED:
                 raise RuntimeError(f"copying the state to the host failed: {self._error}") from self._error
             self._fetched().append(t)
@@ -252,6 +276,7 @@ class BudgetedStager:
                 return t.detach()
             else:  # done: fetched again after its file was written (a tensor shared by two files)
                 return self._copies.get(key, t.detach())
+        frozen_copy = frozen is not None
         if frozen is not None:
             copy, mapped = self._fetch([frozen])[0], False
             del frozen
@@ -259,8 +284,27 @@ class BudgetedStager:
             copy, mapped = _copy(t)
         with self._cond:
             self._stored(t, copy, mapped)
+            if frozen_copy:
+                self._fetched_from_frozen.add(key)
             self._frozen.pop(key, None)
         return copy
+
+    def _waits_for(self, key: int, t: torch.Tensor) -> bool:
+        """(Under the lock.) Whether a writer that needs ``t`` waits: while another thread copies it, or while
+        ``stage_frozen`` is on its way to it. While that waits for room, a writer holding copies of its own (the
+        file it writes holds room) copies ``t`` itself, and so does any writer once the wait has lasted
+        ``STUCK_S``: the budget is overdrawn rather than the save stalled."""
+        if self._error is not None or self._closed:
+            return False
+        state = self._state[key]
+        if state == _COPYING:
+            return True
+        if state != _PENDING or key not in self._frozen or _nbytes(t) > self.budget or not self._frozen_beside:
+            return False
+        if self._stuck_since is None:
+            return True
+        holds_room = any(self._state.get(id(f)) == _STAGED for f in self._fetched())
+        return not holds_room and time.monotonic() - self._stuck_since < STUCK_S
 
     def _fetched(self) -> list[torch.Tensor]:
         fetched = getattr(self._local, "fetched", None)
@@ -292,6 +336,8 @@ class BudgetedStager:
         if state == _STAGED:
             self.held_bytes -= _nbytes(t)
             copy = self._copies.pop(key, None)
+            if copy is not None and key in self._fetched_from_frozen and self._give_back is not None:
+                self._give_back(copy)
         if state in (_STAGED, _BORROWED):
             self._state[key] = _DONE
         return copy if copy is not None and key in self._mapped else None
@@ -308,6 +354,9 @@ class BudgetedStager:
         """The writer is done (or failed): free every copy and let ``stage`` return."""
         with self._cond:
             self._closed = True
+            if self._give_back is not None:
+                for key in self._fetched_from_frozen & self._copies.keys():
+                    self._give_back(self._copies[key])
             self._copies.clear()
             self._frozen.clear()
             self.held_bytes = 0

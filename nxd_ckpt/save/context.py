@@ -147,7 +147,7 @@ class Staged:
     lease: staging.StagedState | None = None
     """Async saves: the pooled host copy, handed back as soon as the files are written."""
     pool: staging.StagingPool | None = None
-    """The pool the lease came from."""
+    """The pool the lease (or a budgeted save's pinned arena) came from."""
     fetcher: DeviceTransfer | budget.BudgetedStager | None = None
     """Device tensors: their host copies, arriving on a background thread ahead of the writers (from the device
     snapshot of an async save, from the live tensors of a sync one); async saves under a host memory budget: the
@@ -171,6 +171,6 @@ class Staged:
                 pinned = self.fetcher.allocated_bytes  # pinned on the transfer thread
         if self.lease is not None:
             self.lease.release()
-            if monitor.cancelled and self.pool is not None:
-                self.pool.clear()
+        if monitor.cancelled and self.pool is not None:  # its memory may still be read: none of it is reused
+            self.pool.clear()
         return error, pinned

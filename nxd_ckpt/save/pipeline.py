@@ -41,7 +41,7 @@ import torch
 from nxd_ckpt import adapters, knobs, statefile, tree
 from nxd_ckpt import rank_state as rank_states
 from nxd_ckpt.device import snapshot as device_snapshot
-from nxd_ckpt.device.backend import on_device
+from nxd_ckpt.device.backend import native_device, on_device
 from nxd_ckpt.device.transfer import DeviceTransfer, run_on_transfer_thread
 from nxd_ckpt.errors import CheckpointTimeoutError
 from nxd_ckpt.format import integrity, layout, retention, sharding_marks, tags
@@ -228,7 +228,12 @@ class SavePipeline:
         with ctx.arrive_on_failure():
             tensors = plan.tensors_to_write(planned.state_files, self.coord.rank)
             device = list({id(t): t for t in tensors if on_device(t)}.values())
-            copies = device_snapshot.copy_on_device(device, options.device_budget) if device else None
+            copies = None
+            if device:
+                native = native_device(device)
+                pool = self.services.staging_pool
+                arena = pool.pinned_arena(options.budget_bytes, native.pinned_empty) if native is not None else None
+                copies = device_snapshot.copy_on_device(device, options.device_budget, arena)
             stager = budget.BudgetedStager(
                 tensors,
                 options.budget_bytes,
@@ -236,6 +241,7 @@ class SavePipeline:
                 frozen=copies.sources if copies is not None else None,
                 fetch=copies.fetch if copies is not None else None,
                 batch_bytes=knobs.xla_transfer_batch_bytes(),
+                give_back=copies.give_back if copies is not None else None,
             )
             stager.watch(ctx.storage)  # a written file frees the copies it was written from
             if ctx.tier is not None:
@@ -245,8 +251,10 @@ class SavePipeline:
             report.device_snapshot_bytes = copies.snapshot_bytes
             report.device_direct_bytes = sum(t.numel() * t.element_size() for t in device) - copies.snapshot_bytes
             report.device_budget_bytes = copies.budget_bytes
-        staged = Staged(planned.writes, fetcher=stager)
+        staged = Staged(planned.writes, fetcher=stager, pool=self.services.staging_pool)
         report.staging_s = self.timer.since(stage_start)
+        if copies is not None and copies.snapshot_bytes:
+            stager.begin_frozen()  # writers wait for the copies stage_frozen brings
         self.hand_off(ctx, staged, report)
         if copies is not None and copies.snapshot_bytes:
             run_on_transfer_thread(stager.stage_frozen)  # the device copies travel beside training, within the budget

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,7 @@ import torch
 from nxd_ckpt import pages
 from nxd_ckpt.device import snapshot as device_snapshot
 from nxd_ckpt.device.backend import SnapshotBudget, kind, native_device, on_device, resolve_snapshot_budget
-from nxd_ckpt.device.pinned import PinnedPool
+from nxd_ckpt.device.pinned import PinnedArena, PinnedPool
 from nxd_ckpt.device.transfer import DeviceTransfer, stand_in
 from nxd_ckpt.tree import iter_tensors, map_tensors
 
@@ -165,6 +165,17 @@ class StagingPool:
         self._prepared: pages.Prefaulter | None = None
         self.pinned = PinnedPool()
         """Pinned host buffers of native-accelerator snapshots' transfers, kept across saves like the sets."""
+        self._arena: PinnedArena | None = None
+
+    def pinned_arena(
+        self, capacity: int, allocate: Callable[[Sequence[int], torch.dtype], torch.Tensor]
+    ) -> PinnedArena:
+        """The pinned memory of saves under a host memory budget of ``capacity`` bytes (native accelerators): kept
+        across saves, replaced when the budget changes, dropped by ``clear``."""
+        with self._cond:
+            if self._arena is None or self._arena.capacity != capacity or self._arena.lent_bytes:
+                self._arena = PinnedArena(capacity, allocate)
+            return self._arena
 
     @property
     def held_bytes(self) -> int:
@@ -275,6 +286,7 @@ class StagingPool:
             self._prepared.close()  # stops within one piece: no populating of memory being freed
         self.pinned.clear()
         with self._cond:
+            self._arena = None
             self._free.clear()
             self._generation += 1
 

@@ -124,3 +124,36 @@ def load_into_live_tensors(path: str, device: str, width: int = WIDTH) -> None:
     assert_state_equal(host_copy(model2.state_dict()), expected_model)
     assert_state_equal(host_copy(opt2.state_dict())["state"], expected_opt["state"])
     steps(model2, opt2, 1, seed=3)  # the loaded optimizer state trains on
+
+
+def budgeted_saves_reuse_one_pinned_arena(path: str, device: str, width: int = WIDTH) -> None:
+    """Two async saves under a host memory budget of a third of the state (the model's bytes, twice the largest
+    tensor): the copies land in one pinned arena
+    of the budget's size, pinned by the first save and reused by the second, every piece given back once its file
+    is written; each tag holds the state of its call."""
+    manager = CheckpointManager()
+    model, opt = training(device, width)
+    budget = state_bytes(device, width)  # the optimizer's moments are twice as much again
+    arenas = []
+    for step in (1, 2):
+        steps(model, opt, 1, seed=step)
+        expected_model, expected_opt = host_copy(model.state_dict()), host_copy(opt.state_dict())
+        report = manager.save(
+            path, f"step_{step}", model=model, optimizer=opt, async_save=True, use_xser=True, host_memory_budget=budget
+        )
+        steps(model, opt, 2, seed=10 + step)  # training goes on while the copies travel
+        report.wait()
+        assert report.device_snapshot_bytes > 0
+        arena = manager._staging_pool._arena
+        assert arena is not None and arena.capacity == budget and arena.lent_bytes == 0
+        arenas.append(arena)
+        loaded_model, loaded_opt = training(device, width)
+        steps(loaded_model, loaded_opt, 1, seed=9)
+        manager.load(path, f"step_{step}", model=loaded_model, optimizer=loaded_opt)
+        assert_state_equal(host_copy(loaded_model.state_dict()), expected_model)
+        assert_state_equal(host_copy(loaded_opt.state_dict())["state"], expected_opt["state"])
+    assert arenas[0] is arenas[1] and arenas[0].allocated_bytes == budget
+    # pieces go back as their files are written: only a writer ahead of the copies (or a run too short) misses one
+    assert arenas[0].refused_bytes < budget, f"{arenas[0].refused_bytes} bytes found no room in the arena"
+    manager.finalize()
+    assert manager._staging_pool._arena is None

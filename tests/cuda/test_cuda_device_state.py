@@ -39,3 +39,7 @@ def test_under_a_host_memory_budget_the_call_snapshots_and_the_copies_travel_bes
     budget = native_state.state_bytes("cuda") // 4
     report = native_state.save_during_training(str(tmp_path), monkeypatch, "cuda", True, host_memory_budget=budget)
     assert report.device_snapshot_bytes > 0 and report.device_direct_bytes == 0
+
+
+def test_budgeted_saves_copy_into_one_pinned_arena_that_they_reuse(tmp_path):
+    native_state.budgeted_saves_reuse_one_pinned_arena(str(tmp_path), "cuda")

@@ -104,3 +104,10 @@ def test_under_a_host_memory_budget_the_call_snapshots_and_the_copies_travel_bes
             str(tmp_path), monkeypatch, device, True, width=WIDTH, host_memory_budget=budget
         )
     assert report.device_snapshot_bytes > 0 and report.device_direct_bytes == 0
+
+
+@run_with_ranks(1, env=SMALL_BUFFERS)
+def test_budgeted_saves_copy_into_one_pinned_arena_that_they_reuse(tmp_path):
+    from nxd_ckpt.testing import native_state
+
+    native_state.budgeted_saves_reuse_one_pinned_arena(str(tmp_path), _fake(), WIDTH)

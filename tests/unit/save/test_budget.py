@@ -187,6 +187,53 @@ def test_a_writer_ahead_of_the_frozen_copies_copies_what_it_needs_itself():
     assert stager.overdrawn_bytes == 2 * MIB
 
 
+def test_writers_of_one_tensor_files_wait_for_the_frozen_copies_instead_of_overdrawing():
+    """xser writes a file per tensor, on several threads: they wait for ``stage_frozen``, whose copies never hold
+    more than the budget."""
+    order = [torch.full((MIB // 4,), float(i)) for i in range(12)]
+    stager = BudgetedStager(order, budget=2 * MIB, timeout_s=60, frozen=_frozen(order), batch_bytes=MIB)
+    stager.begin_frozen()
+    for t in order:
+        t.add_(100.0)
+    files = iter(range(12))
+    claim = threading.Lock()
+    out: dict[int, float] = {}
+
+    def writer() -> None:
+        while True:
+            with claim:
+                i = next(files, None)
+            if i is None:
+                return
+            out[i] = float(stager.host(order[i])[0])
+            stager.file_written()
+
+    writers = [threading.Thread(target=writer) for _ in range(4)]
+    for w in writers:
+        w.start()
+    stager.stage_frozen()
+    for w in writers:
+        w.join(timeout=60)
+    stager.close()
+    assert out == {i: float(i) for i in range(12)}
+    assert stager.overdrawn_bytes == 0 and stager.peak_bytes <= 2 * MIB
+
+
+def test_a_file_larger_than_the_budget_overdraws_it_rather_than_stall():
+    """A plain file holds its tensors until it is closed: once the budget is full of them, its writer copies the
+    next ones itself."""
+    order = [torch.full((MIB // 4,), float(i)) for i in range(4)]
+    stager = BudgetedStager(order, budget=2 * MIB, timeout_s=60, frozen=_frozen(order), batch_bytes=MIB)
+    stager.begin_frozen()
+    beside = threading.Thread(target=stager.stage_frozen)
+    beside.start()
+    out: list = []
+    _writer(stager, order, out, [[0, 1, 2, 3]])
+    beside.join(timeout=60)
+    assert [float(t[0]) for t in out[0]] == [0.0, 1.0, 2.0, 3.0]
+    assert stager.overdrawn_bytes == 2 * MIB
+
+
 def test_an_error_while_copying_frozen_tensors_reaches_the_writer():
     order = [torch.ones(MIB // 4) for _ in range(2)]
 
