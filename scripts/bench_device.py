@@ -501,6 +501,9 @@ REPORT_FIELDS = (
     "device_direct_bytes",
     "device_direct_s",
     "device_budget_bytes",
+    "budget_wait_s",
+    "budget_peak_bytes",
+    "budget_overdrawn_bytes",
     "bytes_written",
     "write_s",
     "total_s",
@@ -573,6 +576,11 @@ def describe_save(figures: dict[str, Any]) -> str:
         details.append(f"device direct {r['device_direct_s']:.3f} s")
     if r.get("staging_allocated_bytes"):
         details.append(f"host staging allocated {fmt_bytes(r['staging_allocated_bytes'])}")
+    if r.get("budget_peak_bytes"):  # under a host memory budget (NXD_CKPT_HOST_MEMORY_BUDGET)
+        details.append(
+            f"host budget: waited {r.get('budget_wait_s', 0):.3f} s, copies held at most "
+            f"{fmt_bytes(r['budget_peak_bytes'])}, overdrawn {fmt_bytes(r.get('budget_overdrawn_bytes', 0))}"
+        )
     parts[0] += f" ({', '.join(details)})" if details else ""
     if "call_minflt" in figures:
         parts.append(f"{figures['call_minflt']} page faults and {figures['call_compiles']} graph compiles in the call")

@@ -310,6 +310,9 @@ class SavePipeline:
         fetch_error, pinned = staged.close(ctx.monitor)
         error = error or fetch_error
         report.staging_allocated_bytes += pinned
+        if isinstance(staged.fetcher, budget.BudgetedStager):
+            report.budget_peak_bytes = staged.fetcher.peak_bytes
+            report.budget_overdrawn_bytes = staged.fetcher.overdrawn_bytes
         try:
             commit.commit(ctx.barrier(), ctx.commit, coord.rank, error)
         finally:

@@ -31,6 +31,11 @@ class SaveReport:
     budget_wait_s: float = 0.0
     """Part of ``blocked_s`` an async save under a host memory budget waited for the writer (to free memory, or to
     write what did not fit); 0 without a budget."""
+    budget_peak_bytes: int = 0
+    """Under a host memory budget: the most bytes of host copies the save held at once (set when the write ends)."""
+    budget_overdrawn_bytes: int = 0
+    """Under a host memory budget: bytes of device copies that writers ahead of the background copies made
+    themselves, beyond the budget (set when the write ends; docs/async.md)."""
     device_snapshot_bytes: int = 0
     """Bytes of device state copied on the device (async saves): the snapshot's extra device memory at its peak,
     freed chunk by chunk as the copy reaches the host beside training."""

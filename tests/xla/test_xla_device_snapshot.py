@@ -148,6 +148,7 @@ def test_under_a_host_memory_budget_the_call_snapshots_and_the_state_travels_wit
     assert report.device_snapshot_bytes > 0 and report.device_direct_bytes == 0
     (stager,) = stagers.made
     assert stager.peak_bytes <= budget + stager.overdrawn_bytes
+    assert (report.budget_peak_bytes, report.budget_overdrawn_bytes) == (stager.peak_bytes, stager.overdrawn_bytes)
     assert stager.staged_bytes >= report.device_snapshot_bytes
     assert not stager._frozen, "a device copy outlived the save"
 
