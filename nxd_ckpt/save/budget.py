@@ -16,6 +16,13 @@ Tensors of 1 MiB or less that the writer asks for before they are copied are cop
 they fit (a plain file's small tensors, xser tensors kept inline), so that the call need not wait for their files;
 they count toward the budget like the others. Copies fetched outside any file (xser's inline tensors, taken when
 the reference data is built) are freed when the writer ends.
+
+Device state comes as *frozen* tensors: copies on the device (a snapshot the call took) that nothing changes. The
+call does not stage them; ``stage_frozen``, on the transfer thread, brings them to the host in the writers' order,
+in batches that fit the budget (``fetch``: bulk transfers, or copies into a pinned arena whose pieces ``give_back``
+returns once their files are written). A writer waits for the frozen tensor it needs, unless ``stage_frozen`` waits
+for room that the writer's own file holds (or has waited ``STUCK_S``): the writer then copies it itself, beyond the
+budget (``overdrawn_bytes``), rather than stall the save.
 """
 
 from __future__ import annotations
@@ -76,9 +83,10 @@ def _copy(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
 class BudgetedStager:
     """Host copies of an async save's tensors that never hold more than ``budget`` bytes at once.
 
-    Used from three places: ``stage`` on the training thread (inside the save call), ``host`` on the writer's
-    threads (the ``HostCopy`` every state-file writer takes), and the storages given to ``watch`` (a closed file
-    frees the copies its writer thread fetched). ``close`` (the writer's end) frees everything and wakes ``stage``.
+    Used from four places: ``stage`` on the training thread (inside the save call), ``stage_frozen`` on the transfer
+    thread (device copies, ``frozen``), ``host`` on the writer's threads (the ``HostCopy`` every state-file writer
+    takes), and the storages given to ``watch`` (a closed file frees the copies its writer thread fetched). ``close``
+    (the writer's end) frees everything and wakes ``stage`` and ``stage_frozen``.
     """
 
     def __init__(
