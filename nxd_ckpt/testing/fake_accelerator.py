@@ -89,12 +89,16 @@ def _rewrap(x: Any, by_inner: dict[int, FakeAccTensor]) -> Any:
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> torch.Tensor:
-    """``dst.copy_(src)``: now on the default stream or when blocking, else queued on the current stream."""
+    """``dst.copy_(src)``: now on the default stream; on another, queued when ``non_blocking``, else run after what
+    that stream holds (a blocking copy keeps its stream's order and returns once done)."""
     dst_inner, src_inner = _unwrap(dst), _unwrap(src)
     stream = current_stream()
-    if non_blocking and not stream.is_default:
+    if stream.is_default:
+        dst_inner.copy_(src_inner)
+    elif non_blocking:
         stream.enqueue(lambda: dst_inner.copy_(src_inner))
     else:
+        stream.synchronize()
         dst_inner.copy_(src_inner)
     return dst
 

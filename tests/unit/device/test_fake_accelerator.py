@@ -11,6 +11,9 @@ import pytest
 import torch
 import torch.utils.backend_registration as backend_registration
 
+import nxd_ckpt as nxd
+from nxd_ckpt.testing.fakes import assert_state_equal
+from nxd_ckpt.testing.held_transfer import host_copy
 from nxd_ckpt.testing.multiprocess import run_with_ranks
 
 pytestmark = pytest.mark.skipif(
@@ -111,3 +114,42 @@ def test_budgeted_saves_copy_into_one_pinned_arena_that_they_reuse(tmp_path):
     from nxd_ckpt.testing import native_state
 
     native_state.budgeted_saves_reuse_one_pinned_arena(str(tmp_path), _fake(), WIDTH)
+
+
+@run_with_ranks(1, env=SMALL_BUFFERS)
+def test_a_budgeted_save_whose_write_fails_frees_the_transfer_thread_for_the_next_save(tmp_path):
+    """The write fails at once: the save reports it, and the copies it had not brought yet do not keep the
+    process's transfer thread, so the next budgeted save completes and holds its call's state."""
+    from nxd_ckpt.errors import AsyncSaveError
+    from nxd_ckpt.save import pipeline
+    from nxd_ckpt.testing import native_state
+
+    device = _fake()
+    model, opt = native_state.training(device, WIDTH)
+    native_state.steps(model, opt, 1, seed=1)
+    budget = native_state.state_bytes(device, WIDTH) // 2
+    real_write_files = pipeline.write_files
+
+    def failing(*args, **kwargs):
+        raise OSError("disk full (injected)")
+
+    with native_state.patched() as monkeypatch:
+        monkeypatch.setattr(pipeline, "write_files", failing)
+        failed = nxd.save_checkpoint(str(tmp_path), "step_1", model=model, optimizer=opt, async_save=True,
+                                     host_memory_budget=budget)  # fmt: skip
+        with pytest.raises(Exception, match="disk full"):
+            failed.wait()
+        monkeypatch.setattr(pipeline, "write_files", real_write_files)
+    with pytest.raises(AsyncSaveError, match="disk full"):  # the failure again, raised once by the next save
+        nxd.save_checkpoint(str(tmp_path), "step_2", model=model, optimizer=opt, async_save=True,
+                            host_memory_budget=budget)  # fmt: skip
+    expected = host_copy(model.state_dict())
+    report = nxd.save_checkpoint(str(tmp_path), "step_2", model=model, optimizer=opt, async_save=True,
+                                 host_memory_budget=budget)  # fmt: skip
+    native_state.steps(model, opt, 2, seed=2)
+    report.wait()
+    nxd.finalize_checkpoint()
+    assert report.completed and report.device_snapshot_bytes > 0
+    loaded, _ = native_state.training(device, WIDTH)
+    nxd.load_checkpoint(str(tmp_path), "step_2", model=loaded)
+    assert_state_equal(host_copy(loaded.state_dict()), expected)

@@ -234,6 +234,21 @@ def test_a_file_larger_than_the_budget_overdraws_it_rather_than_stall():
     assert stager.overdrawn_bytes == 2 * MIB
 
 
+def test_a_writer_that_fails_releases_the_background_copier_waiting_for_room():
+    """The writer takes two copies (the whole budget) and fails before closing its file: ``close`` (the write's
+    end) frees the copier, which waited for room, instead of leaving the process's transfer thread stuck."""
+    order = [torch.ones(MIB // 4) for _ in range(4)]
+    stager = BudgetedStager(order, budget=2 * MIB, timeout_s=60, frozen=_frozen(order), batch_bytes=MIB)
+    stager.begin_frozen()
+    beside = threading.Thread(target=stager.stage_frozen)
+    beside.start()
+    stager.host(order[0])
+    stager.host(order[1])  # the budget is full; the copier waits for room that never comes
+    stager.close()
+    beside.join(timeout=10)
+    assert not beside.is_alive()
+
+
 def test_an_error_while_copying_frozen_tensors_reaches_the_writer():
     order = [torch.ones(MIB // 4) for _ in range(2)]
 
