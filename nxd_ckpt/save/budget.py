@@ -115,6 +115,9 @@ class BudgetedStager:
         """``stage_frozen`` will run or runs (``begin_frozen`` until it ends): writers wait for its copies."""
         self._stuck_since: float | None = None
         """Since when ``stage_frozen`` waits for room (None while it does not)."""
+        self._frozen_progress = 0.0
+        """When ``stage_frozen`` last showed progress (announced, stored a batch); ``_fetching`` while it copies."""
+        self._fetching = False
         self._batch_bytes = batch_bytes if batch_bytes is not None else self.budget
         self._error: BaseException | None = None
         self._state: dict[int, int] = {id(t): _PENDING for t in self._order}
@@ -167,6 +170,7 @@ class BudgetedStager:
         """``stage_frozen`` is about to be started: a writer waits for its copies (unless it waits for room)."""
         with self._cond:
             self._frozen_beside = bool(self._frozen)
+            self._frozen_progress = time.monotonic()
 
     def stage_frozen(self) -> None:
         """(A background thread.) Copy the frozen tensors in the writers' order, in batches of at most
@@ -206,8 +210,14 @@ class BudgetedStager:
                         limit -= _nbytes(t)
                         batch.append(t)
                     sources = [self._frozen[id(t)] for t in batch]
-                copies = self._fetch(sources)
-                del sources
+                    self._fetching = True
+                try:
+                    copies = self._fetch(sources)
+                finally:
+                    del sources
+                    with self._cond:
+                        self._fetching = False
+                        self._frozen_progress = time.monotonic()
                 with self._cond:
                     for t, copy in zip(batch, copies, strict=True):
                         self._stored(t, copy, False)
@@ -301,7 +311,8 @@ class BudgetedStager:
         """(Under the lock.) Whether a writer that needs ``t`` waits: while another thread copies it, or while
         ``stage_frozen`` is on its way to it. While that waits for room, a writer holding copies of its own (the
         file it writes holds room) copies ``t`` itself, and so does any writer once the wait has lasted
-        ``STUCK_S``: the budget is overdrawn rather than the save stalled."""
+        ``STUCK_S``, or once ``stage_frozen`` has shown no progress for as long (not started: the transfer thread
+        is busy elsewhere): the budget is overdrawn rather than the save stalled."""
         if self._error is not None or self._closed:
             return False
         state = self._state[key]
@@ -309,10 +320,11 @@ class BudgetedStager:
             return True
         if state != _PENDING or key not in self._frozen or _nbytes(t) > self.budget or not self._frozen_beside:
             return False
-        if self._stuck_since is None:
-            return True
-        holds_room = any(self._state.get(id(f)) == _STAGED for f in self._fetched())
-        return not holds_room and time.monotonic() - self._stuck_since < STUCK_S
+        if self._stuck_since is not None:
+            holds_room = any(self._state.get(id(f)) == _STAGED for f in self._fetched())
+            return not holds_room and time.monotonic() - self._stuck_since < STUCK_S
+        # on its way, unless it shows no progress (not started yet: the transfer thread is busy elsewhere)
+        return self._fetching or time.monotonic() - self._frozen_progress < STUCK_S
 
     def _fetched(self) -> list[torch.Tensor]:
         fetched = getattr(self._local, "fetched", None)

@@ -249,6 +249,17 @@ def test_a_writer_that_fails_releases_the_background_copier_waiting_for_room():
     assert not beside.is_alive()
 
 
+def test_a_writer_does_not_wait_forever_for_a_copier_that_never_starts(monkeypatch):
+    from nxd_ckpt.save import budget
+
+    monkeypatch.setattr(budget, "STUCK_S", 0.2)
+    order = [torch.full((MIB // 4,), 7.0)]
+    stager = BudgetedStager(order, budget=2 * MIB, timeout_s=60, frozen=_frozen(order))
+    stager.begin_frozen()  # announced, but the transfer thread never gets to it
+    assert float(stager.host(order[0])[0]) == 7.0
+    assert stager.overdrawn_bytes == 0  # copied by the writer, within the budget
+
+
 def test_an_error_while_copying_frozen_tensors_reaches_the_writer():
     order = [torch.ones(MIB // 4) for _ in range(2)]
 
