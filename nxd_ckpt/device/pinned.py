@@ -134,10 +134,6 @@ class PinnedArena:
             self._taken[piece.data_ptr()] = (start, start + size)
             return piece
 
-    def owns(self, t: torch.Tensor) -> bool:
-        with self._lock:
-            return t.data_ptr() in self._taken
-
     def give_back(self, piece: torch.Tensor) -> None:
         """Free ``piece`` (a tensor ``take`` returned) for later pieces."""
         with self._lock:

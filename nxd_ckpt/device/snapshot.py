@@ -68,19 +68,13 @@ def take(
     chunk_bytes: int | None = None,
 ) -> Snapshot:
     """Snapshot the device ``tensors`` (distinct, in the order the writers need them) and start their transfer."""
-    if not all(on_device(t) for t in tensors):
-        raise ValueError(
-            "a device snapshot takes device tensors only (XLA or an accelerator's); host tensors are staged"
-        )
+    device_kind = _device_kind(tensors)
     start_transfer_thread()  # before the device gets busy with the copies (the first save of a process)
     limit, source = budget.resolve(tensors)
     fit, rest = split_by_budget(tensors, limit)
     keys = [stand_in(t) for t in tensors]
-    kinds = {kind(t) for t in tensors}
-    if len(kinds) > 1:
-        raise ValueError(f"one rank's state spans device kinds {sorted(kinds)}; expected one device per rank")
     start = time.perf_counter()
-    if kinds == {"xla"}:
+    if device_kind == "xla":
         transfer = _take_xla(tensors, keys, fit, rest, chunk_bytes)
     else:
         transfer = _take_native(tensors, keys, fit, rest, pool, chunk_bytes)
@@ -104,7 +98,6 @@ class DeviceCopies:
     """``id`` of each live device tensor that fit the snapshot budget -> its copy on the device."""
     snapshot_bytes: int
     budget_bytes: int
-    budget_source: str
     native: NativeDevice | None = None
     ready: Any = None
     """A native device's event recorded after the clones (the first fetch's copies wait for it)."""
@@ -151,15 +144,11 @@ def copy_on_device(
     that fits ``budget``, launched and not waited for (XLA: the clones under one sync; native: clone kernels on the
     training stream). The rest stay live: the save's call stages them itself. ``arena``: pinned memory that a
     native device's copies are fetched into."""
-    if not all(on_device(t) for t in tensors):
-        raise ValueError("device copies are taken of device tensors only")
-    kinds = {kind(t) for t in tensors}
-    if len(kinds) > 1:
-        raise ValueError(f"one rank's state spans device kinds {sorted(kinds)}; expected one device per rank")
-    limit, source = budget.resolve(tensors)
+    device_kind = _device_kind(tensors)
+    limit, _source = budget.resolve(tensors)
     fit, _rest = split_by_budget(tensors, limit)
     native = ready = None
-    if kinds == {"xla"}:
+    if device_kind == "xla":
         clones, _ = _launch_xla_copies([tensors[i] for i in fit], list(range(len(fit))), [], wait=False)
     else:
         native = native_device(tensors)
@@ -171,11 +160,22 @@ def copy_on_device(
         sources={id(tensors[i]): c for i, c in zip(fit, clones, strict=True)},
         snapshot_bytes=sum(nbytes(tensors[i]) for i in fit),
         budget_bytes=limit,
-        budget_source=source,
         native=native,
         ready=ready,
         arena=arena if native is not None else None,
     )
+
+
+def _device_kind(tensors: Sequence[torch.Tensor]) -> str:
+    """The one device kind of ``tensors`` (``xla`` or ``native``); raises for host tensors or a mix of kinds."""
+    if not all(on_device(t) for t in tensors):
+        raise ValueError(
+            "a device snapshot takes device tensors only (XLA or an accelerator's); host tensors are staged"
+        )
+    kinds = {kind(t) for t in tensors}
+    if len(kinds) > 1:
+        raise ValueError(f"one rank's state spans device kinds {sorted(kinds)}; expected one device per rank")
+    return kinds.pop() if kinds else "xla"
 
 
 def graph_order(tensors: Sequence[torch.Tensor]) -> list[int]:

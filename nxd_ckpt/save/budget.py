@@ -294,15 +294,12 @@ class BudgetedStager:
                 return t.detach()
             else:  # done: fetched again after its file was written (a tensor shared by two files)
                 return self._copies.get(key, t.detach())
-        frozen_copy = frozen is not None
-        if frozen is not None:
-            copy, mapped = self._fetch([frozen])[0], False
-            del frozen
-        else:
-            copy, mapped = _copy(t)
+        from_frozen = frozen is not None
+        copy, mapped = (self._fetch([frozen])[0], False) if frozen is not None else _copy(t)
+        del frozen
         with self._cond:
             self._stored(t, copy, mapped)
-            if frozen_copy:
+            if from_frozen:
                 self._fetched_from_frozen.add(key)
             self._frozen.pop(key, None)
         return copy

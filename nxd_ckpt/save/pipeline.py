@@ -41,7 +41,7 @@ import torch
 from nxd_ckpt import adapters, knobs, statefile, tree
 from nxd_ckpt import rank_state as rank_states
 from nxd_ckpt.device import snapshot as device_snapshot
-from nxd_ckpt.device.backend import native_device, on_device
+from nxd_ckpt.device.backend import native_device, nbytes, on_device
 from nxd_ckpt.device.transfer import DeviceTransfer, run_on_transfer_thread
 from nxd_ckpt.errors import CheckpointTimeoutError
 from nxd_ckpt.format import integrity, layout, retention, sharding_marks, tags
@@ -246,17 +246,18 @@ class SavePipeline:
             stager.watch(ctx.storage)  # a written file frees the copies it was written from
             if ctx.tier is not None:
                 stager.watch(ctx.tier.storage)
+        frozen = copies is not None and copies.snapshot_bytes > 0
         if copies is not None:
             copies.sources.clear()  # the stager holds the device copies now, and drops each once it is on the host
             report.device_snapshot_bytes = copies.snapshot_bytes
-            report.device_direct_bytes = sum(t.numel() * t.element_size() for t in device) - copies.snapshot_bytes
+            report.device_direct_bytes = sum(nbytes(t) for t in device) - copies.snapshot_bytes
             report.device_budget_bytes = copies.budget_bytes
         staged = Staged(planned.writes, fetcher=stager, pool=self.services.staging_pool)
         report.staging_s = self.timer.since(stage_start)
-        if copies is not None and copies.snapshot_bytes:
+        if frozen:
             stager.begin_frozen()  # writers wait for the copies stage_frozen brings
         self.hand_off(ctx, staged, report)
-        if copies is not None and copies.snapshot_bytes:
+        if frozen:
             run_on_transfer_thread(stager.stage_frozen)  # the device copies travel beside training, within the budget
         stager.stage()  # copies what fits, waits for the rest
         report.budget_wait_s = stager.waited_s
