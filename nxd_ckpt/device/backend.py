@@ -9,6 +9,7 @@ info). ``meta`` tensors carry shapes only and never move.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from nxd_ckpt import knobs, xla
+from nxd_ckpt.device.pinned import REGISTER_MIN_BYTES, registered_empty
 
 BUDGET_ENV = "NXD_CKPT_DEVICE_SNAPSHOT_BUDGET"
 FREE_FRACTION = 0.9
@@ -80,7 +82,14 @@ class NativeDevice:
             yield
 
     def pinned_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """Page-locked host memory (device copies into it run asynchronously at full speed)."""
+        """Page-locked host memory (device copies into it run asynchronously at full speed). CUDA buffers of a MiB
+        or more are pageable memory locked in place (``pinned.registered_empty``: training goes on meanwhile)."""
+        if self.device.type == "cuda" and _cuda_can_register():
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            if nbytes >= REGISTER_MIN_BYTES:
+                buffer = registered_empty(shape, dtype, _cuda_register, _cuda_unregister)
+                if buffer is not None:
+                    return buffer
         return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
 
     def free_bytes(self) -> int | None:
@@ -94,6 +103,28 @@ class NativeDevice:
         except Exception:
             return None
         return int(free) + max(0, int(cached))
+
+
+_CUDA_REGISTER_FAILED: list[str] = []
+"""Why ``cudaHostRegister`` failed in this process, once it has: later buffers come from torch's pinned allocator."""
+
+
+def _cuda_can_register() -> bool:
+    return not _CUDA_REGISTER_FAILED and hasattr(torch.cuda, "cudart")
+
+
+def _cuda_register(address: int, length: int) -> bool:
+    error = int(torch.cuda.cudart().cudaHostRegister(address, length, 0))
+    if error == 0:
+        return True
+    _CUDA_REGISTER_FAILED.append(f"cudaHostRegister returned error {error}")
+    with contextlib.suppress(Exception):  # the runtime keeps the error for this thread's next launch check
+        torch.zeros(1, device="cuda").add_(1)  # a tiny launch takes it here
+    return False
+
+
+def _cuda_unregister(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
 
 
 def native_device(tensors: Sequence[torch.Tensor]) -> NativeDevice | None:

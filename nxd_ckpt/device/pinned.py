@@ -9,12 +9,61 @@ them. Host memory stays one copy of what the rank saves.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import threading
 from collections.abc import Callable, Sequence
 
 import torch
 
 Key = tuple[tuple[int, ...], torch.dtype]
+PAGE = mmap.PAGESIZE
+REGISTER_MIN_BYTES = 1 << 20
+"""Smaller buffers come from the backend's own pinned allocator: registering them costs two pages each."""
+
+
+class _Registration:
+    """Keeps a registered range's pageable memory alive, and unregisters the range before that memory is freed."""
+
+    def __init__(self, memory: torch.Tensor, address: int, unregister: Callable[[int], None]) -> None:
+        self._memory = memory
+        self._address = address
+        self._unregister = unregister
+
+    def __del__(self) -> None:  # runs once the last tensor over the range is gone; then ``_memory`` is freed
+        try:  # noqa: SIM105 (no module globals: they may be gone at interpreter shutdown)
+            self._unregister(self._address)
+        except Exception:  # interpreter shutdown or a lost device: the memory is freed either way
+            pass
+
+
+def registered_empty(
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    register: Callable[[int, int], bool],
+    unregister: Callable[[int], None],
+) -> torch.Tensor | None:
+    """Page-locked host memory made by locking pageable memory in place (CUDA: ``cudaHostRegister``), or None when
+    ``register`` refuses. Measured on an H200 for 9.7 GB in 144 buffers: 1.4 s with training steps going on beside
+    it, where ``torch.empty(pin_memory=True)`` (``cudaHostAlloc``) took 3.8 s with no training step completing
+    meanwhile, and rounded every size up to a power of two. The pages are touched first on all cores; the range
+    registered lies inside this allocation on whole pages, so two buffers never share a registered page."""
+    count = 1
+    for size in shape:
+        count *= int(size)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return None
+    memory = torch.empty(nbytes + 2 * PAGE, dtype=torch.uint8)
+    memory.fill_(0)
+    address = -(-memory.data_ptr() // PAGE) * PAGE
+    length = max(PAGE, -(-nbytes // PAGE) * PAGE)
+    if not register(address, length):
+        return None
+    exporter = (ctypes.c_uint8 * length).from_address(address)
+    exporter._registration = _Registration(memory, address, unregister)  # type: ignore[attr-defined]
+    flat = torch.frombuffer(exporter, dtype=torch.uint8, count=nbytes)  # keeps ``exporter`` alive
+    return flat.view(dtype).view(tuple(shape))
 
 
 def key_of(t: torch.Tensor) -> Key:

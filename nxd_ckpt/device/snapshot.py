@@ -267,13 +267,15 @@ def _take_native(
     native = native_device(tensors)
     assert native is not None
     training = native.current_stream()
-    side = native.new_stream()
+    # a process's first stream costs milliseconds (the backend fills its stream pool): made here only when the call
+    # enqueues copies on it, else by the transfer thread
+    side = native.new_stream() if rest else None
     with torch.no_grad():
         clones = [tensors[i].detach().clone() for i in fit]
     arrived: dict[int, torch.Tensor] = {}
     lent: list[torch.Tensor] = []
     arrived_event = None
-    if rest:
+    if side is not None:
         side.wait_event(native.record(training))  # the copies see every update enqueued before the save
         with native.on(side), torch.no_grad():
             for i in rest:

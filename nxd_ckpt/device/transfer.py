@@ -169,9 +169,8 @@ class DeviceTransfer:
         self._reported = False
         self._done = False
         self._cond = threading.Condition()
-        if self._native is not None and self._side is None:  # ordered after the caller's stream, recorded here
-            self._side = self._native.new_stream()
-            self._ready = self._ready if self._ready is not None else self._native.record(self._native.current_stream())
+        if self._native is not None and self._ready is None:  # the copies come after the caller's work so far
+            self._ready = self._native.record(self._native.current_stream())
         xla_sources = [s for s in sources if kind(s) == "xla"]
         if xla_sources and not synced:
             xla.sync(xla_sources)  # one execution for all of them, on the caller's thread
@@ -226,8 +225,10 @@ class DeviceTransfer:
         if kind(sources[0]) == "xla":
             return xla.fetch(sources)
         native = self._native
-        if native is None or self._side is None:
+        if native is None:
             return [s.detach().to("cpu") for s in sources]
+        if self._side is None:  # made on this thread: a process's first stream costs milliseconds
+            self._side = native.new_stream()
         if self._ready is not None:
             self._side.wait_event(self._ready)
             self._ready = None

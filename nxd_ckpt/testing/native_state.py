@@ -5,6 +5,7 @@ optimizer steps right after the call, pinned buffers kept across saves, loads in
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -157,3 +158,26 @@ def budgeted_saves_reuse_one_pinned_arena(path: str, device: str, width: int = W
     assert arenas[0].refused_bytes < budget, f"{arenas[0].refused_bytes} bytes found no room in the arena"
     manager.finalize()
     assert manager._staging_pool._arena is None
+
+
+def snapshot_that_fits_makes_no_stream_in_the_call(path: str, device: str, width: int = WIDTH) -> None:
+    """A process's first stream costs milliseconds (the backend fills its stream pool): when the whole snapshot fits
+    on the device, the save's call makes none, and the transfer thread makes the one its copies run on."""
+    made: list[int] = []
+    real_new_stream = NativeDevice.new_stream
+
+    def recording(self: NativeDevice) -> Any:
+        made.append(threading.get_ident())
+        return real_new_stream(self)
+
+    model, opt = training(device, width)
+    steps(model, opt, 1, seed=1)
+    with patched() as monkeypatch:
+        monkeypatch.setattr(NativeDevice, "new_stream", recording)
+        report = nxd.save_checkpoint(path, "step_1", model=model, optimizer=opt, async_save=True, use_xser=True)
+        in_call = list(made)
+        report.wait()
+    nxd.finalize_checkpoint()
+    assert report.device_snapshot_bytes > 0 and report.device_direct_bytes == 0
+    assert threading.get_ident() not in in_call, "the save's call made a stream"
+    assert made and threading.get_ident() not in made, f"streams made on threads {made}"

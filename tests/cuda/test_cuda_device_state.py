@@ -27,6 +27,10 @@ def test_a_budget_smaller_than_the_state_copies_the_rest_on_a_side_stream_traini
     assert 0 < report.device_snapshot_bytes <= budget and report.device_direct_bytes > 0
 
 
+def test_a_save_whose_snapshot_fits_on_the_device_makes_its_side_stream_off_the_training_thread(tmp_path):
+    native_state.snapshot_that_fits_makes_no_stream_in_the_call(str(tmp_path), "cuda")
+
+
 def test_pinned_buffers_are_kept_across_saves_and_freed_by_finalize(tmp_path):
     native_state.pinned_buffers_are_kept_across_saves(str(tmp_path), "cuda")
 

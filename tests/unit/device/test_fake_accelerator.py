@@ -83,6 +83,13 @@ def test_a_budget_smaller_than_the_state_copies_the_rest_on_a_side_stream_traini
 
 
 @run_with_ranks(1, env=SMALL_BUFFERS)
+def test_a_save_whose_snapshot_fits_on_the_device_makes_its_side_stream_off_the_training_thread(tmp_path):
+    from nxd_ckpt.testing import native_state
+
+    native_state.snapshot_that_fits_makes_no_stream_in_the_call(str(tmp_path), _fake(), WIDTH)
+
+
+@run_with_ranks(1, env=SMALL_BUFFERS)
 def test_pinned_buffers_are_kept_across_saves_and_freed_by_finalize(tmp_path):
     from nxd_ckpt.testing import native_state
 
