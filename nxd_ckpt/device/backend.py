@@ -82,15 +82,22 @@ class NativeDevice:
             yield
 
     def pinned_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """Page-locked host memory (device copies into it run asynchronously at full speed). CUDA buffers of a MiB
-        or more are pageable memory locked in place (``pinned.registered_empty``: training goes on meanwhile)."""
+        """Page-locked host memory from the backend's allocator (copies into and out of it run asynchronously at
+        full speed; the allocator keeps a buffer dropped while a copy still runs until that copy is done)."""
+        return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
+
+    def staging_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """Page-locked host memory for device -> host copies that are always waited for before the buffer can be
+        dropped (a save's host copies). CUDA buffers of a MiB or more are pageable memory locked in place
+        (``pinned.registered_empty``: training goes on while they are locked; nothing holds them back for a copy
+        still running, hence the rule); others come from ``pinned_empty``."""
         if self.device.type == "cuda" and _cuda_can_register():
             nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             if nbytes >= REGISTER_MIN_BYTES:
                 buffer = registered_empty(shape, dtype, _cuda_register, _cuda_unregister)
                 if buffer is not None:
                     return buffer
-        return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
+        return self.pinned_empty(shape, dtype)
 
     def free_bytes(self) -> int | None:
         """Memory the device can still hand out: free in the driver plus what the caching allocator holds unused."""

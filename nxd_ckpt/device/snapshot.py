@@ -277,16 +277,20 @@ def _take_native(
     arrived_event = None
     if side is not None:
         side.wait_event(native.record(training))  # the copies see every update enqueued before the save
-        with native.on(side), torch.no_grad():
-            for i in rest:
-                buffer = (
-                    pool.take(tensors[i], native.pinned_empty)
-                    if pool is not None
-                    else native.pinned_empty(tensors[i].shape, tensors[i].dtype)
-                )
-                buffer.copy_(tensors[i].detach(), non_blocking=True)
-                arrived[id(keys[i])] = buffer
-                lent.append(buffer)
+        try:
+            with native.on(side), torch.no_grad():
+                for i in rest:
+                    buffer = (
+                        pool.take(tensors[i], native.staging_empty)
+                        if pool is not None
+                        else native.staging_empty(tensors[i].shape, tensors[i].dtype)
+                    )
+                    buffer.copy_(tensors[i].detach(), non_blocking=True)
+                    arrived[id(keys[i])] = buffer
+                    lent.append(buffer)
+        except BaseException:
+            native.record(side).synchronize()  # staging buffers are only dropped once their copies are done
+            raise
         arrived_event = native.record(side)
         training.wait_event(arrived_event)  # training's next kernels cannot overwrite what is still being copied
     ready = native.record(training)  # the clones are enqueued before this point

@@ -241,11 +241,11 @@ class DeviceTransfer:
 
     def _pinned_like(self, like: torch.Tensor, native: NativeDevice) -> torch.Tensor:
         if self._pool is None:
-            buffer = native.pinned_empty(like.shape, like.dtype)
+            buffer = native.staging_empty(like.shape, like.dtype)
             self.allocated_bytes += nbytes(buffer)
         else:
             before = self._pool.allocated_bytes
-            buffer = self._pool.take(like, native.pinned_empty)
+            buffer = self._pool.take(like, native.staging_empty)
             self.allocated_bytes += self._pool.allocated_bytes - before
         self._pinned.append(buffer)
         return buffer

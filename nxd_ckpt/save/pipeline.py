@@ -232,7 +232,7 @@ class SavePipeline:
             if device:
                 native = native_device(device)
                 pool = self.services.staging_pool
-                arena = pool.pinned_arena(options.budget_bytes, native.pinned_empty) if native is not None else None
+                arena = pool.pinned_arena(options.budget_bytes, native.staging_empty) if native is not None else None
                 copies = device_snapshot.copy_on_device(device, options.device_budget, arena)
             stager = budget.BudgetedStager(
                 tensors,

@@ -264,7 +264,7 @@ class StagingPool:
         if native:
             device = native_device(list(native.values()))
             assert device is not None
-            pinned = self.pinned.reserve(list(native.values()), device.pinned_empty)
+            pinned = self.pinned.reserve(list(native.values()), device.staging_empty)
         with self._cond:
             if self._free or self._lent or not unique:
                 return pinned

@@ -90,7 +90,7 @@ class FakeCudart:
 
 @pytest.fixture
 def cuda_pinned(monkeypatch: pytest.MonkeyPatch):
-    """``NativeDevice("cuda").pinned_empty`` with a fake cudart, and torch's pinned allocator recorded."""
+    """``NativeDevice("cuda").staging_empty`` with a fake cudart, and torch's pinned allocator recorded."""
     from_allocator: list[tuple[int, ...]] = []
     real_empty = torch.empty
 
@@ -110,12 +110,15 @@ def cuda_pinned(monkeypatch: pytest.MonkeyPatch):
     return make
 
 
-def test_cuda_buffers_of_a_mib_or_more_are_registered_in_place_smaller_ones_come_from_torch(cuda_pinned):
+def test_cuda_staging_buffers_of_a_mib_or_more_are_locked_in_place_others_come_from_torch(cuda_pinned):
     device, cudart, from_allocator = cuda_pinned(0)
-    big = device.pinned_empty((REGISTER_MIN_BYTES // 4,), torch.float32)
-    small = device.pinned_empty((16,), torch.float32)
+    big = device.staging_empty((REGISTER_MIN_BYTES // 4,), torch.float32)
+    small = device.staging_empty((16,), torch.float32)
     assert big.shape == (REGISTER_MIN_BYTES // 4,) and cudart.registry.registered == 1
     assert from_allocator == [(16,)] and small.shape == (16,)
+    load_arena = device.pinned_empty((REGISTER_MIN_BYTES,), torch.uint8)  # host -> device copies: the allocator's
+    assert from_allocator[-1] == (REGISTER_MIN_BYTES,) and cudart.registry.registered == 1
+    del load_arena
     del big
     gc.collect()
     assert cudart.registry.ranges == {}
@@ -123,7 +126,7 @@ def test_cuda_buffers_of_a_mib_or_more_are_registered_in_place_smaller_ones_come
 
 def test_after_a_failed_registration_every_buffer_comes_from_torchs_pinned_allocator(cuda_pinned):
     device, _cudart, from_allocator = cuda_pinned(712)  # cudaErrorHostMemoryAlreadyRegistered
-    device.pinned_empty((REGISTER_MIN_BYTES,), torch.uint8)
-    device.pinned_empty((REGISTER_MIN_BYTES,), torch.uint8)
+    device.staging_empty((REGISTER_MIN_BYTES,), torch.uint8)
+    device.staging_empty((REGISTER_MIN_BYTES,), torch.uint8)
     assert from_allocator == [(REGISTER_MIN_BYTES,), (REGISTER_MIN_BYTES,)]
     assert backend._CUDA_REGISTER_FAILED == ["cudaHostRegister returned error 712"]
