@@ -232,11 +232,13 @@ class DeviceTransfer:
         if self._ready is not None:
             self._side.wait_event(self._ready)
             self._ready = None
-        out = [self._pinned_like(s, native) for s in sources]
-        with native.on(self._side), torch.no_grad():
-            for buffer, s in zip(out, sources, strict=True):
-                buffer.copy_(s.detach(), non_blocking=True)
-        native.record(self._side).synchronize()
+        try:
+            out = [self._pinned_like(s, native) for s in sources]
+            with native.on(self._side), torch.no_grad():
+                for buffer, s in zip(out, sources, strict=True):
+                    buffer.copy_(s.detach(), non_blocking=True)
+        finally:  # also after a failure: staging buffers are only dropped once their copies are done
+            native.record(self._side).synchronize()
         return out
 
     def _pinned_like(self, like: torch.Tensor, native: NativeDevice) -> torch.Tensor:
