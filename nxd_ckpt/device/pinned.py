@@ -4,7 +4,8 @@ A device -> host copy into pageable memory runs at a fraction of the bus speed a
 page-locked (pinned) memory it is asynchronous and fast, but pinning is expensive (the first save of a process
 would pay it). So the pool keeps the buffers of the last save, matched by shape and dtype, and hands them to the
 next one; ``prepare`` reserves them ahead (``prepare_async_save``), and ``clear`` (``finalize_checkpoint``) frees
-them. Host memory stays one copy of what the rank saves.
+them. Host memory stays one copy of what the rank saves. ``registered_empty`` makes page-locked memory by locking
+pageable memory in place, which training can run beside (CUDA staging buffers: ``NativeDevice.staging_empty``).
 """
 
 from __future__ import annotations
