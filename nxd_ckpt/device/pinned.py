@@ -11,6 +11,7 @@ pageable memory in place, which training can run beside (CUDA staging buffers: `
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import threading
 from collections.abc import Callable, Sequence
@@ -49,10 +50,7 @@ def registered_empty(
     it, where ``torch.empty(pin_memory=True)`` (``cudaHostAlloc``) took 3.8 s with no training step completing
     meanwhile, and rounded every size up to a power of two. The pages are touched first on all cores; the range
     registered lies inside this allocation on whole pages, so two buffers never share a registered page."""
-    count = 1
-    for size in shape:
-        count *= int(size)
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return None
     memory = torch.empty(nbytes + 2 * PAGE, dtype=torch.uint8)
