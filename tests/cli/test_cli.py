@@ -22,6 +22,8 @@ from nxd_ckpt.cli import main
 from nxd_ckpt.testing.fakes import TinyMLP, make_training, train_steps
 from nxd_ckpt.testing.multiprocess import run_on_ranks
 
+pytestmark = pytest.mark.device_independent  # the command reads and writes host files: runs once, in the CPU lane
+
 MODEL = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
 
 

@@ -47,6 +47,7 @@ def test_round_trip(s3_url, use_xser):
     assert train_steps(model, opt, sched, 2, seed=3) == train_steps(m2, o2, s2, 2, seed=3)
 
 
+@pytest.mark.device_independent  # storage behaviour: runs once, in the CPU lane
 def test_latest_and_retention(s3_url):
     model, _, _ = _trained()
     storage = S3Storage(s3_url)
@@ -81,6 +82,7 @@ def test_async_save(s3_url):
     assert_state_equal(expected, restored.state_dict())
 
 
+@pytest.mark.device_independent  # storage behaviour: runs once, in the CPU lane
 def test_save_completes_through_slowdown_throttling(s3_url, s3_server, monkeypatch):
     model, opt, sched = _trained()
     with ThrottlingProxy(s3_server.port, throttle_first=5) as proxy:
@@ -138,6 +140,7 @@ def _clone(state):
     return state
 
 
+@pytest.mark.device_independent  # storage behaviour: runs once, in the CPU lane
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("use_xser", [False, True], ids=["plain", "xser"])
 def test_a_denied_upload_fails_the_save_and_keeps_the_previous_checkpoint(
@@ -171,6 +174,7 @@ def test_a_denied_upload_fails_the_save_and_keeps_the_previous_checkpoint(
     assert_state_equal(expected, restored.state_dict())
 
 
+@pytest.mark.device_independent  # storage behaviour: runs once, in the CPU lane
 def test_resave_of_a_complete_tag_on_s3(s3_url):
     """No directory rename on S3: the re-save is written beside the tag, then copied over it ('done' last)."""
     from nxd_ckpt.format import layout
@@ -190,6 +194,7 @@ def test_resave_of_a_complete_tag_on_s3(s3_url):
     assert nxd.list_checkpoint_tags(s3_url) == ["step_1"]
 
 
+@pytest.mark.device_independent  # storage behaviour: runs once, in the CPU lane
 def test_save_completes_through_a_slowdown_storm(s3_url, s3_server, monkeypatch):
     """A third of all requests answered 503 SlowDown, all through the save and the load: back-off absorbs it."""
     model, opt, sched = _trained()
@@ -204,6 +209,7 @@ def test_save_completes_through_a_slowdown_storm(s3_url, s3_server, monkeypatch)
     assert_state_equal(opt.state_dict(), o2.state_dict())
 
 
+@pytest.mark.device_independent  # storage behaviour: runs once, in the CPU lane
 def test_requests_of_one_save_are_counted(s3_url, s3_server, monkeypatch):
     """One PUT per object of the tag (no object written twice, no multipart for small files) and one for the
     root's tag index, and a handful of other requests for the whole save, counted at the wire."""

@@ -11,6 +11,8 @@ from unittest import mock
 
 import pytest
 
+pytestmark = pytest.mark.device_independent  # a simulation of many ranks, no device: runs once, in the CPU lane
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_scale.py"
 
 

@@ -21,6 +21,8 @@ from nxd_ckpt.lightning import (
 )
 from nxd_ckpt.storage import storage_for
 
+pytestmark = pytest.mark.device_independent  # Lightning's checkpoint plumbing: runs once, in the CPU lane
+
 pl = pytest.importorskip("pytorch_lightning")
 
 
