@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -19,6 +20,8 @@ from nxd_ckpt import statefile
 from nxd_ckpt.storage import storage_for
 from nxd_ckpt.testing import fake_nxd
 from nxd_ckpt.testing.multiprocess import run_with_ranks
+
+pytestmark = pytest.mark.device_independent  # NxD's rank groups: runs once, in the CPU lane
 
 # trn1, TP=4, 8 ranks on one node (NxD: "with 8 local ranks: TP groups [0,2,4,6], [1,3,5,7]")
 TRN1_8 = {"tp": [[0, 2, 4, 6], [1, 3, 5, 7]], "dp": [[0, 1], [2, 3], [4, 5], [6, 7]]}

@@ -24,6 +24,8 @@ from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.fakes import make_training
 from nxd_ckpt.testing.multiprocess import run_with_ranks
 
+pytestmark = pytest.mark.device_independent  # deadlines of the ranks' coordination: runs once, in the CPU lane
+
 DEADLINE_S = 3.0
 SLACK_S = 8.0
 """Raising may take the deadline plus polling and a loaded 2-core machine: seconds, where without deadlines it

@@ -19,6 +19,8 @@ from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.fakes import TinyMLP, make_training, train_steps
 from nxd_ckpt.testing.multiprocess import run_with_ranks
 
+pytestmark = pytest.mark.device_independent  # what a failed save leaves: runs once, in the CPU lane
+
 
 class FailingTagStorage(LocalStorage):
     """Local storage that refuses (ENOSPC) every write under one tag: a full disk during that save only."""

@@ -5,6 +5,10 @@ from __future__ import annotations
 import ast
 import os
 
+import pytest
+
+pytestmark = pytest.mark.device_independent  # the import graph: runs once, in the CPU lane
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = "nxd_ckpt"
 

@@ -21,6 +21,8 @@ from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.threadworld import ThreadWorld
 
+pytestmark = pytest.mark.device_independent  # the load's collectives: runs once, in the CPU lane
+
 TENSORS = 6
 """Model tensors per rank; with a file per xser tensor a rank writes about 2 * TENSORS + 8 files."""
 

@@ -13,6 +13,8 @@ from nxd_ckpt.manager import CheckpointManager
 from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.testing.threadworld import ThreadWorld
 
+pytestmark = pytest.mark.device_independent  # the store's operations: runs once, in the CPU lane
+
 LATE_RANK = 3
 
 

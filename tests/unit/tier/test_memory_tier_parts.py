@@ -26,6 +26,8 @@ from nxd_ckpt.tier.memory import (
 )
 from nxd_ckpt.tier.transport import FileClient, FileServer, MissingOnPeer, PeerError
 
+pytestmark = pytest.mark.device_independent  # the tier's host-side parts: runs once, in the CPU lane
+
 
 def test_config_errors_say_what_to_use():
     with pytest.raises(ValueError, match="use max_copies >= 4"):
