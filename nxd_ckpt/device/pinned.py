@@ -141,12 +141,31 @@ ALIGN = 256
 """Pieces of a ``PinnedArena`` start at multiples of this many bytes (any dtype's alignment, and DMA-friendly)."""
 
 
+def _piece_size(nbytes: int) -> int:
+    """Bytes a piece of ``nbytes`` occupies in a ``PinnedArena`` (a multiple of ``ALIGN``)."""
+    return max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+
+
+def _carve(free: list[tuple[int, int]], size: int) -> int | None:
+    """Take ``size`` bytes from the first of the sorted free runs ``free`` that holds them (in place); the start,
+    or None when none does."""
+    run = next((i for i, (start, end) in enumerate(free) if end - start >= size), None)
+    if run is None:
+        return None
+    start, end = free[run]
+    if end - start == size:
+        del free[run]
+    else:
+        free[run] = (start + size, end)
+    return start
+
+
 class PinnedArena:
     """One page-locked host buffer of ``capacity`` bytes, carved into tensors and given back piece by piece: an
     async save under a host memory budget copies a native accelerator's snapshot into it, so its pinned memory is
     the budget, kept across saves. Pieces go back in about the order they were taken (the writers'), so the free
-    space stays in few runs; ``take`` answers None when no run is large enough (the caller copies elsewhere).
-    Allocated (pinned) on the first ``take``, on the thread that takes. Thread-safe."""
+    space stays in few runs; ``take`` answers None when no run is large enough (the caller copies elsewhere), and
+    ``placeable`` tells beforehand, so that a copier can wait for room instead. Allocated (pinned) on the first ``take``, on the thread that takes. Thread-safe."""
 
     def __init__(self, capacity: int, allocate: Callable[[Sequence[int], torch.dtype], torch.Tensor]) -> None:
         self.capacity = capacity
@@ -164,23 +183,29 @@ class PinnedArena:
     def take(self, like: torch.Tensor) -> torch.Tensor | None:
         """A piece of ``like``'s shape and dtype (contiguous), or None when no free run holds it."""
         n = like.numel() * like.element_size()
-        size = max(ALIGN, -(-n // ALIGN) * ALIGN)
+        size = _piece_size(n)
         with self._lock:
-            run = next((i for i, (start, end) in enumerate(self._free) if end - start >= size), None)
-            if run is None:
+            start = _carve(self._free, size)
+            if start is None:
                 self.refused_bytes += n
                 return None
-            start, end = self._free[run]
-            if end - start == size:
-                del self._free[run]
-            else:
-                self._free[run] = (start + size, end)
             if self._memory is None:
                 self._memory = self._allocate((self.capacity,), torch.uint8)
                 self.allocated_bytes = self.capacity
             piece = self._memory[start : start + n].view(like.dtype).view(like.shape)
             self._taken[piece.data_ptr()] = (start, start + size)
             return piece
+
+    def placeable(self, sizes: Sequence[int]) -> int:
+        """How many of ``sizes`` (bytes, in this order) ``take`` would place now, one after the other. A piece
+        larger than the whole arena counts as placed: it never fits, so waiting for room would not help."""
+        with self._lock:
+            free = list(self._free)
+        for i, n in enumerate(sizes):
+            size = _piece_size(n)
+            if size <= self.capacity and _carve(free, size) is None:
+                return i
+        return len(sizes)
 
     def give_back(self, piece: torch.Tensor) -> None:
         """Free ``piece`` (a tensor ``take`` returned) for later pieces."""

@@ -131,6 +131,11 @@ class DeviceCopies:
         native.record(self.side).synchronize()
         return out
 
+    def room(self, sizes: Sequence[int]) -> int:
+        """How many host copies of these sizes (bytes, in order) ``fetch`` would put in ``arena`` now; all of them
+        without an arena (pageable memory is always there)."""
+        return self.arena.placeable(sizes) if self.arena is not None else len(sizes)
+
     def give_back(self, copy: torch.Tensor) -> None:
         """A host copy ``fetch`` made is no longer read: its pinned piece (if any) serves later copies."""
         if self.arena is not None:

@@ -20,7 +20,8 @@ the reference data is built) are freed when the writer ends.
 Device state comes as *frozen* tensors: copies on the device (a snapshot the call took) that nothing changes. The
 call does not stage them; ``stage_frozen``, on the transfer thread, brings them to the host in the writers' order,
 in batches that fit the budget (``fetch``: bulk transfers, or copies into a pinned arena whose pieces ``give_back``
-returns once their files are written). A writer waits for the frozen tensor it needs, unless ``stage_frozen`` waits
+returns once their files are written; ``room`` says whether the arena's free runs hold a batch, which they may not
+where the budget would, and the copies wait for them rather than land in pageable memory). A writer waits for the frozen tensor it needs, unless ``stage_frozen`` waits
 for room that the writer's own file holds (or has waited ``STUCK_S``): the writer then copies it itself, beyond the
 budget (``overdrawn_bytes``), rather than stall the save.
 """
@@ -98,6 +99,7 @@ class BudgetedStager:
         fetch: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
         batch_bytes: int | None = None,
         give_back: Callable[[torch.Tensor], None] | None = None,
+        room: Callable[[Sequence[int]], int] | None = None,
     ) -> None:
         if budget < 1:
             raise ValueError(f"the host memory budget must be a positive number of bytes, got {budget}")
@@ -110,6 +112,9 @@ class BudgetedStager:
         self._fetch = fetch if fetch is not None else (lambda ts: [_copy(t)[0] for t in ts])
         self._give_back = give_back
         """Called with each host copy ``fetch`` made once nothing reads it any more (its pinned memory is reused)."""
+        self._room = room
+        """How many copies of these sizes (bytes, in order) ``fetch``'s memory holds now (a pinned arena's free runs,
+        which may be split where the budget is not): ``stage_frozen`` waits for room in both. None: the budget's."""
         self._fetched_from_frozen: set[int] = set()
         self._frozen_beside = False
         """``stage_frozen`` will run or runs (``begin_frozen`` until it ends): writers wait for its copies."""
@@ -136,8 +141,11 @@ class BudgetedStager:
         """Bytes copied in all (each byte once)."""
         self.borrowed_bytes = 0
         """Bytes written straight from the live tensors while the training thread waited."""
+        self.copied_by_writers_bytes = 0
+        """Bytes of frozen tensors writers reached before ``stage_frozen`` and copied themselves (into ``fetch``'s
+        memory as it was: a writer does not wait for room in a pinned arena)."""
         self.overdrawn_bytes = 0
-        """Bytes of frozen tensors a writer reached before ``stage_frozen`` and copied itself, beyond the budget."""
+        """The part of ``copied_by_writers_bytes`` beyond the budget."""
         self.waited_s = 0.0
         """Time ``stage`` spent waiting for the writer (memory to be freed, live tensors to be written)."""
 
@@ -184,7 +192,7 @@ class BudgetedStager:
                     if not pending:
                         return
                     first = pending[0]
-                    if self.held_bytes + _nbytes(first) > self.budget:
+                    if not self._has_room(first):
                         self._stuck_since = time.monotonic()
                         self._cond.notify_all()  # a writer that holds room of its own copies what it needs itself
                     self._cond.wait_for(
@@ -192,7 +200,7 @@ class BudgetedStager:
                             self._closed
                             or self._abandoned is not None
                             or self._state[id(first)] != _PENDING
-                            or self.held_bytes + _nbytes(first) <= self.budget
+                            or self._has_room(first)
                         )
                     )
                     self._stuck_since = None
@@ -206,9 +214,12 @@ class BudgetedStager:
                             continue
                         if _nbytes(t) > limit:
                             break
-                        self._reserve(id(t), _nbytes(t))
                         limit -= _nbytes(t)
                         batch.append(t)
+                    if self._room is not None:  # the first fits: so many of the others as fit after it
+                        del batch[max(1, self._room([_nbytes(t) for t in batch])) :]
+                    for t in batch:
+                        self._reserve(id(t), _nbytes(t))
                     sources = [self._frozen[id(t)] for t in batch]
                     self._fetching = True
                 try:
@@ -231,6 +242,11 @@ class BudgetedStager:
             with self._cond:
                 self._frozen_beside, self._stuck_since = False, None
                 self._cond.notify_all()
+
+    def _has_room(self, t: torch.Tensor) -> bool:
+        """(Under the lock.) Whether ``stage_frozen`` can copy ``t`` now: within the budget, into ``fetch``'s memory."""
+        n = _nbytes(t)
+        return self.held_bytes + n <= self.budget and (self._room is None or self._room([n]) == 1)
 
     def _wait(self, ready: Any, start: float) -> None:
         """(Under the lock.) Wait until ``ready()``, the writer has ended, or the deadline has passed."""
@@ -284,6 +300,7 @@ class BudgetedStager:
             frozen = self._frozen.get(key) if state == _PENDING else None
             if frozen is not None:  # ahead of stage_frozen: copied here, even beyond the budget
                 self._reserve(key, _nbytes(t))
+                self.copied_by_writers_bytes += _nbytes(t)
                 if self.held_bytes > self.budget:
                     self.overdrawn_bytes += _nbytes(t)
             elif state == _PENDING and _nbytes(t) <= SMALL_BYTES and self.held_bytes + _nbytes(t) <= self.budget:

@@ -242,6 +242,7 @@ class SavePipeline:
                 fetch=copies.fetch if copies is not None else None,
                 batch_bytes=knobs.xla_transfer_batch_bytes(),
                 give_back=copies.give_back if copies is not None else None,
+                room=copies.room if copies is not None and copies.arena is not None else None,
             )
             stager.watch(ctx.storage)  # a written file frees the copies it was written from
             if ctx.tier is not None:
@@ -313,6 +314,7 @@ class SavePipeline:
         report.staging_allocated_bytes += pinned
         if isinstance(staged.fetcher, budget.BudgetedStager):
             report.budget_peak_bytes = staged.fetcher.peak_bytes
+            report.budget_copied_by_writers_bytes = staged.fetcher.copied_by_writers_bytes
             report.budget_overdrawn_bytes = staged.fetcher.overdrawn_bytes
         try:
             commit.commit(ctx.barrier(), ctx.commit, coord.rank, error)

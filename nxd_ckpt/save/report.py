@@ -33,9 +33,11 @@ class SaveReport:
     write what did not fit); 0 without a budget."""
     budget_peak_bytes: int = 0
     """Under a host memory budget: the most bytes of host copies the save held at once (set when the write ends)."""
-    budget_overdrawn_bytes: int = 0
+    budget_copied_by_writers_bytes: int = 0
     """Under a host memory budget: bytes of device copies that writers ahead of the background copies made
-    themselves, beyond the budget (set when the write ends; docs/async.md)."""
+    themselves (set when the write ends; docs/async.md)."""
+    budget_overdrawn_bytes: int = 0
+    """The part of ``budget_copied_by_writers_bytes`` beyond the budget."""
     device_snapshot_bytes: int = 0
     """Bytes of device state copied on the device (async saves): the snapshot's extra device memory at its peak,
     freed chunk by chunk as the copy reaches the host beside training."""

@@ -131,11 +131,11 @@ def budgeted_saves_reuse_one_pinned_arena(path: str, device: str, width: int = W
     """Two async saves under a host memory budget of a third of the state (the model's bytes, twice the largest
     tensor): the copies land in one pinned arena
     of the budget's size, pinned by the first save and reused by the second, every piece given back once its file
-    is written; each tag holds the state of its call."""
+    is written and waited for rather than missed; each tag holds the state of its call."""
     manager = CheckpointManager()
     model, opt = training(device, width)
     budget = state_bytes(device, width)  # the optimizer's moments are twice as much again
-    arenas = []
+    arenas, copied_by_writers = [], 0
     for step in (1, 2):
         steps(model, opt, 1, seed=step)
         expected_model, expected_opt = host_copy(model.state_dict()), host_copy(opt.state_dict())
@@ -145,6 +145,7 @@ def budgeted_saves_reuse_one_pinned_arena(path: str, device: str, width: int = W
         steps(model, opt, 2, seed=10 + step)  # training goes on while the copies travel
         report.wait()
         assert report.device_snapshot_bytes > 0
+        copied_by_writers += report.budget_copied_by_writers_bytes
         arena = manager._staging_pool._arena
         assert arena is not None and arena.capacity == budget and arena.lent_bytes == 0
         arenas.append(arena)
@@ -154,8 +155,10 @@ def budgeted_saves_reuse_one_pinned_arena(path: str, device: str, width: int = W
         assert_state_equal(host_copy(loaded_model.state_dict()), expected_model)
         assert_state_equal(host_copy(loaded_opt.state_dict())["state"], expected_opt["state"])
     assert arenas[0] is arenas[1] and arenas[0].allocated_bytes == budget
-    # pieces go back as their files are written: only a writer ahead of the copies (or a run too short) misses one
-    assert arenas[0].refused_bytes < budget, f"{arenas[0].refused_bytes} bytes found no room in the arena"
+    # pieces go back as their files are written, and the copies wait for a free run of the arena: only a writer
+    # ahead of them, which copies a tensor itself and does not wait, can miss one
+    refused = arenas[0].refused_bytes
+    assert refused == 0 or copied_by_writers > 0, f"{refused} bytes found no room in the arena"
     manager.finalize()
     assert manager._staging_pool._arena is None
 

@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 
+from nxd_ckpt.device.pinned import PinnedArena
 from nxd_ckpt.options import resolve_budget
 from nxd_ckpt.save.budget import BudgetedStager
 from nxd_ckpt.testing.residency import MincoreUnavailable, resident_fraction
@@ -217,6 +218,50 @@ def test_writers_of_one_tensor_files_wait_for_the_frozen_copies_instead_of_overd
     stager.close()
     assert out == {i: float(i) for i in range(12)}
     assert stager.overdrawn_bytes == 0 and stager.peak_bytes <= 2 * MIB
+
+
+def test_frozen_copies_wait_for_a_free_run_of_the_pinned_arena_where_the_budget_has_room():
+    """Files written out of order split the arena's free space: the next copy waits until a run holds it, as it
+    waits for the budget, instead of missing the arena (pageable memory)."""
+    unit = 64 << 10
+    order = [torch.full((n * unit // 4,), float(i)) for i, n in enumerate((1, 1, 1, 2))]
+    arena = PinnedArena(3 * unit, lambda shape, dtype: torch.empty(shape, dtype=dtype))
+
+    def fetch(sources: list[torch.Tensor]) -> list[torch.Tensor]:
+        pieces = [arena.take(t) for t in sources]
+        return [p.copy_(t) if p is not None else t.clone() for p, t in zip(pieces, sources, strict=True)]
+
+    stager = BudgetedStager(
+        order, budget=3 * unit, timeout_s=60, frozen=_frozen(order), fetch=fetch, batch_bytes=unit,
+        give_back=arena.give_back, room=arena.placeable,
+    )  # fmt: skip
+    stager.begin_frozen()
+    beside = threading.Thread(target=stager.stage_frozen)
+    beside.start()
+    out: list = []
+    # 0, 1, 2 fill the arena; freeing 0 and 2 leaves room for 3 in the budget, but in two runs of one unit each
+    _writer(stager, order, out, [[0], [2], [1], [3]])
+    beside.join(timeout=60)
+    assert [float(f[0][0]) for f in out] == [0.0, 2.0, 1.0, 3.0]
+    assert arena.refused_bytes == 0 and arena.lent_bytes == 0
+    assert stager.copied_by_writers_bytes == 0 and stager.peak_bytes <= 3 * unit
+
+
+def test_the_arena_carves_pieces_first_fit_merges_what_comes_back_and_tells_what_it_would_place():
+    arena = PinnedArena(1024, lambda shape, dtype: torch.zeros(shape, dtype=dtype))
+    assert arena.allocated_bytes == 0 and arena.placeable([1024, 1]) == 1  # pinned on the first take only
+    a, b, c, _ = (arena.take(torch.empty(n, dtype=torch.uint8)) for n in (256, 10, 256, 256))
+    assert arena.allocated_bytes == 1024 and arena.lent_bytes == 1024  # 10 bytes take one aligned unit of 256
+    assert [p.data_ptr() - a.data_ptr() for p in (a, b, c)] == [0, 256, 512]
+    assert arena.take(torch.empty(1, dtype=torch.uint8)) is None and arena.refused_bytes == 1
+    arena.give_back(a)
+    arena.give_back(c)
+    assert arena.placeable([512]) == 0  # 512 bytes free, in two runs
+    assert arena.placeable([256, 256, 256]) == 2 and arena.placeable([2048, 256]) == 2  # larger than all: no wait
+    arena.give_back(b)
+    assert arena.placeable([768]) == 1 and arena.placeable([769]) == 0 and arena.lent_bytes == 256
+    d = arena.take(torch.empty(2, 96, dtype=torch.float32))  # 768 bytes, where a and b were
+    assert d is not None and d.shape == (2, 96) and d.dtype == torch.float32 and d.data_ptr() == a.data_ptr()
 
 
 def test_a_file_larger_than_the_budget_overdraws_it_rather_than_stall():
