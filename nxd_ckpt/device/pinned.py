@@ -161,11 +161,12 @@ def _carve(free: list[tuple[int, int]], size: int) -> int | None:
 
 
 class PinnedArena:
-    """One page-locked host buffer of ``capacity`` bytes, carved into tensors and given back piece by piece: an
-    async save under a host memory budget copies a native accelerator's snapshot into it, so its pinned memory is
-    the budget, kept across saves. Pieces go back in about the order they were taken (the writers'), so the free
-    space stays in few runs; ``take`` answers None when no run is large enough (the caller copies elsewhere), and
-    ``placeable`` tells beforehand, so that a copier can wait for room instead. Allocated (pinned) on the first ``take``, on the thread that takes. Thread-safe."""
+    """One page-locked host buffer of ``capacity`` bytes, carved into tensors and given back piece by piece: an async
+    save under a host memory budget copies a native accelerator's snapshot into it, so its pinned memory is the budget,
+    kept across saves. Pieces go back in about the order they were taken (the writers'), so the free space stays in few
+    runs; ``take`` answers None when no run is large enough (the caller copies elsewhere), and ``placeable`` tells
+    beforehand, so that a copier can wait for room instead. Allocated (pinned) on the first ``take``, on the thread that
+    takes. Thread-safe."""
 
     def __init__(self, capacity: int, allocate: Callable[[Sequence[int], torch.dtype], torch.Tensor]) -> None:
         self.capacity = capacity

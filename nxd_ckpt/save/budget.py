@@ -17,13 +17,13 @@ they fit (a plain file's small tensors, xser tensors kept inline), so that the c
 they count toward the budget like the others. Copies fetched outside any file (xser's inline tensors, taken when
 the reference data is built) are freed when the writer ends.
 
-Device state comes as *frozen* tensors: copies on the device (a snapshot the call took) that nothing changes. The
-call does not stage them; ``stage_frozen``, on the transfer thread, brings them to the host in the writers' order,
-in batches that fit the budget (``fetch``: bulk transfers, or copies into a pinned arena whose pieces ``give_back``
-returns once their files are written; ``room`` says whether the arena's free runs hold a batch, which they may not
-where the budget would, and the copies wait for them rather than land in pageable memory). A writer waits for the frozen tensor it needs, unless ``stage_frozen`` waits
-for room that the writer's own file holds (or has waited ``STUCK_S``): the writer then copies it itself, beyond the
-budget (``overdrawn_bytes``), rather than stall the save.
+Device state comes as *frozen* tensors: copies on the device (a snapshot the call took) that nothing changes. The call
+does not stage them; ``stage_frozen``, on the transfer thread, brings them to the host in the writers' order, in batches
+that fit the budget (``fetch``: bulk transfers, or copies into a pinned arena whose pieces ``give_back`` returns once
+their files are written; ``room`` says whether the arena's free runs hold a batch, which they may not where the budget
+would, and the copies wait for them rather than land in pageable memory). A writer waits for the frozen tensor it needs,
+unless ``stage_frozen`` waits for room that the writer's own file holds (or has waited ``STUCK_S``): the writer then
+copies it itself, beyond the budget (``overdrawn_bytes``), rather than stall the save.
 """
 
 from __future__ import annotations
