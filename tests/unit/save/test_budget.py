@@ -227,8 +227,12 @@ def test_frozen_copies_wait_for_a_free_run_of_the_pinned_arena_where_the_budget_
     order = [torch.full((n * unit // 4,), float(i)) for i, n in enumerate((1, 1, 1, 2))]
     arena = PinnedArena(3 * unit, lambda shape, dtype: torch.empty(shape, dtype=dtype))
 
+    last_fetched = threading.Event()
+
     def fetch(sources: list[torch.Tensor]) -> list[torch.Tensor]:
         pieces = [arena.take(t) for t in sources]
+        if any(t.numel() == order[3].numel() for t in sources):
+            last_fetched.set()
         return [p.copy_(t) if p is not None else t.clone() for p, t in zip(pieces, sources, strict=True)]
 
     stager = BudgetedStager(
@@ -238,11 +242,17 @@ def test_frozen_copies_wait_for_a_free_run_of_the_pinned_arena_where_the_budget_
     stager.begin_frozen()
     beside = threading.Thread(target=stager.stage_frozen)
     beside.start()
-    out: list = []
-    # 0, 1, 2 fill the arena; freeing 0 and 2 leaves room for 3 in the budget, but in two runs of one unit each
-    _writer(stager, order, out, [[0], [2], [1], [3]])
+    out = []
+    for i in (0, 2):  # 0, 1, 2 fill the arena; then 0 and 2 are written: the budget has room for 3, the arena two
+        out.append(float(stager.host(order[i])[0]))  # runs of one unit each
+        stager.file_written()
+    assert not last_fetched.wait(0.5), "3 was copied before a run of the arena held it"
+    for i in (1, 3):
+        out.append(float(stager.host(order[i])[0]))
+        stager.file_written()
+    stager.close()
     beside.join(timeout=60)
-    assert [float(f[0][0]) for f in out] == [0.0, 2.0, 1.0, 3.0]
+    assert out == [0.0, 2.0, 1.0, 3.0] and last_fetched.is_set()
     assert arena.refused_bytes == 0 and arena.lent_bytes == 0
     assert stager.copied_by_writers_bytes == 0 and stager.peak_bytes <= 3 * unit
 
