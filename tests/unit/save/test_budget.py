@@ -15,6 +15,7 @@ import torch
 
 from nxd_ckpt.device.pinned import PinnedArena
 from nxd_ckpt.options import resolve_budget
+from nxd_ckpt.save import budget as save_budget
 from nxd_ckpt.save.budget import BudgetedStager
 from nxd_ckpt.testing.residency import MincoreUnavailable, resident_fraction
 
@@ -188,9 +189,10 @@ def test_a_writer_ahead_of_the_frozen_copies_copies_what_it_needs_itself():
     assert stager.overdrawn_bytes == 2 * MIB
 
 
-def test_writers_of_one_tensor_files_wait_for_the_frozen_copies_instead_of_overdrawing():
+def test_writers_of_one_tensor_files_wait_for_the_frozen_copies_instead_of_overdrawing(monkeypatch):
     """xser writes a file per tensor, on several threads: they wait for ``stage_frozen``, whose copies never hold
     more than the budget."""
+    monkeypatch.setattr(save_budget, "STUCK_S", 60.0)  # a copier held up by a loaded machine is waited for
     order = [torch.full((MIB // 4,), float(i)) for i in range(12)]
     stager = BudgetedStager(order, budget=2 * MIB, timeout_s=60, frozen=_frozen(order), batch_bytes=MIB)
     stager.begin_frozen()
@@ -220,9 +222,10 @@ def test_writers_of_one_tensor_files_wait_for_the_frozen_copies_instead_of_overd
     assert stager.overdrawn_bytes == 0 and stager.peak_bytes <= 2 * MIB
 
 
-def test_frozen_copies_wait_for_a_free_run_of_the_pinned_arena_where_the_budget_has_room():
+def test_frozen_copies_wait_for_a_free_run_of_the_pinned_arena_where_the_budget_has_room(monkeypatch):
     """Files written out of order split the arena's free space: the next copy waits until a run holds it, as it
     waits for the budget, instead of missing the arena (pageable memory)."""
+    monkeypatch.setattr(save_budget, "STUCK_S", 60.0)  # the writer always waits for the copier, however slow it starts
     unit = 64 << 10
     order = [torch.full((n * unit // 4,), float(i)) for i, n in enumerate((1, 1, 1, 2))]
     arena = PinnedArena(3 * unit, lambda shape, dtype: torch.empty(shape, dtype=dtype))
@@ -305,9 +308,7 @@ def test_a_writer_that_fails_releases_the_background_copier_waiting_for_room():
 
 
 def test_a_writer_does_not_wait_forever_for_a_copier_that_never_starts(monkeypatch):
-    from nxd_ckpt.save import budget
-
-    monkeypatch.setattr(budget, "STUCK_S", 0.2)
+    monkeypatch.setattr(save_budget, "STUCK_S", 0.2)
     order = [torch.full((MIB // 4,), 7.0)]
     stager = BudgetedStager(order, budget=2 * MIB, timeout_s=60, frozen=_frozen(order))
     stager.begin_frozen()  # announced, but the transfer thread never gets to it
