@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -245,9 +246,13 @@ def test_frozen_copies_wait_for_a_free_run_of_the_pinned_arena_where_the_budget_
     stager.begin_frozen()
     beside = threading.Thread(target=stager.stage_frozen)
     beside.start()
+    deadline = time.monotonic() + 60
+    while stager.staged_bytes < 3 * unit:  # 0, 1, 2 fill the arena, in this order
+        assert time.monotonic() < deadline and beside.is_alive(), "the copier did not stage 0, 1 and 2"
+        time.sleep(0.01)
     out = []
-    for i in (0, 2):  # 0, 1, 2 fill the arena; then 0 and 2 are written: the budget has room for 3, the arena two
-        out.append(float(stager.host(order[i])[0]))  # runs of one unit each
+    for i in (0, 2):  # then 0 and 2 are written: the budget has room for 3, the arena two runs of one unit each
+        out.append(float(stager.host(order[i])[0]))
         stager.file_written()
     assert not last_fetched.wait(0.5), "3 was copied before a run of the arena held it"
     for i in (1, 3):
