@@ -86,6 +86,8 @@ def main() -> int:
 def run(args: argparse.Namespace, work: str) -> int:
     """The three runs and the comparison; 0 when every loss after the resume point matches."""
     env = {"PJRT_DEVICE": "CPU"} if args.device == "xla" else {}
+    env["TMPDIR"] = os.path.join(work, "tmp")  # torchrun's log directories go with the work dir, not into /tmp
+    os.makedirs(env["TMPDIR"], exist_ok=True)
     common = ["--steps", str(args.steps), "--save-every", str(args.save_every), "--device", args.device]
 
     print(f"== 1/3 reference run: {args.steps} steps without interruption ({args.nproc} processes)", flush=True)

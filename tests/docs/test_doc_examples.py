@@ -1,4 +1,5 @@
-"""The ```python examples in README.md and docs/*.md run as written, in a fresh directory.
+"""The ```python examples in README.md and docs/*.md run as written, in a fresh directory (their temporary
+directories too).
 
 The blocks of one file run in order in one namespace (later examples use earlier variables). A block preceded by
 an ``<!-- skip-test ... -->`` comment (multi-process or S3 examples) is not run.
@@ -7,6 +8,7 @@ an ``<!-- skip-test ... -->`` comment (multi-process or S3 examples) is not run.
 from __future__ import annotations
 
 import re
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -53,6 +55,7 @@ def test_block_extraction_honours_skip_markers(tmp_path):
 )
 def test_examples_run(doc, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # an example's tempfile.mkdtemp() is cleaned up too
     namespace: dict = {"__name__": f"doc_{doc.stem}"}
     ran = 0
     for line, code, skipped in python_blocks(doc):
