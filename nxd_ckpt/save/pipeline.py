@@ -242,7 +242,7 @@ class SavePipeline:
                 fetch=copies.fetch if copies is not None else None,
                 batch_bytes=knobs.xla_transfer_batch_bytes(),
                 give_back=copies.give_back if copies is not None else None,
-                room=copies.room if copies is not None and copies.arena is not None else None,
+                room=copies.room if copies is not None else None,
             )
             stager.watch(ctx.storage)  # a written file frees the copies it was written from
             if ctx.tier is not None:
