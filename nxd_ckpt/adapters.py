@@ -82,6 +82,26 @@ def optimizer_state(optimizer: Any) -> Any:
     return optimizer if isinstance(optimizer, dict) else _state_dict_of(optimizer, "optimizer")
 
 
+def live_tensors(model: Any, optimizer: Any) -> list[torch.Tensor]:
+    """The model's and optimizer's own tensors (parameters, buffers, optimizer state), without building a state dict
+    (which would make new XLA tensors over the same values)."""
+    out: list[torch.Tensor] = []
+    if isinstance(model, torch.nn.Module):
+        out += list(model.parameters()) + list(model.buffers())
+    elif model is not None:
+        out += [t for _, t in iter_tensors(model_state(model))]
+    inner = _unwrap_optimizer(optimizer) if optimizer is not None else None
+    for group in getattr(inner, "state", {}).values() if inner is not None else ():
+        out += [t for _, t in iter_tensors(group)]
+    return out
+
+
+def run_pending_step(model: Any, optimizer: Any) -> bool:
+    """Before a save reads the state: run its pending XLA graph once (``xla.run_pending_step``), so the save and
+    the user's later sync do not each run the step; whether there was one."""
+    return xla.run_pending_step(live_tensors(model, optimizer))
+
+
 def scheduler_state(scheduler: Any) -> Any:
     return scheduler if isinstance(scheduler, dict) else _state_dict_of(scheduler, "scheduler")
 

@@ -272,6 +272,7 @@ class CheckpointManager:
             options = options.replace(memory_tier=self.memory_tier)
         if options.host_memory_budget is None and self.host_memory_budget is not None:
             options = options.replace(host_memory_budget=self.host_memory_budget)
+        ran_pending_step = adapters.run_pending_step(options.model, options.optimizer)
         save_pipeline.refuse_unsavable(options)
         waited = self._settle_saves()
         earlier_failures = self._background_failures()
@@ -282,6 +283,7 @@ class CheckpointManager:
             async_save=options.async_save,
             waited_s=waited,
             earlier_failures=earlier_failures,
+            ran_pending_step=ran_pending_step,
         )
         with coord.deadline(options.timeout_s):
             outcome = SavePipeline(self._save_services(coord, timer)).run(options, report)

@@ -47,6 +47,9 @@ class SaveReport:
     """Part of ``blocked_s`` spent on ``device_direct_bytes``."""
     device_budget_bytes: int = 0
     """The device snapshot budget this save used (``device_snapshot_budget``, or what the device reported free)."""
+    ran_pending_step: bool = False
+    """The state had a pending XLA graph at the call (a save after the optimizer step, before the step's sync): the
+    save ran that graph once, as the step's own sync would, so the tag holds the stepped state (docs/async.md)."""
     write_s: float = 0.0
     """Time to write this rank's files and make them durable."""
     total_s: float = 0.0
