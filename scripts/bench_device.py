@@ -118,6 +118,7 @@ ROWS = (
     "memory",
     "memory_sync",
     "resume",
+    "before_sync",
 )
 CUDA_SKIP = ("async_plain", "async_nosnap", "memory_sync")  # default --skip: 10 GiB within 6 minutes
 XLA_SKIP = ("async_nosnap",)  # 0.4 GiB on 2 cores within about 4 minutes
@@ -245,6 +246,15 @@ class Device:
         del clones
         return elapsed
 
+    def device_time_s(self) -> float | None:
+        """Seconds of graph execution so far (XLA's ExecuteTime metric); None on CUDA (timed by the wall there)."""
+        if self.kind != "xla":
+            return None
+        import torch_xla.debug.metrics as met
+
+        data = met.metric_data("ExecuteTime")
+        return float(data[1]) / 1e9 if data else 0.0
+
     def drop_floor_buffers(self) -> None:
         self._pinned = None
 
@@ -340,12 +350,16 @@ class Training:
 
     def launch_step(self) -> None:
         """One optimizer step, launched and not waited for (XLA: its ``mark_step``), as a training loop runs it."""
+        self.trace_step()
+        if self.dev.kind == "xla":
+            self.dev.xla.sync()
+
+    def trace_step(self) -> None:
+        """One optimizer step up to its sync, not included (XLA: the step is a pending graph afterwards)."""
         loss = self.model(self.x).pow(2).mean()
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        if self.dev.kind == "xla":
-            self.dev.xla.sync()
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of the state, in a fixed order: parameters, then each one's AdamW state."""
@@ -681,6 +695,37 @@ class Run:
             finally:
                 remove(os.path.join(path, tag))
             self.add(name, figures, f"{label} #{i + 1}: {describe_save(figures)}")
+
+    def before_sync(self) -> None:
+        """A save called after the optimizer step, before the step's sync (as loops written for NxD do): device time
+        from the step's start to the end of the user's sync (XLA: executions, CUDA: wall, synchronised), against the
+        same step without a save, in turn."""
+        import nxd_ckpt as nxd
+
+        path = os.path.join(self.root, "before_sync")
+        for name in ("step_alone", "step_save_before_sync"):
+            self.dev.sync()
+            device0, wall0 = self.dev.device_time_s(), time.perf_counter()
+            self.tr.trace_step()
+            report = None
+            if name == "step_save_before_sync":
+                try:
+                    report = nxd.save_checkpoint(
+                        path, f"r{self.rep}", model=self.tr.model, optimizer=self.tr.opt, use_xser=True, async_save=True
+                    )
+                except Exception as e:
+                    self.failed(name, e, loud=True)
+                    return
+            if self.dev.kind == "xla":
+                self.dev.xla.sync()  # the user's sync
+            self.dev.sync()
+            device1, wall = self.dev.device_time_s(), time.perf_counter() - wall0
+            spent = device1 - device0 if device1 is not None and device0 is not None else wall
+            ran = f", ran the pending step: {getattr(report, 'ran_pending_step', '?')}" if report is not None else ""
+            self.add(name, spent, f"{name.replace('_', ' ')}: device time {spent:.3f} s (wall {wall:.3f} s){ran}")
+            if report is not None:
+                report.wait()
+                remove(os.path.join(path, f"r{self.rep}"))
 
     def check_async_snapshot(self) -> None:
         """An async save followed at once by optimizer steps (which change the state in place while the save is
@@ -1303,6 +1348,8 @@ def build_summary(
             ):
                 if figures and figures.get("training"):
                     row(f"{who} nxd async xser while training goes on: {what}", [x[key] for x in figures["training"]])
+    row("step alone: device time s", r.get("step_alone", []))
+    row("step + async save before its sync: device time s", r.get("step_save_before_sync", []))
     row("nxd sync save (xser) s", col("nxd_sync", "call_s"))
     row("torch.save + fsync s", col("torch_save", "s"))
     row("load: nxd load_checkpoint s", col("load_nxd", "s"))
@@ -1332,6 +1379,12 @@ def build_summary(
         "" if gpu else "<= 1.5 (XLA)",
     )
     ratio("first async blocked / steady async blocked", m("nxd first async: blocked s"), steady, "<= 1.5")
+    ratio(
+        "step + save before its sync / step alone (device time)",
+        m("step + async save before its sync: device time s"),
+        m("step alone: device time s"),
+        "<= 1.35",
+    )
     ratio(
         "first async after prepare_async_save blocked / steady async blocked",
         m("nxd first async after prepare_async_save: blocked s"),
@@ -1603,6 +1656,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 say("nxd async with device_snapshot_budget=0: skipped (this nxd_ckpt has no such keyword)")
         blocks.append(run.saves_and_loads)
+        if run.on("before_sync"):
+            blocks.append(run.before_sync)
         for rep in range(args.reps):
             run.rep = rep
             if run.check:
