@@ -3,12 +3,14 @@
 ``DeviceTransfer`` serves the writers: ``host(key)`` blocks until that tensor's host copy has arrived, while the
 thread moves the next chunk. XLA chunks go through torch_xla's bulk transfer (GIL released, copies in parallel);
 a native accelerator's chunks are copied ``non_blocking`` on a side stream into pinned buffers from a
-``PinnedPool``, each chunk waited for by an event. A chunk's sources (an async save's device snapshot) are
-dropped as soon as it is on the host, so the snapshot's device memory shrinks as the transfer goes.
+``PinnedPool``, each chunk waited for by an event, all with the sources' device current on the thread. A chunk's
+sources (an async save's device snapshot) are dropped as soon as it is on the host, so the snapshot's device memory
+shrinks as the transfer goes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -170,7 +172,8 @@ class DeviceTransfer:
         self._done = False
         self._cond = threading.Condition()
         if self._native is not None and self._ready is None:  # the copies come after the caller's work so far
-            self._ready = self._native.record(self._native.current_stream())
+            with self._native.guard():
+                self._ready = self._native.record(self._native.current_stream())
         xla_sources = [s for s in sources if kind(s) == "xla"]
         if xla_sources and not synced:
             xla.sync(xla_sources)  # one execution for all of them, on the caller's thread
@@ -184,6 +187,11 @@ class DeviceTransfer:
 
     # ------------------------------------------------------------------ the transfer thread
     def _run(self) -> None:
+        """The transfer, on the transfer thread (a thread starts on device 0): under the sources' device."""
+        with self._native.guard() if self._native is not None else contextlib.nullcontext():
+            self._transfer_all()
+
+    def _transfer_all(self) -> None:
         try:
             if self._arrived:
                 if self._arrived_event is not None:
