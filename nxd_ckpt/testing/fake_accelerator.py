@@ -80,7 +80,7 @@ def _index(device: Any) -> int:
     return index
 
 
-class device:  # noqa: N801 (torch.cuda.device's name)
+class device:  # torch.cuda.device's name
     """``with torch.fakeacc.device(i):`` the block runs with ``i`` as the thread's current device."""
 
     def __init__(self, device: Any) -> None:

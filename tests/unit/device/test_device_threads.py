@@ -135,7 +135,7 @@ def test_a_child_forked_after_a_save_does_not_inherit_the_registered_staging_buf
     with os.fdopen(read) as pipe:
         said = pipe.read()
     assert os.waitstatus_to_exitcode(status) == 0, f"the forked child: {said or 'no word'} (status {status})"
-    assert fake.REGISTERED == ranges and all(mapping_at(a) is not None for a in ranges)
+    assert dict(fake.REGISTERED) == ranges and all(mapping_at(a) is not None for a in ranges)
     manager.finalize()
     gc.collect()
     assert fake.REGISTERED == {} and all(mapping_at(a) is None for a in ranges)
