@@ -187,33 +187,34 @@ class DeviceTransfer:
 
     # ------------------------------------------------------------------ the transfer thread
     def _run(self) -> None:
-        """The transfer, on the transfer thread (a thread starts on device 0): under the sources' device."""
-        with self._native.guard() if self._native is not None else contextlib.nullcontext():
-            self._transfer_all()
-
-    def _transfer_all(self) -> None:
+        """The transfer, on the transfer thread; its error is kept for the writers and ``close``."""
         try:
-            if self._arrived:
-                if self._arrived_event is not None:
-                    self._arrived_event.synchronize()
-                with self._cond:
-                    self._copies.update(self._arrived)
-                    self._cond.notify_all()
-                self._arrived.clear()
-            for batch in self._batches():
-                copies = self._copy_chunk([self._sources[i] for i in batch])  # type: ignore[misc]
-                with self._cond:
-                    for i, c in zip(batch, copies, strict=True):
-                        self._copies[id(self._keys[i])] = c
-                        self.device_bytes_held -= nbytes(c)
-                        self._sources[i] = None  # the snapshot's device memory of this chunk is free now
-                    self._cond.notify_all()
+            with self._native.guard() if self._native is not None else contextlib.nullcontext():
+                self._move()  # under the sources' device: a thread starts on device 0
         except BaseException as e:  # raised in every writer waiting for a copy, and by close()
             with self._cond:
                 self._error = e
         finally:
             with self._cond:
                 self._done = True
+                self._cond.notify_all()
+
+    def _move(self) -> None:
+        """Publish what the caller copied itself, then bring the rest over chunk by chunk."""
+        if self._arrived:
+            if self._arrived_event is not None:
+                self._arrived_event.synchronize()
+            with self._cond:
+                self._copies.update(self._arrived)
+                self._cond.notify_all()
+            self._arrived.clear()
+        for batch in self._batches():
+            copies = self._copy_chunk([self._sources[i] for i in batch])  # type: ignore[misc]
+            with self._cond:
+                for i, c in zip(batch, copies, strict=True):
+                    self._copies[id(self._keys[i])] = c
+                    self.device_bytes_held -= nbytes(c)
+                    self._sources[i] = None  # the snapshot's device memory of this chunk is free now
                 self._cond.notify_all()
 
     def _batches(self) -> list[list[int]]:
