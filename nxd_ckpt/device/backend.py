@@ -9,9 +9,10 @@ info). ``meta`` tensors carry shapes only and never move.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -81,23 +82,60 @@ class NativeDevice:
         with self.module.stream(stream):
             yield
 
+    def guard(self) -> contextlib.AbstractContextManager[Any]:
+        """Make this device the calling thread's current one for the block (``torch.cuda.device``). A thread starts
+        on device 0, and a runtime call made there (registering host memory, waiting for an event) opens a context
+        on device 0: on a node of several devices every rank's threads would (pytorch#21081)."""
+        select = getattr(self.module, "device", None)
+        if self.device.index is None or select is None:
+            return contextlib.nullcontext()
+        return select(self.device.index)
+
     def pinned_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """Page-locked host memory from the backend's allocator (copies into and out of it run asynchronously at
-        full speed; the allocator keeps a buffer dropped while a copy still runs until that copy is done)."""
+        full speed; the allocator keeps a buffer dropped while a copy still runs until that copy is done), allocated
+        under this device."""
+        with self.guard():
+            return self._page_locked_empty(shape, dtype)
+
+    def _page_locked_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
 
     def staging_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """Page-locked host memory for device -> host copies that are always waited for before the buffer can be
-        dropped (a save's host copies). CUDA buffers of a MiB or more are pageable memory locked in place
-        (``pinned.registered_empty``: training goes on while they are locked; nothing holds them back for a copy
-        still running, hence the rule); others come from ``pinned_empty``."""
-        if self.device.type == "cuda" and _cuda_can_register():
+        dropped (a save's host copies). Buffers of a MiB or more are pageable memory locked in place where the
+        backend can (``pinned.registered_empty``, CUDA's ``cudaHostRegister``: training goes on while they are
+        locked; nothing holds them back for a copy still running, hence the rule); others come from
+        ``pinned_empty``. Registered under this device, and unregistered under it when dropped."""
+        with self.guard():
+            hooks = self._host_registration()
             nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            if nbytes >= REGISTER_MIN_BYTES:
-                buffer = registered_empty(shape, dtype, _cuda_register, _cuda_unregister)
+            if hooks is not None and nbytes >= REGISTER_MIN_BYTES:
+                buffer = registered_empty(shape, dtype, *hooks)
                 if buffer is not None:
                     return buffer
-        return self.pinned_empty(shape, dtype)
+            return self.pinned_empty(shape, dtype)
+
+    def _host_registration(self) -> tuple[Callable[[int, int], bool], Callable[[int], None]] | None:
+        """(register, unregister) of host ranges for this device (CUDA's ``cudaHostRegister``, or a backend module's
+        ``host_register`` / ``host_unregister``), or None where it has none. Unregistration runs in whichever thread
+        drops the buffer: under this device."""
+        if self.device.type == "cuda":
+            if not _cuda_can_register():
+                return None
+            register: Callable[[int, int], bool] = functools.partial(_cuda_register, device=self.device)
+            unregister: Callable[[int], None] = _cuda_unregister
+        else:
+            register = getattr(self.module, "host_register", None)
+            unregister = getattr(self.module, "host_unregister", None)
+            if register is None or unregister is None:
+                return None
+
+        def guarded_unregister(address: int) -> None:
+            with self.guard():
+                unregister(address)
+
+        return register, guarded_unregister
 
     def free_bytes(self) -> int | None:
         """Memory the device can still hand out: free in the driver plus what the caching allocator holds unused."""
@@ -120,13 +158,14 @@ def _cuda_can_register() -> bool:
     return not _CUDA_REGISTER_FAILED and hasattr(torch.cuda, "cudart")
 
 
-def _cuda_register(address: int, length: int) -> bool:
+def _cuda_register(address: int, length: int, device: torch.device) -> bool:
+    """``cudaHostRegister`` (called under ``device``); False, and later buffers from torch's allocator, if it fails."""
     error = int(torch.cuda.cudart().cudaHostRegister(address, length, 0))
     if error == 0:
         return True
     _CUDA_REGISTER_FAILED.append(f"cudaHostRegister returned error {error}")
     with contextlib.suppress(Exception):  # the runtime keeps the error for this thread's next launch check
-        torch.zeros(1, device="cuda").add_(1)  # a tiny launch takes it here
+        torch.zeros(1, device=device).add_(1)  # a tiny launch on the same device takes it here
     return False
 
 

@@ -4,7 +4,8 @@
 optimizer's state). ``DeviceLoadTarget`` does the same for device tensors through a few reused host buffers
 ("arenas") that the readers fill while earlier arenas travel to the device: XLA by bulk transfers whose data the
 target tensors take in place, a native accelerator (CUDA) by non-blocking copies from pinned arenas on a side
-stream that the training stream waits for at the end.
+stream that the training stream waits for at the end (each reader thread that sends an arena makes the targets'
+device current first).
 """
 
 from __future__ import annotations
@@ -329,7 +330,7 @@ class DeviceLoadTarget(LoadTarget):
         transfer (by then long finished, so the wait costs nothing) or by ``finish``.
         """
         try:
-            with self._transfer_lock:
+            with self._on_device(), self._transfer_lock:
                 if arena.slots:
                     views = [v for v, _ in arena.slots]
                     xla_slots = [(v, t) for v, t in arena.slots if kind(t) == "xla"]
@@ -347,6 +348,10 @@ class DeviceLoadTarget(LoadTarget):
                 self._cond.notify_all()
             self._release(arena)
             raise
+
+    def _on_device(self) -> contextlib.AbstractContextManager[Any]:
+        """The native targets' device made current on the calling thread (a reader thread starts on device 0)."""
+        return self._native.guard() if self._native is not None else contextlib.nullcontext()
 
     def _copy_native(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
         """Enqueue pinned -> device copies on the side stream (after the training stream's earlier work)."""
@@ -392,7 +397,7 @@ class DeviceLoadTarget(LoadTarget):
                 arena.sealed = True
         if arena is not None and arena.slots:
             self._transfer(arena)
-        with self._transfer_lock:
+        with self._on_device(), self._transfer_lock:
             self._settle_in_flight()
             if self._side is not None and self._native is not None:  # training's next kernels see the loaded bytes
                 self._training_stream.wait_event(self._native.record(self._side))

@@ -16,9 +16,10 @@ overwrite them, while the call itself returns at once).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -104,32 +105,43 @@ class DeviceCopies:
     arena: PinnedArena | None = None
     """A native device's pinned memory for the host copies (the budget's worth, kept across saves)."""
     side: Any = None
+    _side_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+    """Makes ``side`` and its wait for ``ready`` once: the transfer thread and the writers all fetch."""
 
     def fetch(self, copies: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Host copies of some of ``sources``' values (any thread; XLA: one bulk transfer, which waits for the
         clones' execution; native: non-blocking copies on a side stream after the clones' kernels, into pieces of
-        ``arena`` where one is free, else into pageable memory)."""
+        ``arena`` where one is free, else into pageable memory, under the copies' device)."""
         if not copies:
             return []
         if kind(copies[0]) == "xla":
             return xla.fetch(copies)
         native = self.native
         assert native is not None
-        if self.side is None:
-            self.side = native.new_stream()
-        if self.ready is not None:
-            self.side.wait_event(self.ready)
-            self.ready = None
         out: list[torch.Tensor] = []
-        with native.on(self.side), torch.no_grad():
-            for c in copies:
-                piece = self.arena.take(c) if self.arena is not None else None
-                if piece is None:
-                    piece = torch.empty(c.shape, dtype=c.dtype)
-                piece.copy_(c, non_blocking=True)
-                out.append(piece)
-        native.record(self.side).synchronize()
+        with native.guard():
+            side = self._side_stream(native)
+            with native.on(side), torch.no_grad():
+                for c in copies:
+                    piece = self.arena.take(c) if self.arena is not None else None
+                    if piece is None:
+                        piece = torch.empty(c.shape, dtype=c.dtype)
+                    piece.copy_(c, non_blocking=True)
+                    out.append(piece)
+            native.record(side).synchronize()
         return out
+
+    def _side_stream(self, native: NativeDevice) -> Any:
+        """The stream the copies run on, made by the first fetch, which also makes it wait for the clones; a fetch
+        on another thread meanwhile waits for both (else it could copy on a stream that never waited)."""
+        with self._side_lock:
+            if self.side is None:
+                side = native.new_stream()
+                if self.ready is not None:
+                    side.wait_event(self.ready)
+                    self.ready = None
+                self.side = side
+            return self.side
 
     def room(self, sizes: Sequence[int]) -> int:
         """How many host copies of these sizes (bytes, in order) ``fetch`` would put in ``arena`` now; all of them
@@ -158,9 +170,9 @@ def copy_on_device(
     else:
         native = native_device(tensors)
         assert native is not None
-        with torch.no_grad():
+        with native.guard(), torch.no_grad():
             clones = [tensors[i].detach().clone() for i in fit]
-        ready = native.record(native.current_stream())
+            ready = native.record(native.current_stream())
     return DeviceCopies(
         sources={id(tensors[i]): c for i, c in zip(fit, clones, strict=True)},
         snapshot_bytes=sum(nbytes(tensors[i]) for i in fit),
@@ -271,6 +283,20 @@ def _take_native(
     stream waits for. Returns without waiting for the device."""
     native = native_device(tensors)
     assert native is not None
+    with native.guard():  # the caller's thread may have another device current (or none set: device 0)
+        return _enqueue_native(native, tensors, keys, fit, rest, pool, chunk_bytes)
+
+
+def _enqueue_native(
+    native: NativeDevice,
+    tensors: Sequence[torch.Tensor],
+    keys: list[torch.Tensor],
+    fit: list[int],
+    rest: list[int],
+    pool: PinnedPool | None,
+    chunk_bytes: int | None,
+) -> DeviceTransfer:
+    """``_take_native``'s work, under ``native``'s device."""
     training = native.current_stream()
     # a process's first stream costs milliseconds (the backend fills its stream pool): made here only when the call
     # enqueues copies on it, else by the transfer thread

@@ -3,12 +3,14 @@
 ``DeviceTransfer`` serves the writers: ``host(key)`` blocks until that tensor's host copy has arrived, while the
 thread moves the next chunk. XLA chunks go through torch_xla's bulk transfer (GIL released, copies in parallel);
 a native accelerator's chunks are copied ``non_blocking`` on a side stream into pinned buffers from a
-``PinnedPool``, each chunk waited for by an event. A chunk's sources (an async save's device snapshot) are
-dropped as soon as it is on the host, so the snapshot's device memory shrinks as the transfer goes.
+``PinnedPool``, each chunk waited for by an event, all with the sources' device current on the thread. A chunk's
+sources (an async save's device snapshot) are dropped as soon as it is on the host, so the snapshot's device memory
+shrinks as the transfer goes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -170,7 +172,8 @@ class DeviceTransfer:
         self._done = False
         self._cond = threading.Condition()
         if self._native is not None and self._ready is None:  # the copies come after the caller's work so far
-            self._ready = self._native.record(self._native.current_stream())
+            with self._native.guard():
+                self._ready = self._native.record(self._native.current_stream())
         xla_sources = [s for s in sources if kind(s) == "xla"]
         if xla_sources and not synced:
             xla.sync(xla_sources)  # one execution for all of them, on the caller's thread
@@ -184,28 +187,34 @@ class DeviceTransfer:
 
     # ------------------------------------------------------------------ the transfer thread
     def _run(self) -> None:
+        """The transfer, on the transfer thread; its error is kept for the writers and ``close``."""
         try:
-            if self._arrived:
-                if self._arrived_event is not None:
-                    self._arrived_event.synchronize()
-                with self._cond:
-                    self._copies.update(self._arrived)
-                    self._cond.notify_all()
-                self._arrived.clear()
-            for batch in self._batches():
-                copies = self._copy_chunk([self._sources[i] for i in batch])  # type: ignore[misc]
-                with self._cond:
-                    for i, c in zip(batch, copies, strict=True):
-                        self._copies[id(self._keys[i])] = c
-                        self.device_bytes_held -= nbytes(c)
-                        self._sources[i] = None  # the snapshot's device memory of this chunk is free now
-                    self._cond.notify_all()
+            with self._native.guard() if self._native is not None else contextlib.nullcontext():
+                self._move()  # under the sources' device: a thread starts on device 0
         except BaseException as e:  # raised in every writer waiting for a copy, and by close()
             with self._cond:
                 self._error = e
         finally:
             with self._cond:
                 self._done = True
+                self._cond.notify_all()
+
+    def _move(self) -> None:
+        """Publish what the caller copied itself, then bring the rest over chunk by chunk."""
+        if self._arrived:
+            if self._arrived_event is not None:
+                self._arrived_event.synchronize()
+            with self._cond:
+                self._copies.update(self._arrived)
+                self._cond.notify_all()
+            self._arrived.clear()
+        for batch in self._batches():
+            copies = self._copy_chunk([self._sources[i] for i in batch])  # type: ignore[misc]
+            with self._cond:
+                for i, c in zip(batch, copies, strict=True):
+                    self._copies[id(self._keys[i])] = c
+                    self.device_bytes_held -= nbytes(c)
+                    self._sources[i] = None  # the snapshot's device memory of this chunk is free now
                 self._cond.notify_all()
 
     def _batches(self) -> list[list[int]]:

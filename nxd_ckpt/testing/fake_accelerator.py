@@ -6,52 +6,121 @@ So a checkpoint path that reads a host buffer before its copy has run, reuses a 
 lets training update a tensor that a queued copy has not read yet gets other bytes, as it would on a GPU. What the
 fake cannot show is speed, or a kernel and a copy really running at once.
 
+Two devices, ``fakeacc:0`` and ``fakeacc:1``, and a current device per thread as CUDA keeps it: a new thread starts
+on 0, ``torch.fakeacc.device(i)`` and ``set_device`` change it, and a stream's context moves to the stream's device
+(as ``torch.cuda.stream`` does). Each call that would need a device context on CUDA (a side stream made, a copy
+queued on it, an event recorded or waited for, page-locked memory allocated, registered or unregistered) is kept in
+``CALLS`` with the calling thread's current device: where CUDA would have opened a context for it.
+
 ``install`` registers the backend with PyTorch's hooks for backends written in Python
 (``torch.utils.backend_registration``): process-wide and for good, so tests use it in a child process. Page-locked
 memory needs C++ hooks such a backend cannot register: ``NativeDevice.pinned_empty`` hands out ordinary host memory
-filled with a marker here (0xFF bytes: NaN for floats), so a buffer read before its copy shows it.
+filled with a marker here (0xFF bytes: NaN for floats), so a buffer read before its copy shows it. ``torch.fakeacc``
+offers ``host_register`` / ``host_unregister``, through which ``NativeDevice.staging_empty`` locks large staging
+buffers in place (as through ``cudaHostRegister``); they mark the range the same way and keep it in ``REGISTERED``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 import types
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 DEVICE_TYPE = "fakeacc"
+DEVICE_COUNT = 2
 FREE_BYTES = 16 << 30
 """What ``mem_get_info`` reports free (a test may change it)."""
 
 _aten = torch.ops.aten
 
 
+@dataclass(frozen=True)
+class Call:
+    """A call that needs a device context on CUDA: what it was, the calling thread's current device then, the
+    thread's name, and the stream it concerned (if any)."""
+
+    what: str
+    device: int
+    thread: str
+    stream: Stream | None = None
+
+
+CALLS: list[Call] = []
+"""Every ``Call`` so far, in order (a test clears it before what it checks)."""
+REGISTERED: dict[int, int] = {}
+"""Host ranges registered now (``host_register``): address -> length."""
+_current = threading.local()
+"""Per thread: ``device`` (the current device, 0 unless set) and ``streams`` (device -> the current stream)."""
+
+
+def current_device() -> int:
+    """The calling thread's current device (0 in a thread that never set one, as in CUDA)."""
+    return getattr(_current, "device", 0)
+
+
+def set_device(device: Any) -> None:
+    _current.device = _index(device)
+
+
+def _index(device: Any) -> int:
+    """The device index that ``device`` (an index, a ``torch.device``, a string or None for the current) names."""
+    if device is None:
+        return current_device()
+    index = device if isinstance(device, int) else torch.device(device).index
+    index = current_device() if index is None else index
+    if not 0 <= index < DEVICE_COUNT:
+        raise ValueError(f"{DEVICE_TYPE} has {DEVICE_COUNT} devices, got index {index}")
+    return index
+
+
+class device:  # torch.cuda.device's name
+    """``with torch.fakeacc.device(i):`` the block runs with ``i`` as the thread's current device."""
+
+    def __init__(self, device: Any) -> None:
+        self.index = _index(device)
+        self._previous: list[int] = []
+
+    def __enter__(self) -> None:
+        self._previous.append(current_device())
+        set_device(self.index)
+
+    def __exit__(self, *exc: object) -> None:
+        set_device(self._previous.pop())
+
+
+def _record(what: str, stream: Stream | None = None) -> None:
+    CALLS.append(Call(what, current_device(), threading.current_thread().name, stream))  # list.append is atomic
+
+
 class FakeAccTensor(torch.Tensor):
-    """A tensor on ``fakeacc``: a wrapper whose ``inner`` CPU tensor holds the bytes."""
+    """A tensor on ``fakeacc:index``: a wrapper whose ``inner`` CPU tensor holds the bytes."""
 
     inner: torch.Tensor
 
     @staticmethod
-    def __new__(cls, inner: torch.Tensor, requires_grad: bool = False) -> FakeAccTensor:
+    def __new__(cls, inner: torch.Tensor, index: int = 0, requires_grad: bool = False) -> FakeAccTensor:
         return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             cls,
             inner.shape,
             dtype=inner.dtype,
-            device=torch.device(DEVICE_TYPE, 0),
+            device=torch.device(DEVICE_TYPE, index),
             strides=inner.stride(),
             storage_offset=inner.storage_offset(),
             requires_grad=requires_grad,
         )
 
-    def __init__(self, inner: torch.Tensor, requires_grad: bool = False) -> None:
+    def __init__(self, inner: torch.Tensor, index: int = 0, requires_grad: bool = False) -> None:
         self.inner = inner
 
     def __repr__(self) -> str:  # type: ignore[override]
-        return f"FakeAccTensor({self.inner!r})"
+        return f"FakeAccTensor({self.inner!r}, device={self.device})"
 
     def data_ptr(self) -> int:  # type: ignore[override]
         return self.inner.data_ptr()
@@ -63,13 +132,23 @@ class FakeAccTensor(torch.Tensor):
             return _copy(args[0], args[1], bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking")))
         if func is _aten._to_copy.default and _is_host(kwargs.get("device")):
             return func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+        index = _result_index(args, kwargs)
         out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
         by_inner = {id(a.inner): a for a in args if isinstance(a, FakeAccTensor)}
-        return tree_map(lambda x: _rewrap(x, by_inner), out)
+        return tree_map(lambda x: _rewrap(x, by_inner, index), out)
 
 
 def _is_host(device: Any) -> bool:
     return device is not None and torch.device(device).type == "cpu"
+
+
+def _result_index(args: tuple, kwargs: dict) -> int:
+    """The device of an op's new tensors: the one it names (``device=``), else its first device input's."""
+    named = kwargs.get("device")
+    if named is not None and torch.device(named).type == DEVICE_TYPE:
+        return _index(named)
+    first = next((a for a in tree_leaves((args, kwargs)) if isinstance(a, FakeAccTensor)), None)
+    return first.device.index if first is not None else current_device()
 
 
 def _unwrap(x: Any) -> Any:
@@ -80,22 +159,23 @@ def _unwrap(x: Any) -> Any:
     return x
 
 
-def _rewrap(x: Any, by_inner: dict[int, FakeAccTensor]) -> Any:
+def _rewrap(x: Any, by_inner: dict[int, FakeAccTensor], index: int) -> Any:
     """An op's result on the device: an input given back (in-place ops) as that input, a new tensor wrapped."""
     if not isinstance(x, torch.Tensor) or isinstance(x, FakeAccTensor):
         return x
     given = by_inner.get(id(x))
-    return given if given is not None else FakeAccTensor(x)
+    return given if given is not None else FakeAccTensor(x, index)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> torch.Tensor:
-    """``dst.copy_(src)``: now on the default stream; on another, queued when ``non_blocking``, else run after what
+    """``dst.copy_(src)``: now on a default stream; on another, queued when ``non_blocking``, else run after what
     that stream holds (a blocking copy keeps its stream's order and returns once done)."""
     dst_inner, src_inner = _unwrap(dst), _unwrap(src)
     stream = current_stream()
     if stream.is_default:
         dst_inner.copy_(src_inner)
     elif non_blocking:
+        _record("copy", stream)
         stream.enqueue(lambda: dst_inner.copy_(src_inner))
     else:
         stream.synchronize()
@@ -105,19 +185,22 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> torch.Ten
 
 def _empty_strided(size: Any, stride: Any, *, dtype: Any = None, layout: Any = None, device: Any = None,
                    pin_memory: Any = None) -> torch.Tensor:  # fmt: skip
-    return FakeAccTensor(torch.empty_strided(size, stride, dtype=dtype))
+    return FakeAccTensor(torch.empty_strided(size, stride, dtype=dtype), _index(device))
 
 
 def _empty(size: Any, *, dtype: Any = None, layout: Any = None, device: Any = None, pin_memory: Any = None,
            memory_format: Any = None) -> torch.Tensor:  # fmt: skip
-    return FakeAccTensor(torch.empty(size, dtype=dtype))
+    return FakeAccTensor(torch.empty(size, dtype=dtype), _index(device))
 
 
 class Stream:
-    """A queue of deferred copies; the default stream runs everything at once."""
+    """A queue of deferred copies on one device (``device``, else the current one); a default stream runs
+    everything at once. ``waited``: the events ``wait_event`` was given."""
 
     def __init__(self, device: Any = None, priority: int = 0, *, default: bool = False) -> None:
         self.is_default = default
+        self.index = _index(device)
+        self.waited: list[Event] = []
         self._lock = threading.Lock()
         self._queue: list[Callable[[], None]] = []
         self._enqueued = 0
@@ -125,7 +208,7 @@ class Stream:
 
     @property
     def device(self) -> torch.device:
-        return torch.device(DEVICE_TYPE, 0)
+        return torch.device(DEVICE_TYPE, self.index)
 
     def enqueue(self, work: Callable[[], None]) -> None:
         with self._lock:
@@ -150,7 +233,9 @@ class Stream:
         return self._ran >= self._enqueued
 
     def wait_event(self, event: Event) -> None:
-        event.synchronize()  # this stream's later work runs at once: it must see the event's work done
+        _record("stream wait", self)
+        self.waited.append(event)
+        event.complete()  # this stream's later work runs at once: it must see the event's work done
 
     def wait_stream(self, stream: Stream) -> None:
         stream.synchronize()
@@ -170,9 +255,15 @@ class Event:
 
     def record(self, stream: Stream | None = None) -> None:
         self._stream = stream if stream is not None else current_stream()
+        _record("event record", self._stream)
         self._position = self._stream.position
 
     def synchronize(self) -> None:
+        _record("event synchronize", self._stream)
+        self.complete()
+
+    def complete(self) -> None:
+        """Run the work the event waits for (no call of the backend's: the fake's own bookkeeping)."""
         if self._stream is not None:
             self._stream.run_until(self._position)
 
@@ -180,37 +271,70 @@ class Event:
         return self._stream is None or self._stream._ran >= self._position
 
     def wait(self, stream: Stream | None = None) -> None:
-        self.synchronize()
+        (stream if stream is not None else current_stream()).wait_event(self)
 
 
-_DEFAULT_STREAM = Stream(default=True)
+_DEFAULT_STREAMS = [Stream(i, default=True) for i in range(DEVICE_COUNT)]
 _STREAMS: list[Stream] = []
 """Every side stream made (``synchronize`` runs what they hold)."""
-_current = threading.local()
+
+
+def _thread_streams() -> dict[int, Stream]:
+    """The calling thread's current stream of each device that has one set (``stream``)."""
+    streams = getattr(_current, "streams", None)
+    if streams is None:
+        streams = _current.streams = {}
+    return streams
 
 
 def current_stream(device: Any = None) -> Stream:
-    return getattr(_current, "stream", _DEFAULT_STREAM)
+    index = _index(device)
+    return _thread_streams().get(index, _DEFAULT_STREAMS[index])
 
 
 def default_stream(device: Any = None) -> Stream:
-    return _DEFAULT_STREAM
+    return _DEFAULT_STREAMS[_index(device)]
 
 
 @contextlib.contextmanager
 def stream(s: Stream | None) -> Iterator[None]:
-    previous = current_stream()
-    _current.stream = s if s is not None else previous
-    try:
+    """The block's work goes to ``s``, with ``s``'s device current (``torch.cuda.stream`` changes it too)."""
+    if s is None:
         yield
+        return
+    streams = _thread_streams()
+    previous = streams.get(s.index)
+    streams[s.index] = s
+    try:
+        with device(s.index):
+            yield
     finally:
-        _current.stream = previous
+        if previous is None:
+            streams.pop(s.index, None)
+        else:
+            streams[s.index] = previous
 
 
 def synchronize(device: Any = None) -> None:
     """Nothing is left queued anywhere (the streams of every thread)."""
     for s in list(_STREAMS):
         s.synchronize()
+
+
+def host_register(address: int, length: int) -> bool:
+    """Lock the host range in place (recorded; the range is marked with 0xFF bytes, as ``pinned_empty``'s are)."""
+    _record("host register")
+    if any(address < start + size and start < address + length for start, size in REGISTERED.items()):
+        raise RuntimeError(f"host range {address:#x}+{length} overlaps a registered one (cudaHostRegister refuses)")
+    ctypes.memset(address, 0xFF, length)
+    REGISTERED[address] = length
+    return True
+
+
+def host_unregister(address: int) -> None:
+    _record("host unregister")
+    if REGISTERED.pop(address, None) is None:
+        raise RuntimeError(f"host range {address:#x} is not registered (unregistered twice, or never registered)")
 
 
 class _Module(types.ModuleType):
@@ -223,10 +347,16 @@ class _Module(types.ModuleType):
         self.default_stream = default_stream
         self.stream = stream
         self.synchronize = synchronize
+        self.device = device
+        self.current_device = current_device
+        self.set_device = set_device
+        self.host_register = host_register
+        self.host_unregister = host_unregister
 
     @staticmethod
     def Stream(device: Any = None, priority: int = 0) -> Stream:
         s = Stream(device, priority)
+        _record("stream", s)
         _STREAMS.append(s)
         return s
 
@@ -236,11 +366,8 @@ class _Module(types.ModuleType):
     def is_available(self) -> bool:
         return True
 
-    def current_device(self) -> int:
-        return 0
-
     def device_count(self) -> int:
-        return 1
+        return DEVICE_COUNT
 
     def _is_in_bad_fork(self) -> bool:
         return False
@@ -263,8 +390,8 @@ _library: Any = None
 
 
 def install() -> None:
-    """Register ``fakeacc`` in this process (once; it cannot be undone), and make ``NativeDevice.pinned_empty`` hand
-    out marked host memory (see the module's docstring)."""
+    """Register ``fakeacc`` in this process (once; it cannot be undone), and make ``NativeDevice``'s page-locked
+    allocations hand out marked host memory (see the module's docstring)."""
     global _installed, _library
     if _installed:
         return
@@ -277,10 +404,11 @@ def install() -> None:
     _library.impl("empty_strided", _empty_strided, "PrivateUse1")
     _library.impl("empty.memory_format", _empty, "PrivateUse1")
 
-    def pinned_empty(self: Any, shape: Any, dtype: torch.dtype) -> torch.Tensor:
+    def page_locked_empty(self: Any, shape: Any, dtype: torch.dtype) -> torch.Tensor:
+        _record("pinned alloc")
         buffer = torch.empty(tuple(shape), dtype=dtype)
         buffer.view(torch.uint8).fill_(0xFF) if buffer.numel() else None
         return buffer
 
-    backend.NativeDevice.pinned_empty = pinned_empty  # type: ignore[method-assign]
+    backend.NativeDevice._page_locked_empty = page_locked_empty  # type: ignore[method-assign]
     _installed = True

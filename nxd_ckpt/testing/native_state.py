@@ -5,6 +5,7 @@ optimizer steps right after the call, pinned buffers kept across saves, loads in
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -28,12 +29,19 @@ def training(device: str, width: int = WIDTH) -> tuple[torch.nn.Module, torch.op
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def steps(model: torch.nn.Module, opt: torch.optim.Optimizer, count: int, seed: int) -> None:
-    """``count`` optimizer steps on batches drawn from ``seed``: every parameter and moment changes in place."""
+def steps(model: torch.nn.Module, opt: torch.optim.Optimizer, count: int, seed: int, *, autograd: bool = True) -> None:
+    """``count`` optimizer steps on batches drawn from ``seed``: every parameter and moment changes in place. Without
+    ``autograd`` the gradients are drawn too (a backend written in Python has one device for the autograd engine:
+    backward on its device 1 fails)."""
     device = next(model.parameters()).device
     width = next(model.parameters()).shape[1]
     for i in range(count):
         g = torch.Generator().manual_seed(seed * 1000 + i)
+        if not autograd:
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g).to(device)
+            opt.step()
+            continue
         x = torch.randn(64, width, generator=g).to(device, non_blocking=True)
         loss = torch.nn.functional.mse_loss(model(x), x)
         opt.zero_grad()
@@ -184,3 +192,26 @@ def snapshot_that_fits_makes_no_stream_in_the_call(path: str, device: str, width
     assert report.device_snapshot_bytes > 0 and report.device_direct_bytes == 0
     assert threading.get_ident() not in in_call, "the save's call made a stream"
     assert made and threading.get_ident() not in made, f"streams made on threads {made}"
+
+
+def saves_and_loads_on(path: str, device: str, width: int = WIDTH, *, autograd: bool = True) -> None:
+    """State on ``device`` (a device other than the calling thread's current one, in the tests): an async save
+    through the pinned pool, one under a host memory budget, a load into the live tensors; both tags hold their
+    call's state, and the pinned memory is freed at the end. Every background thread of the library moves bytes
+    here; where their device work ran is for the caller to check. ``autograd``: as for ``steps``."""
+    manager = CheckpointManager()
+    model, opt = training(device, width)
+    for step, budget in ((1, None), (2, state_bytes(device, width))):
+        steps(model, opt, 1, seed=step, autograd=autograd)
+        expected = host_copy(model.state_dict()), host_copy(opt.state_dict())["state"]
+        report = manager.save(
+            path, f"step_{step}", model=model, optimizer=opt, async_save=True, use_xser=True, host_memory_budget=budget
+        )
+        steps(model, opt, 1, seed=10 + step, autograd=autograd)  # training goes on while the copies travel
+        report.wait()
+        assert report.device_snapshot_bytes > 0
+    manager.load(path, "step_2", model=model, optimizer=opt)  # into the live tensors, through pinned arenas
+    assert_state_equal(host_copy(model.state_dict()), expected[0])
+    assert_state_equal(host_copy(opt.state_dict())["state"], expected[1])
+    manager.finalize()
+    gc.collect()  # the pinned buffers the pool and the arena held are dropped (unregistered) here
