@@ -11,7 +11,7 @@ from nxd_ckpt.cli.locate import open_tag
 from nxd_ckpt.cli.output import EXIT_FAILED, EXIT_OK, human_bytes, print_err, print_json, print_table
 from nxd_ckpt.errors import CheckpointError, UnsafeCheckpointError
 from nxd_ckpt.format import layout
-from nxd_ckpt.inspect import Checkpoint
+from nxd_ckpt.inspection import Checkpoint
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ from nxd_ckpt.cli.output import EXIT_FAILED, EXIT_OK, human_bytes, print_err, pr
 from nxd_ckpt.cli.progress import ReadProgressStorage, progress_bar
 from nxd_ckpt.errors import CheckpointError
 from nxd_ckpt.format import retention, tags
-from nxd_ckpt.inspect import Checkpoint
+from nxd_ckpt.inspection import Checkpoint
 from nxd_ckpt.lazy import lazy_module
 from nxd_ckpt.storage import Storage
 
