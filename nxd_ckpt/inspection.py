@@ -246,14 +246,11 @@ class Checkpoint:
             out = []
             for inner, leaf in _walk(ref):
                 path = _join(sf.prefix, inner)
-                if _is_reference(leaf):
-                    tensor_file = layout.xser_tensor_file(sf.path, int(leaf.tid))
-                    dtype, shape = self._xser_tensor_meta(sf, int(leaf.tid), info)
+                if xser.is_reference(leaf) or isinstance(leaf, torch.Tensor):  # the latter kept inside the file
+                    file = layout.xser_tensor_file(sf.path, int(leaf.tid)) if xser.is_reference(leaf) else sf.path
+                    dtype, shape = xser.tensor_meta(leaf, info, lambda tid: self._xser_tensor_structure(sf, tid))
                     nbytes = _numel(shape) * _element_size(dtype)
-                    out.append(ObjectInfo(path, "tensor", _dtype_name(dtype), shape, nbytes, tensor_file))
-                elif isinstance(leaf, torch.Tensor):  # a small tensor kept inside the reference file
-                    shape, nbytes = tuple(leaf.shape), leaf.numel() * leaf.element_size()
-                    out.append(ObjectInfo(path, "tensor", _dtype_name(leaf.dtype), shape, nbytes, sf.path))
+                    out.append(ObjectInfo(path, "tensor", _dtype_name(dtype), shape, nbytes, file))
                 else:
                     out.append(_value_info(path, leaf, sf.path))
             return out
@@ -382,13 +379,8 @@ class Checkpoint:
             self._xser_infos[sf.path] = info
         return self._xser_infos[sf.path]
 
-    def _xser_tensor_meta(
-        self, sf: StateFile, tid: int, info: dict[int, dict[str, Any]] | None
-    ) -> tuple[torch.dtype, tuple[int, ...]]:
-        """dtype and shape of one xser tensor: from the info file, else from the tensor file's pickle alone."""
-        recorded = xser.info_meta(info, tid)
-        if recorded is not None:
-            return recorded
+    def _xser_tensor_structure(self, sf: StateFile, tid: int) -> torch.Tensor:
+        """One xser tensor on ``meta``, from its tensor file's pickle alone (for files without an info file)."""
         tensor_path = layout.xser_tensor_file(sf.path, tid)
         if not self.storage.exists(tensor_path):
             raise FormatError(
@@ -399,7 +391,7 @@ class Checkpoint:
             t = structure.load_structure(f, self._what(tensor_path), False)
         if not isinstance(t, torch.Tensor):
             raise FormatError(f"{self._what(tensor_path)} does not hold a tensor (found {type(t).__name__})")
-        return t.dtype, tuple(t.shape)
+        return t
 
     def _read_xser_tensor(self, sf: StateFile, tid: int, info: dict[int, dict[str, Any]] | None) -> torch.Tensor:
         tensor_path = layout.xser_tensor_file(sf.path, tid)
@@ -416,10 +408,6 @@ class Checkpoint:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-
-
-def _is_reference(obj: Any) -> bool:
-    return type(obj).__name__ == "TensorReference" and hasattr(obj, "tid")
 
 
 def _is_plain_value(obj: Any) -> bool:
