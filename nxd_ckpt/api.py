@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from nxd_ckpt.format import tags
 from nxd_ckpt.manager import CheckpointManager
-from nxd_ckpt.options import LoadOptions, SaveOptions, nxd_arguments
+from nxd_ckpt.options import LoadOptions, SaveOptions, nxd_arguments, options_from_call
 from nxd_ckpt.save.report import SaveReport
 from nxd_ckpt.storage import storage_for
 
@@ -122,29 +122,7 @@ def save_checkpoint(
     Returns:
         A SaveReport (bytes, blocked/staging/write time); for async saves ``wait()`` blocks until durable.
     """
-    options = SaveOptions(
-        checkpoint_dir_str,
-        tag,
-        model,
-        optimizer,
-        scheduler,
-        user_content,
-        num_workers,
-        use_xser,
-        num_kept_ckpts,
-        async_save,
-        zero1_optimizer,
-        use_zero1_dcp,
-        avoid_saving_lower_precision_weights,
-        rank_state=rank_state,
-        save_rng=save_rng,
-        rank_state_mode=rank_state_mode,
-        timeout=timeout,
-        on_save_error=on_save_error,
-        memory_tier=memory_tier,
-        host_memory_budget=host_memory_budget,
-        device_snapshot_budget=device_snapshot_budget,
-    )
+    options = options_from_call(SaveOptions, locals())
     return get_manager().save(options)
 
 
@@ -200,25 +178,7 @@ def load_checkpoint(
     Returns:
         The saved user content, or None if none was saved.
     """
-    options = LoadOptions(
-        path,
-        tag,
-        model,
-        optimizer,
-        scheduler,
-        num_workers,
-        strict,
-        use_zero1_dcp,
-        allow_pickle=allow_pickle,
-        rank_state=rank_state,
-        skip_rank_state=skip_rank_state,
-        device=device,
-        verify=verify,
-        fallback_to_verified=fallback_to_verified,
-        timeout=timeout,
-        sharding=sharding,
-        memory_tier=memory_tier,
-    )
+    options = options_from_call(LoadOptions, locals())
     return get_manager().load(options)
 
 

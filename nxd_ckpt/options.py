@@ -160,6 +160,13 @@ def nxd_arguments(fn: Callable[_Params, _Result]) -> Callable[_Params, _Result]:
     return checked
 
 
+def options_from_call(cls: type[_Options], arguments: dict[str, Any]) -> _Options:
+    """``cls`` from one call of ``api``'s function, whose parameters are ``cls``'s fields (``locals()`` on entry):
+    the first is the directory, whatever NxD names it (``checkpoint_dir_str``, ``path``); validated once, here."""
+    (_, checkpoint_dir), *rest = arguments.items()
+    return cls(checkpoint_dir, **dict(rest))
+
+
 def _check_arguments(
     signature: inspect.Signature, function: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> None:
