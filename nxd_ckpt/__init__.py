@@ -36,8 +36,8 @@ _LAZY = {
     "load_checkpoint": "api",
     "reset_manager": "api",
     "save_checkpoint": "api",
-    "Checkpoint": "inspect",
-    "open_checkpoint": "inspect",
+    "Checkpoint": "inspection",
+    "open_checkpoint": "inspection",
     "CheckpointManager": "manager",
     "SaveReport": "save.report",
     "SaveOptions": "options",
@@ -67,7 +67,7 @@ if TYPE_CHECKING:
     )
     from nxd_ckpt.compat import g_iostate
     from nxd_ckpt.format.sharding import ShardingRecord, TensorSharding
-    from nxd_ckpt.inspect import Checkpoint, open_checkpoint
+    from nxd_ckpt.inspection import Checkpoint, open_checkpoint
     from nxd_ckpt.load.report import RestoreReport
     from nxd_ckpt.manager import CheckpointManager
     from nxd_ckpt.options import LoadOptions, SaveOptions

@@ -1,17 +1,23 @@
-"""The public functions, with NeuronX Distributed's signatures: each call becomes one validated SaveOptions or
-LoadOptions (``options.py``, which owns the parameter list), run by one process-wide manager."""
+"""The public functions, with NeuronX Distributed's signatures written out (so type checkers and IDEs see them):
+each call becomes one validated SaveOptions or LoadOptions (``options.py``, which owns what each parameter means;
+``tests/unit/test_options.py`` holds the signatures to its fields), run by one process-wide manager."""
 
 from __future__ import annotations
 
 import atexit
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nxd_ckpt.format import tags
 from nxd_ckpt.manager import CheckpointManager
-from nxd_ckpt.options import LoadOptions, SaveOptions, signature_from
+from nxd_ckpt.options import LoadOptions, SaveOptions, nxd_arguments, options_from_call
 from nxd_ckpt.save.report import SaveReport
 from nxd_ckpt.storage import storage_for
+
+if TYPE_CHECKING:
+    import torch
+
+    from nxd_ckpt.tier.memory import MemoryTier
 
 
 class _DefaultManager:
@@ -52,11 +58,34 @@ def reset_manager() -> None:
     _default.reset()
 
 
-@signature_from(SaveOptions, first="checkpoint_dir_str")
-def save_checkpoint(options: SaveOptions) -> SaveReport:
+@nxd_arguments
+def save_checkpoint(
+    checkpoint_dir_str: Any,
+    tag: str,
+    model: Any = None,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    user_content: Any = None,
+    num_workers: int = 8,
+    use_xser: bool = False,
+    num_kept_ckpts: int | None = None,
+    async_save: bool = False,
+    zero1_optimizer: bool = False,
+    use_zero1_dcp: bool = False,
+    avoid_saving_lower_precision_weights: bool = False,
+    *,
+    rank_state: Any = None,
+    save_rng: bool = False,
+    rank_state_mode: str = "per_rank",
+    timeout: float | None = None,
+    on_save_error: str = "raise",
+    memory_tier: MemoryTier | None = None,
+    host_memory_budget: int | str | None = None,
+    device_snapshot_budget: int | str | None = None,
+) -> SaveReport:
     """Save a checkpoint under ``checkpoint_dir_str/tag`` in NxD's layout; every rank must call it.
 
-    The parameters are ``SaveOptions``' fields (``options.py``; ``help()`` and ``inspect.signature`` show them):
+    The parameters are ``SaveOptions``' fields (``options.py``), ``checkpoint_dir_str`` its ``checkpoint_dir``:
     those up to ``avoid_saving_lower_precision_weights`` are NxD's, in NxD's order, with NxD's meaning
     (``num_kept_ckpts=-1`` keeps every checkpoint). ``use_zero1_dcp`` asks for torch Distributed Checkpoint
     files for ZeRO-1 state: nxd_ckpt writes NxD's per-rank ZeRO-1 files instead (what NxD itself does when DCP
@@ -93,14 +122,34 @@ def save_checkpoint(options: SaveOptions) -> SaveReport:
     Returns:
         A SaveReport (bytes, blocked/staging/write time); for async saves ``wait()`` blocks until durable.
     """
+    options = options_from_call(SaveOptions, locals())
     return get_manager().save(options)
 
 
-@signature_from(LoadOptions, first="path")
-def load_checkpoint(options: LoadOptions) -> Any:
+@nxd_arguments
+def load_checkpoint(
+    path: Any,
+    tag: str | None = None,
+    model: Any = None,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    num_workers: int = 8,
+    strict: bool = True,
+    use_zero1_dcp: bool = False,
+    *,
+    allow_pickle: bool = False,
+    rank_state: Any = None,
+    skip_rank_state: bool = False,
+    device: str | torch.device | None = None,
+    verify: bool = True,
+    fallback_to_verified: bool = False,
+    timeout: float | None = None,
+    sharding: Any = None,
+    memory_tier: MemoryTier | None = None,
+) -> Any:
     """Load ``tag`` (default: the latest complete checkpoint) from ``path`` into the given objects; every rank
-    must call it. The parameters are ``LoadOptions``' fields (``options.py``; ``help()`` and ``inspect.signature``
-    show them): those up to ``use_zero1_dcp`` are NxD's, in NxD's order, the rest keyword-only. ZeRO-1 state is
+    must call it. The parameters are ``LoadOptions``' fields (``options.py``), ``path`` its ``checkpoint_dir``:
+    those up to ``use_zero1_dcp`` are NxD's, in NxD's order, the rest keyword-only. ZeRO-1 state is
     read from NxD's per-rank files whatever ``use_zero1_dcp`` says (a checkpoint whose ZeRO-1 state is in DCP
     format is refused with FormatError). An explicitly named ``tag`` without any ``checkpoint``/``done`` marker (NxD's
     ``checkpoint_converter.py`` output, e.g. ``pretrained_weight``) loads with a warning; one with
@@ -129,6 +178,7 @@ def load_checkpoint(options: LoadOptions) -> Any:
     Returns:
         The saved user content, or None if none was saved.
     """
+    options = options_from_call(LoadOptions, locals())
     return get_manager().load(options)
 
 

@@ -68,16 +68,18 @@ def enable_logging(level: int = logging.INFO) -> logging.Handler:
 
 
 def format_bytes(n: float) -> str:
-    """Bytes for log lines, in decimal units: ``512 B``, ``12.3 KB``, ``456 MB``, ``4.6 GB``."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
+    """A size for people, in binary (IEC) units, the one convention of nxd_ckpt's text: log lines, the command's
+    tables and progress bars, and the sizes the options and knobs take (``"512MiB"``). ``512 B``, ``12.1 KiB``,
+    ``435 MiB``, ``4.3 GiB``: one decimal below 100 of a unit."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
             if unit == "B":
                 return f"{int(n)} B"
             return f"{n:.1f} {unit}" if abs(n) < 100 else f"{n:.0f} {unit}"
-        n /= 1000
+        n /= 1024
     raise AssertionError("unreachable")
 
 
 def format_rate(nbytes: float, seconds: float) -> str:
-    """Throughput for log lines (``1.23 GB/s``, ``45.6 MB/s``); ``-`` when the time is too short to tell."""
+    """Throughput for log lines (``1.2 GiB/s``, ``45.6 MiB/s``); ``-`` when the time is too short to tell."""
     return f"{format_bytes(nbytes / seconds)}/s" if seconds > 0 else "-"

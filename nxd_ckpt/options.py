@@ -9,12 +9,13 @@ used; nothing in between repeats it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 import os
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
@@ -32,6 +33,7 @@ SAVE_ERROR_POLICIES = ("raise", "warn")
 
 _Options = TypeVar("_Options", "SaveOptions", "LoadOptions")
 _Result = TypeVar("_Result")
+_Params = ParamSpec("_Params")
 
 RANK_STATE_MODES = ("per_rank", "gather")
 """``rank_state_mode``: one file per rank, or every rank's state gathered into one file by the master."""
@@ -144,50 +146,31 @@ class LoadOptions:
         return dataclasses.replace(self, **changes)
 
 
-def signature_from(
-    cls: type[_Options], first: str
-) -> Callable[[Callable[[_Options], _Result]], Callable[..., _Result]]:
-    """Turn ``fn(options)`` into the public function taking ``cls``'s fields as parameters: ``api``'s functions
-    have NxD's signatures without repeating them.
+def nxd_arguments(fn: Callable[_Params, _Result]) -> Callable[_Params, _Result]:
+    """``fn`` (``api``'s written-out signature, which type checkers see) with its argument errors worded for NxD
+    users: an unknown keyword is named with the accepted ones, a positional argument past NxD's says nxd_ckpt's
+    options are keyword-only. ``tests/unit/test_options.py`` holds the signature to ``cls``'s fields."""
+    signature = inspect.signature(fn)
 
-    The parameters are the fields in order, NxD's positional-or-keyword, nxd_ckpt's keyword-only, with their
-    defaults; the first is named ``first`` as NxD names it (``checkpoint_dir_str``, ``path``). ``inspect.signature``
-    and ``help()`` show them. A call is bound as Python binds arguments (an unknown keyword raises TypeError naming
-    it and the accepted ones), then validated once by ``cls``.
-    """
-    signature = _signature_of(cls, first)
+    @functools.wraps(fn)
+    def checked(*args: _Params.args, **kwargs: _Params.kwargs) -> _Result:
+        _check_arguments(signature, fn.__name__, args, kwargs)
+        return fn(*args, **kwargs)
 
-    def decorate(fn: Callable[[_Options], _Result]) -> Callable[..., _Result]:
-        def public(*args: Any, **kwargs: Any) -> _Result:
-            return fn(_bind(cls, signature, fn.__name__, args, kwargs))
-
-        for name in ("__module__", "__name__", "__qualname__", "__doc__"):
-            setattr(public, name, getattr(fn, name))
-        public.__signature__ = signature.replace(  # type: ignore[attr-defined]
-            return_annotation=fn.__annotations__.get("return", inspect.Signature.empty)
-        )
-        return public
-
-    return decorate
+    return checked
 
 
-def _signature_of(cls: type[_Options], first: str) -> inspect.Signature:
-    """``cls``'s init fields as parameters, the first one renamed ``first``."""
-    parameters = []
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        kind = inspect.Parameter.KEYWORD_ONLY if f.kw_only else inspect.Parameter.POSITIONAL_OR_KEYWORD
-        default = inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default
-        name = first if not parameters else f.name
-        parameters.append(inspect.Parameter(name, kind, default=default, annotation=f.type))
-    return inspect.Signature(parameters)
+def options_from_call(cls: type[_Options], arguments: dict[str, Any]) -> _Options:
+    """``cls`` from one call of ``api``'s function, whose parameters are ``cls``'s fields (``locals()`` on entry):
+    the first is the directory, whatever NxD names it (``checkpoint_dir_str``, ``path``); validated once, here."""
+    (_, checkpoint_dir), *rest = arguments.items()
+    return cls(checkpoint_dir, **dict(rest))
 
 
-def _bind(
-    cls: type[_Options], signature: inspect.Signature, function: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> _Options:
-    """``cls`` built from one call's arguments; TypeError, worded as Python's, for arguments it does not take."""
+def _check_arguments(
+    signature: inspect.Signature, function: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """Raise TypeError, worded as Python's, for arguments ``signature`` does not take (what to pass instead)."""
     unknown = [name for name in kwargs if name not in signature.parameters]
     if unknown:
         raise TypeError(
@@ -202,12 +185,9 @@ def _bind(
             "were given; nxd_ckpt's own options are keyword-only"
         )
     try:
-        bound = signature.bind(*args, **kwargs)
+        signature.bind(*args, **kwargs)
     except TypeError as e:  # a missing or repeated argument
         raise TypeError(f"{function}() {'got ' if str(e).startswith('multiple') else ''}{e}") from None
-    arguments = dict(bound.arguments)
-    checkpoint_dir = arguments.pop(next(iter(signature.parameters)))  # NxD's name for it, the options' own
-    return cls(checkpoint_dir, **arguments)
 
 
 def save_options(checkpoint_dir: str | os.PathLike[str] | Any, tag: str | None = None, **keywords: Any) -> SaveOptions:

@@ -12,6 +12,7 @@ starts no further storage call if that one ever returns.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +21,7 @@ from typing import Any, BinaryIO, TypeVar
 
 from nxd_ckpt.errors import CheckpointError, CheckpointTimeoutError, StorageStallError
 from nxd_ckpt.ranks.deadlines import stall_limit_s
-from nxd_ckpt.storage.base import DelegatingStorage, Storage
+from nxd_ckpt.storage.base import CountingStream, DelegatingStorage, Storage
 
 T = TypeVar("T")
 
@@ -114,34 +115,6 @@ class StorageMonitor:
         return f"{self.url}/{path}" if self.url else path
 
 
-PROGRESS_CHUNK_BYTES = 64 << 20
-"""One ``write`` of a large tensor record is passed on in pieces of this size, each reported as progress, so a
-multi-GB record on a slow disk is not mistaken for a stall."""
-
-
-class _CountingStream:
-    """A write stream that reports every chunk to the monitor (everything else goes to ``target``)."""
-
-    def __init__(self, target: BinaryIO, monitor: StorageMonitor, op: _Op) -> None:
-        self._target, self._monitor, self._op = target, monitor, op
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        done = 0
-        while done < len(view) or not view:
-            piece = view[done : done + PROGRESS_CHUNK_BYTES]
-            n = self._target.write(piece)
-            n = len(piece) if n is None else n
-            self._monitor.moved(self._op, n)
-            done += n
-            if n < len(piece) or not view:  # a short write: report it as the stream did
-                break
-        return done
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._target, name)
-
-
 class WatchedStorage(DelegatingStorage):
     """Reports every write-side storage call of a save to a StorageMonitor (reads pass through unwatched)."""
 
@@ -154,7 +127,8 @@ class WatchedStorage(DelegatingStorage):
     @contextlib.contextmanager
     def open_write(self, path: str) -> Iterator[BinaryIO]:
         with self.monitor.call("writing", path) as op, self.inner.open_write(path) as f:
-            yield _CountingStream(f, self.monitor, op)  # type: ignore[misc]
+            report = functools.partial(self.monitor.moved, op)
+            yield CountingStream(f, report)  # type: ignore[misc]
 
     def write_bytes(self, path: str, data: bytes | bytearray | memoryview) -> None:
         with self.monitor.call("writing", path) as op:

@@ -19,7 +19,7 @@ import torch
 
 import nxd_ckpt as nxd
 from nxd_ckpt.cli.progress import ReadProgressStorage
-from nxd_ckpt.inspect import open_checkpoint
+from nxd_ckpt.inspection import open_checkpoint
 from nxd_ckpt.storage import LocalStorage
 
 

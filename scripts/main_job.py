@@ -37,7 +37,7 @@ def killed_by_sigkill(stderr_text: str) -> bool:
 def describe_files(ckpt_dir: str, tag: str) -> str:
     """What the files of a tag really are: xser writes tensors under 64 KiB inline, so a small model's "xser"
     checkpoint has no per-tensor files at all."""
-    from nxd_ckpt.inspect import open_checkpoint
+    from nxd_ckpt.inspection import open_checkpoint
 
     ckpt = open_checkpoint(ckpt_dir, tag)
     state_files = ckpt.state_files()

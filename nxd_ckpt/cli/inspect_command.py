@@ -8,10 +8,11 @@ import json
 from typing import Any
 
 from nxd_ckpt.cli.locate import open_tag
-from nxd_ckpt.cli.output import EXIT_FAILED, EXIT_OK, human_bytes, print_err, print_json, print_table
+from nxd_ckpt.cli.output import EXIT_FAILED, EXIT_OK, print_err, print_json, print_table
 from nxd_ckpt.errors import CheckpointError, UnsafeCheckpointError
 from nxd_ckpt.format import layout
-from nxd_ckpt.inspect import Checkpoint
+from nxd_ckpt.inspection import Checkpoint
+from nxd_ckpt.log import format_bytes
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -31,13 +32,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return EXIT_FAILED if damaged else EXIT_OK
     _print_tag_header(ckpt, lay)
     print("files:")
-    print_table([[f"  {name}", human_bytes(size)] for name, size in _file_rows(files, args.files)])
+    print_table([[f"  {name}", format_bytes(size)] for name, size in _file_rows(files, args.files)])
     for summary in state:
         _print_state_file(ckpt, summary)
     print(
         f"\ntotal: {totals['state_files']} state files, {totals['tensors']} tensors, "
-        f"{human_bytes(totals['tensor_bytes'])} of tensor data; {totals['files']} files, "
-        f"{human_bytes(totals['file_bytes'])} on disk"
+        f"{format_bytes(totals['tensor_bytes'])} of tensor data; {totals['files']} files, "
+        f"{format_bytes(totals['file_bytes'])} on disk"
     )
     return EXIT_FAILED if damaged else EXIT_OK
 
@@ -106,7 +107,7 @@ def _print_state_file(ckpt: Checkpoint, summary: dict[str, Any]) -> None:
     rel = summary["path"][len(ckpt.tag) + 1 :]
     print(
         f"\n{rel}  [{summary['prefix']}]  {summary['encoding']}, {summary['tensors']} tensors, "
-        f"{human_bytes(summary['tensor_bytes'])}"
+        f"{format_bytes(summary['tensor_bytes'])}"
     )
     if summary["error"] is not None:
         print("  (not readable, see the message on stderr)")
@@ -114,7 +115,7 @@ def _print_state_file(ckpt: Checkpoint, summary: dict[str, Any]) -> None:
     for o in summary["objects"]:
         name = o["path"][len(summary["prefix"]) + 1 :]
         if o["kind"] == "tensor":
-            rows.append([f"  {name}", o["dtype"], str(o["shape"]), human_bytes(o["nbytes"])])
+            rows.append([f"  {name}", o["dtype"], str(o["shape"]), format_bytes(o["nbytes"])])
         else:
             rows.append([f"  {name}", o["dtype"], "=", _short(o["value"])])
     if rows:
@@ -132,7 +133,7 @@ def _show_metadata(ckpt: Checkpoint, lay: Any, files: list[tuple[str, int]], arg
     for key, value in (meta or {}).items():
         print(f"  {key}: {json.dumps(value, default=str)}")
     print("files:")
-    print_table([[f"  {name}", human_bytes(size)] for name, size in _file_rows(files, args.files)])
+    print_table([[f"  {name}", format_bytes(size)] for name, size in _file_rows(files, args.files)])
     return EXIT_OK
 
 

@@ -10,10 +10,11 @@ import os
 from typing import Any
 
 from nxd_ckpt.cli.locate import open_tag
-from nxd_ckpt.cli.output import EXIT_OK, PROG, human_bytes, print_err
+from nxd_ckpt.cli.output import EXIT_OK, PROG, print_err
 from nxd_ckpt.cli.progress import progress_bar
 from nxd_ckpt.errors import CheckpointError
 from nxd_ckpt.lazy import lazy_module
+from nxd_ckpt.log import format_bytes
 from nxd_ckpt.tools import zero1_cli
 
 # Imported on first use: `--help` and usage errors never import torch (2-3 s); see tests/cli.
@@ -77,7 +78,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             + (" ..." if len(report.skipped) > 5 else "")
         )
     files = f" in {len(report.files)} files" if len(report.files) > 1 else ""
-    print(f"wrote {report.out}: {report.tensors} tensors, {human_bytes(report.nbytes)}{files} from {ckpt.url}")
+    print(f"wrote {report.out}: {report.tensors} tensors, {format_bytes(report.nbytes)}{files} from {ckpt.url}")
     return EXIT_OK
 
 

@@ -8,7 +8,7 @@ import os
 from nxd_ckpt.cli.output import PROG
 from nxd_ckpt.errors import CheckpointError
 from nxd_ckpt.format import layout
-from nxd_ckpt.inspect import Checkpoint, open_checkpoint
+from nxd_ckpt.inspection import Checkpoint, open_checkpoint
 from nxd_ckpt.storage import Storage, storage_for
 
 

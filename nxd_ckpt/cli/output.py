@@ -1,4 +1,5 @@
-"""What a command shows: results on stdout (tables, JSON, sizes), diagnostics on stderr, and its exit status."""
+"""What a command shows: results on stdout (tables, JSON; sizes by ``log.format_bytes``), diagnostics on stderr, and
+its exit status."""
 
 from __future__ import annotations
 
@@ -8,15 +9,6 @@ from typing import Any
 
 PROG = "nxd-ckpt"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-
-
-def human_bytes(n: float) -> str:
-    """A size in B, KiB, MiB, GiB or TiB (one decimal above bytes)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def print_table(rows: list[list[str]]) -> None:

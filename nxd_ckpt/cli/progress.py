@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 from nxd_ckpt.storage import DelegatingStorage, Storage
+from nxd_ckpt.storage.base import CountingStream
 
 
 class _NoProgress:
@@ -31,26 +32,6 @@ def progress_bar(total: int, desc: str, enabled: bool) -> Any:
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False, file=sys.stderr)
 
 
-class _CountingStream:
-    """A read stream that reports the bytes read through it."""
-
-    def __init__(self, f: Any, report: Callable[[int], Any]) -> None:
-        self._f, self._report = f, report
-
-    def read(self, n: int = -1) -> bytes:
-        data = self._f.read(n)
-        self._report(len(data))
-        return data
-
-    def readinto(self, buffer: Any) -> int:
-        n = self._f.readinto(buffer)
-        self._report(n or 0)
-        return n
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._f, name)
-
-
 class ReadProgressStorage(DelegatingStorage):
     """Delegates to another storage and reports every byte read (drives the progress bar of ``verify``)."""
 
@@ -61,7 +42,7 @@ class ReadProgressStorage(DelegatingStorage):
     @contextlib.contextmanager
     def open_read(self, path: str) -> Iterator[BinaryIO]:
         with self.inner.open_read(path) as f:
-            yield _CountingStream(f, self._report)  # type: ignore[misc]
+            yield CountingStream(f, self._report)  # type: ignore[misc]
 
     def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         data = self.inner.read_bytes(path, offset, length)

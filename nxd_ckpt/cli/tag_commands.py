@@ -7,12 +7,13 @@ import datetime
 from typing import Any
 
 from nxd_ckpt.cli.locate import dir_storage, open_tag
-from nxd_ckpt.cli.output import EXIT_FAILED, EXIT_OK, human_bytes, print_err, print_json, print_table
+from nxd_ckpt.cli.output import EXIT_FAILED, EXIT_OK, print_err, print_json, print_table
 from nxd_ckpt.cli.progress import ReadProgressStorage, progress_bar
 from nxd_ckpt.errors import CheckpointError
 from nxd_ckpt.format import retention, tags
-from nxd_ckpt.inspect import Checkpoint
+from nxd_ckpt.inspection import Checkpoint
 from nxd_ckpt.lazy import lazy_module
+from nxd_ckpt.log import format_bytes
 from nxd_ckpt.storage import Storage
 
 # Imported on first use: `list` never imports torch (2-3 s); see tests/cli.
@@ -58,7 +59,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     rows = [["TAG", "STATUS", "SIZE", "LAYOUT", "CREATED (UTC)"]]
     for e in entries:
         status = ("complete" if e["complete"] else "incomplete") + (", latest" if e["latest"] else "")
-        rows.append([e["tag"], status, human_bytes(e["size"]), e["layout_text"], e["created"]])
+        rows.append([e["tag"], status, format_bytes(e["size"]), e["layout_text"], e["created"]])
     print_table(rows)
     return EXIT_OK
 
@@ -119,7 +120,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     if n_manifests
                     else "zip CRCs"
                 )
-                detail = f"{result['files_checked']} files, {human_bytes(result['bytes_checked'])} checked by {how}"
+                detail = f"{result['files_checked']} files, {format_bytes(result['bytes_checked'])} checked by {how}"
             print(f"{ckpt.tag}: {status}: {detail}")
     ok = all(r["ok"] for r in results)
     if args.json:

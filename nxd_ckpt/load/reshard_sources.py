@@ -150,18 +150,11 @@ class SourceFile:
 
     def is_tensor(self, value: Any) -> bool:
         """Whether ``value`` (from ``lookup``) is a tensor: on ``meta`` or an xser reference."""
-        return isinstance(value, torch.Tensor) or xser._is_reference(value)
+        return isinstance(value, torch.Tensor) or xser.is_reference(value)
 
     def meta(self, value: Any) -> tuple[torch.dtype, tuple[int, ...]]:
-        """dtype and shape of a tensor value, without reading its data."""
-        if isinstance(value, torch.Tensor):
-            return value.dtype, tuple(value.shape)
-        tid = int(value.tid)
-        recorded = xser.info_meta(self.info, tid)
-        if recorded is not None:
-            return recorded
-        t, _ = self._tensor_file(tid)
-        return t.dtype, tuple(t.shape)
+        """dtype and shape of a tensor value, without reading its data (a tensor file's structure at most)."""
+        return xser.tensor_meta(value, self.info, lambda tid: self._tensor_file(tid)[0])
 
     def _tensor_path(self, tid: int) -> str:
         """The path of xser tensor file ``tid``; FormatError when it is missing."""

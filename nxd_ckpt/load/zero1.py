@@ -197,19 +197,27 @@ def check_shard(state: dict, dp: int, what: str) -> None:
     """Raise FormatError if a shard's shape disagrees with ``shape_info`` for DP size ``dp`` (dp=1: full)."""
     shapes = full_shapes(state, what)
     for path, index in sharded_paths(state).items():
-        if index not in shapes:
-            raise FormatError(f"{what}: {_fmt(path)} belongs to parameter {index!r}, which shape_info does not list")
-        expected = shard_shape(shapes[index], dp)
-        got = tuple(get_path(state, path).shape)
-        if got != expected:
-            kind = "full tensor" if dp == 1 else f"shard for DP={dp}"
-            raise FormatError(
-                f"{what}: {_fmt(path)} has shape {got}, but shape_info says {shapes[index]}, so a {kind} must "
-                f"have shape {expected}; the file does not belong to this checkpoint's DP size or is damaged"
-            )
+        check_shard_shape(what, path, index, tuple(get_path(state, path).shape), shapes, dp)
+
+
+def check_shard_shape(
+    what: str, path: EntryPath, index: Any, got: tuple[int, ...], shapes: dict[Any, tuple[int, ...]], dp: int
+) -> None:
+    """Raise FormatError unless the shard at ``path`` of parameter ``index`` has the shape ``shape_info``
+    (``shapes``) gives it at DP size ``dp`` (dp=1: full); the one check of a shard, in memory or in a file."""
+    if index not in shapes:
+        raise FormatError(f"{what}: {_fmt(path)} belongs to parameter {index!r}, which shape_info does not list")
+    expected = shard_shape(shapes[index], dp)
+    if got != expected:
+        kind = "full tensor" if dp == 1 else f"shard for DP={dp}"
+        raise FormatError(
+            f"{what}: {_fmt(path)} has shape {got}, but shape_info says {shapes[index]}, so a {kind} must "
+            f"have shape {expected}; the file does not belong to this checkpoint's DP size or is damaged"
+        )
 
 
 def _fmt(path: EntryPath) -> str:
+    """``path`` as the subscripts that reach it in the state, e.g. ``['base_state'][3]['exp_avg']``."""
     return "".join(f"[{k!r}]" for k in path)
 
 

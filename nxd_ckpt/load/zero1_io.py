@@ -94,20 +94,10 @@ class ShardFile:
         self._metas: dict[EntryPath, tuple[torch.dtype, tuple[int, ...]]] = {}
         self.shard_paths: dict[EntryPath, Any] = {}
         for path_, index, value in zero1.iter_shard_entries(self.structure):
-            dtype, shape = self._meta_of(value)
+            dtype, shape = xser.tensor_meta(value, self.info, self._load_tid)
             if zero1.is_shard_slot(path_, len(shape)):
                 self.shard_paths[path_] = index
                 self._metas[path_] = (dtype, shape)
-
-    def _meta_of(self, value: Any) -> tuple[torch.dtype, tuple[int, ...]]:
-        if isinstance(value, torch.Tensor):
-            return value.dtype, tuple(value.shape)
-        tid = int(value.tid)
-        recorded = xser.info_meta(self.info, tid)
-        if recorded is not None:
-            return recorded
-        t = self._load_tid(tid)
-        return t.dtype, tuple(t.shape)
 
     def _load_tid(self, tid: int) -> torch.Tensor:
         tensor_path = layout.xser_tensor_file(self.path, tid)
@@ -139,16 +129,7 @@ class ShardFile:
     def check(self, dp: int) -> None:
         """Raise FormatError if a shard's shape does not fit ``shape_info`` for DP size ``dp`` (1 = full)."""
         for path_, index in self.shard_paths.items():
-            if index not in self.shapes:
-                raise FormatError(f"{self.what}: {_fmt(path_)} belongs to parameter {index!r}, not in shape_info")
-            expected = zero1.shard_shape(self.shapes[index], dp)
-            got = self._metas[path_][1]
-            if got != expected:
-                kind = "a full tensor" if dp == 1 else f"a shard for DP={dp}"
-                raise FormatError(
-                    f"{self.what}: {_fmt(path_)} has shape {got}, but shape_info says {self.shapes[index]}, so "
-                    f"{kind} must have shape {expected}; the file does not match the checkpoint's DP size or is damaged"
-                )
+            zero1.check_shard_shape(self.what, path_, index, self._metas[path_][1], self.shapes, dp)
 
     def check_same_layout(self, other: ShardFile) -> None:
         """Raise FormatError unless ``other`` (another DP rank's shard) has the same parameters and slots."""
@@ -171,15 +152,11 @@ class ShardFile:
                 return tree.rebuild(obj, [(k, walk(v, (*path, k))) for k, v in items])
             if isinstance(obj, torch.Tensor):
                 return obj.clone()
-            if xser._is_reference(obj):
+            if xser.is_reference(obj):
                 return self._load_tid(int(obj.tid))
             return obj
 
         return walk(self.structure, ())
-
-
-def _fmt(path: EntryPath) -> str:
-    return "".join(f"[{k!r}]" for k in path)
 
 
 # --------------------------------------------------------------------------------------------- source sets

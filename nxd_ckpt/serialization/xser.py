@@ -65,7 +65,10 @@ def reference_class() -> type:
     return real if isinstance(real, type) else TensorReference
 
 
-def _is_reference(obj: Any) -> bool:
+def is_reference(obj: Any) -> bool:
+    """Whether ``obj`` is a tensor reference of a reference file: torch_xla's ``TensorReference`` or the stand-in
+    (both pickle as ``torch_xla.utils.serialization.TensorReference``), matched by that name and module as NxD
+    matches it (``isinstance(v, xser.TensorReference)``), so a class of another module named so is not one."""
     return type(obj).__name__ == _REF_NAME and type(obj).__module__ == XSER_MODULE and hasattr(obj, "tid")
 
 
@@ -219,7 +222,7 @@ def load_info(f: IO[bytes], *, what: str) -> dict[int, dict[str, Any]]:
 
 def referenced_tids(ref_data: Any) -> list[int]:
     """Distinct tids named by the references in ``ref_data``, in depth-first order."""
-    return list(dict.fromkeys(int(ref.tid) for _, ref in tree.leaves(ref_data, _is_reference)))
+    return list(dict.fromkeys(int(ref.tid) for _, ref in tree.leaves(ref_data, is_reference)))
 
 
 def decode(ref_data: Any, tensors: dict[int, torch.Tensor], *, what: str) -> Any:
@@ -231,7 +234,7 @@ def decode(ref_data: Any, tensors: dict[int, torch.Tensor], *, what: str) -> Any
         except KeyError:
             raise FormatError(f"{what} refers to tensor {ref.tid}, which was not loaded") from None
 
-    return tree.map_leaves(ref_data, resolve, _is_reference, plain=True)
+    return tree.map_leaves(ref_data, resolve, is_reference, plain=True)
 
 
 def info_meta(info: dict[int, dict[str, Any]] | None, tid: int) -> tuple[torch.dtype, tuple[int, ...]] | None:
@@ -241,6 +244,22 @@ def info_meta(info: dict[int, dict[str, Any]] | None, tid: int) -> tuple[torch.d
     if isinstance(entry, dict) and isinstance(entry.get("dtype"), torch.dtype) and entry.get("shape") is not None:
         return entry["dtype"], tuple(int(d) for d in entry["shape"])
     return None
+
+
+def tensor_meta(
+    value: Any, info: dict[int, dict[str, Any]] | None, tensor_of: Callable[[int], torch.Tensor]
+) -> tuple[torch.dtype, tuple[int, ...]]:
+    """dtype and shape of a tensor leaf of a state file without reading its data: a tensor's own (inline, or on
+    ``meta``), else the info file's record of the reference's tid, else those of ``tensor_of(tid)`` (the tensor
+    file, read by the caller as cheaply as it can: torch_xla's files have no info file)."""
+    if not is_reference(value):
+        return value.dtype, tuple(value.shape)
+    tid = int(value.tid)
+    recorded = info_meta(info, tid)
+    if recorded is not None:
+        return recorded
+    tensor = tensor_of(tid)
+    return tensor.dtype, tuple(tensor.shape)
 
 
 def check_against_info(tid: int, tensor: torch.Tensor, info: dict[int, dict[str, Any]] | None, *, what: str) -> None:
@@ -296,9 +315,6 @@ def load_tensor_buffer(buffer: np.ndarray, *, what: str) -> torch.Tensor:
 def tensor_unpickler(data: io.BytesIO) -> Any:
     """The safe unpickler of a tensor file's ``data.pkl`` (for readers that parse tensor files themselves)."""
     return torchzip.make_unpickler(data.getvalue(), trusted=False)
-
-
-is_reference = _is_reference
 
 
 def _load_tensor_direct(f: IO[bytes], what: str) -> Any:

@@ -19,7 +19,7 @@ import contextlib
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -293,6 +293,46 @@ class DelegatingStorage(Storage):
 
     def walk_files(self, path: str = "") -> list[str]:
         return self.inner.walk_files(path)
+
+
+PROGRESS_CHUNK_BYTES = 64 << 20
+"""One ``write`` of a large tensor record is passed on in pieces of this size, each reported as progress, so a
+multi-GB record on a slow disk is not mistaken for a stall (``watchdog``)."""
+
+
+class CountingStream:
+    """A stream that reports to ``report`` the bytes read or written through it (everything else goes to
+    ``target``): the stall watchdog and the command's progress bars count with it. A write is passed on in pieces
+    of at most ``chunk_bytes``, each reported."""
+
+    def __init__(self, target: Any, report: Callable[[int], Any], chunk_bytes: int = PROGRESS_CHUNK_BYTES) -> None:
+        self._target, self._report, self._chunk_bytes = target, report, chunk_bytes
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._target.read(n)
+        self._report(len(data))
+        return data
+
+    def readinto(self, buffer: Any) -> int | None:
+        n = self._target.readinto(buffer)
+        self._report(n or 0)
+        return n
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view) or not view:
+            piece = view[done : done + self._chunk_bytes]
+            n = self._target.write(piece)
+            n = len(piece) if n is None else n
+            self._report(n)
+            done += n
+            if n < len(piece) or not view:  # a short write: report it as the stream did
+                break
+        return done
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
 
 
 class ForwardWriter:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from nxd_ckpt.errors import CheckpointError, UnsafeCheckpointError
 from nxd_ckpt.format import layout
 from nxd_ckpt.format.describe import expected_files
-from nxd_ckpt.inspect import Checkpoint
+from nxd_ckpt.inspection import Checkpoint
 
 __all__ = ["Checkpoint", "Problem", "check_readable", "check_structure", "implied_state_files"]
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nxd_ckpt.errors import CheckpointError, FormatError
-from nxd_ckpt.inspect import Checkpoint
+from nxd_ckpt.inspection import Checkpoint
 from nxd_ckpt.tools import dcp_io, safetensors_io
 from nxd_ckpt.tools.model_source import CheckpointModel, ShardingSource
 from nxd_ckpt.tools.optimum_layout import ExportNotSupportedError as ExportNotSupportedError  # its public name

@@ -26,7 +26,7 @@ from nxd_ckpt.format import sharding as shd
 from nxd_ckpt.format import sharding_marks as marks
 from nxd_ckpt.format.integrity import VerifyingStorage
 from nxd_ckpt.format.manifests import hash_stream
-from nxd_ckpt.inspect import Checkpoint, ObjectInfo
+from nxd_ckpt.inspection import Checkpoint, ObjectInfo
 from nxd_ckpt.storage import Storage
 from nxd_ckpt.tools.safetensors_io import TensorEntry
 

@@ -20,7 +20,7 @@ import torch
 
 from nxd_ckpt.errors import CheckpointError, FormatError
 from nxd_ckpt.format import layout
-from nxd_ckpt.inspect import Checkpoint
+from nxd_ckpt.inspection import Checkpoint
 from nxd_ckpt.tools.model_source import CheckpointModel, ShardingSource
 from nxd_ckpt.tools.safetensors_io import TensorEntry
 

@@ -27,7 +27,7 @@ import torch
 from nxd_ckpt.errors import CheckpointError, ReshardError
 from nxd_ckpt.format import layout
 from nxd_ckpt.format.metadata import TagMetadata
-from nxd_ckpt.inspect import Checkpoint
+from nxd_ckpt.inspection import Checkpoint
 from nxd_ckpt.log import format_bytes
 from nxd_ckpt.storage.local import atomic_file
 from nxd_ckpt.tools import model_writer, offline_tag

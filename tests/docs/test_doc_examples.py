@@ -67,3 +67,26 @@ def test_examples_run(doc, tmp_path, monkeypatch):
             raise AssertionError(f"the example at {doc.relative_to(ROOT)} line {line} failed: {e!r}") from e
         ran += 1
     assert ran > 0
+
+
+def _rendered_parameters(fn) -> str:
+    """``fn``'s parameters as docs/api.md writes them: ``name=default`` (strings in double quotes), ``*`` before
+    the keyword-only ones, no annotations."""
+    import inspect
+
+    out = []
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and "*" not in out:
+            out.append("*")
+        default = f'"{p.default}"' if isinstance(p.default, str) else repr(p.default)
+        out.append(p.name if p.default is inspect.Parameter.empty else f"{p.name}={default}")
+    return ", ".join(out)
+
+
+@pytest.mark.parametrize("name", ["save_checkpoint", "load_checkpoint"])
+def test_api_md_shows_every_parameter(name):
+    """The signature headings of docs/api.md are the functions' own (a parameter added to one shows in the other)."""
+    import nxd_ckpt
+
+    headings = re.findall(rf"^### `{name}\((.*?)\)", (ROOT / "docs" / "api.md").read_text(), re.MULTILINE)
+    assert headings == [_rendered_parameters(getattr(nxd_ckpt, name))]

@@ -82,7 +82,7 @@ def test_specs_it_does_not_reproduce_are_refused_with_the_remedy(tmp_path, capsy
     assert cli.main(["export", str(tmp_path / "c"), "--out", str(tmp_path / "x.safetensors"), "--no-progress"]) != 0
     assert "optimum-cli neuron consolidate" in capsys.readouterr().err
     with pytest.raises(ExportNotSupportedError):
-        from nxd_ckpt.inspect import Checkpoint
+        from nxd_ckpt.inspection import Checkpoint
         from nxd_ckpt.tools.export import export
 
         export(Checkpoint(LocalStorage(str(tmp_path / "c")), TAG), str(tmp_path / "y.safetensors"))

@@ -127,7 +127,7 @@ LAYERS = [
     {"errors", "knobs", "lazy", "tree", "rng", "pages"},
     {"storage", "serialization", "ranks", "xla"},
     {"format", "log", "watchdog", "parallel_state", "device"},
-    {"statefile", "adapters", "inspect", "tier"},
+    {"statefile", "adapters", "inspection", "inspect", "tier"},
     {"options", "rank_state"},
     {"save", "load"},
     {"manager", "tools", "testing"},
@@ -232,3 +232,16 @@ def test_unit_tests_mirror_the_package():
         if os.path.isfile(os.path.join(REPO, PACKAGE, d, "__init__.py"))
     }
     assert folders - packages == set(), "tests/unit folders that name no sub-package of nxd_ckpt"
+
+
+DEPRECATED_ALIASES = {f"{PACKAGE}.inspect": f"{PACKAGE}.inspection"}
+"""Old module names kept importable for users (they warn on import); the package itself uses the new ones."""
+
+
+def test_no_module_imports_a_deprecated_alias():
+    """Importing the package never warns: its modules import ``nxd_ckpt.inspection``, not the alias."""
+    graph = _graph()
+    users = sorted(
+        f"{m} -> {d} (use {DEPRECATED_ALIASES[d]})" for m in graph for d in graph[m] if d in DEPRECATED_ALIASES
+    )
+    assert users == [], "modules importing a deprecated alias:\n" + "\n".join(users)

@@ -40,21 +40,23 @@ def test_one_line_per_save_and_load_with_bytes_time_throughput_blocked(tmp_path,
     loads = [m for m in lines if m.startswith("loaded step_1")]
     assert len(saves) == 1 and len(loads) == 1, lines
     size = format_bytes(sum(p.numel() * 4 for p in model.parameters()))
-    assert size == "263 KB"  # 256*256+256 floats: human-readable, not "0.3 MB"
+    assert size == "257 KiB"  # 256*256+256 floats: human-readable, not "0.3 MiB"
     for line in saves + loads:
-        assert size in line and re.search(r"\d+(\.\d)? [KMGT]?B/s", line) and "blocked" in line, line
+        assert size in line and re.search(r"\d+(\.\d)? ([KMGT]i)?B/s", line) and "blocked" in line, line
 
 
 def test_sizes_in_log_lines_are_readable_at_every_scale():
-    assert [format_bytes(n) for n in (0, 999, 12_345, 99_949, 456e6, 4.6e9)] == [
+    """One convention, binary units, in logs and the command's output alike."""
+    assert [format_bytes(n) for n in (0, 1023, 12_345, 99_949, 456e6, 4.6e9, 3 << 40)] == [
         "0 B",
-        "999 B",
-        "12.3 KB",
-        "99.9 KB",
-        "456 MB",
-        "4.6 GB",
+        "1023 B",
+        "12.1 KiB",
+        "97.6 KiB",
+        "435 MiB",
+        "4.3 GiB",
+        "3.0 TiB",
     ]
-    assert format_rate(12_345, 0.01) == "1.2 MB/s" and format_rate(1, 0) == "-"
+    assert format_rate(12_345, 0.01) == "1.2 MiB/s" and format_rate(1, 0) == "-"
 
 
 def test_non_master_ranks_pass_only_warnings(monkeypatch, records):

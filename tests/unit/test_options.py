@@ -25,22 +25,34 @@ from nxd_ckpt.testing.fakes import TinyMLP, make_training, train_steps
 _RENAMED = {"checkpoint_dir_str": "checkpoint_dir", "path": "checkpoint_dir"}
 
 
-def _fields(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls) if f.init]
+def _as_parameters(cls: type) -> list[tuple[str, str, object, str]]:
+    """(name, kind, default, annotation) of each of ``cls``'s init fields, as a function parameter would show it."""
+    return [
+        (
+            f.name,
+            "keyword-only" if f.kw_only else "positional or keyword",
+            inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default,
+            str(f.type),
+        )
+        for f in dataclasses.fields(cls)
+        if f.init
+    ]
 
 
-def _parameters(fn) -> list[str]:
-    return [_RENAMED.get(name, name) for name in inspect.signature(fn).parameters]
+def _signature_parameters(fn) -> list[tuple[str, str, object, str]]:
+    return [
+        (_RENAMED.get(name, name), p.kind.description, p.default, str(p.annotation))
+        for name, p in inspect.signature(fn).parameters.items()
+    ]
 
 
 @pytest.mark.parametrize(("fn", "cls"), [(api.save_checkpoint, SaveOptions), (api.load_checkpoint, LoadOptions)])
 def test_every_parameter_is_an_option_in_the_same_order(fn, cls):
-    """NxD's positional order holds in the options too, so ``SaveOptions(*args)`` means what NxD means."""
-    assert _parameters(fn) == _fields(cls)
-    defaults = {_RENAMED.get(n, n): p.default for n, p in inspect.signature(fn).parameters.items()}
-    for f in dataclasses.fields(cls):
-        if f.init and f.default is not dataclasses.MISSING:
-            assert defaults[f.name] == f.default, f.name
+    """The functions' written-out signatures are the options' fields: the same names in the same order (NxD's
+    positional order holds in the options too, so ``SaveOptions(*args)`` means what NxD means), the same split
+    into positional and keyword-only, the same defaults and the same type annotations; a field added to one and
+    not the other fails here."""
+    assert _signature_parameters(fn) == _as_parameters(cls)
 
 
 def _non_default_save_arguments(tmp_path) -> dict:

@@ -269,3 +269,30 @@ def test_each_replica_plans_only_its_own_xser_share(monkeypatch):
     assert {id(t) for t in files} <= shares[0] | shares[1]
     plain = statefile.tensors_to_write(state, xser_encoding=False)
     assert [id(t) for t in plain] == [id(t) for t in state.values()]
+
+
+def test_a_reference_is_matched_by_torch_xlas_pickled_name_as_nxd_matches_it():
+    """NxD selects references with ``isinstance(v, xser.TensorReference)`` (torch_xla's class): the stand-in and any
+    class pickled under that name and module count, a class of another module that is named so does not."""
+    assert xser.is_reference(xser.TensorReference(3))
+    assert xser.is_reference(xser.reference_class()(3))
+    lookalike = type("TensorReference", (), {"__module__": "somewhere.else", "tid": 3})()
+    assert not xser.is_reference(lookalike)
+    assert not xser.is_reference(torch.ones(1)) and not xser.is_reference({"tid": 3})
+
+
+def test_tensor_meta_reads_no_tensor_file_when_the_info_file_says():
+    """dtype and shape of a leaf: a tensor's own, the info file's record, and only without one the tensor file."""
+    read: list[int] = []
+
+    def tensor_of(tid: int) -> torch.Tensor:
+        read.append(tid)
+        return torch.empty(5, 6, dtype=torch.float16, device="meta")
+
+    info = xser.make_info([torch.zeros(2, 3, dtype=torch.bfloat16)])
+    assert xser.tensor_meta(torch.zeros(4, dtype=torch.int64), info, tensor_of) == (torch.int64, (4,))
+    assert xser.tensor_meta(xser.TensorReference(0), info, tensor_of) == (torch.bfloat16, (2, 3))
+    assert read == []
+    assert xser.tensor_meta(xser.TensorReference(1), info, tensor_of) == (torch.float16, (5, 6))
+    assert xser.tensor_meta(xser.TensorReference(0), None, tensor_of) == (torch.float16, (5, 6))
+    assert read == [1, 0]

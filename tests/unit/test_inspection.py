@@ -10,7 +10,7 @@ import torch
 
 import nxd_ckpt as nxd
 from nxd_ckpt.errors import UnsafeCheckpointError
-from nxd_ckpt.inspect import object_prefix, open_checkpoint
+from nxd_ckpt.inspection import object_prefix, open_checkpoint
 from nxd_ckpt.storage import LocalStorage, Storage
 from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_steps
 
@@ -256,3 +256,19 @@ def test_nxd_written_checkpoint(tmp_path):
     (tmp_path / "step_7" / "optim" / "dp_rank_00_tp_rank_00_pp_rank_00.pt").unlink()
     problems = check_structure(open_checkpoint(tmp_path))
     assert [p.path for p in problems] == ["step_7/optim/dp_rank_00_tp_rank_00_pp_rank_00.pt"]
+
+
+def test_the_old_module_name_warns_and_gives_the_same_objects():
+    """``nxd_ckpt.inspect`` (which shadowed the standard library's ``inspect``) still imports, with a
+    DeprecationWarning naming the new module, and its names are ``nxd_ckpt.inspection``'s own."""
+    import importlib
+    import sys
+
+    from nxd_ckpt import inspection
+
+    sys.modules.pop("nxd_ckpt.inspect", None)
+    with pytest.warns(DeprecationWarning, match=r"nxd_ckpt\.inspect is deprecated.*import nxd_ckpt\.inspection"):
+        old = importlib.import_module("nxd_ckpt.inspect")
+    assert old.Checkpoint is inspection.Checkpoint and old.open_checkpoint is inspection.open_checkpoint
+    assert old.object_prefix is inspection.object_prefix  # a name outside __all__ too
+    assert set(old.__all__) == set(inspection.__all__)
