@@ -182,12 +182,17 @@ def load_checkpoint(
     return get_manager().load(options)
 
 
-def prepare_async_save(model: Any = None, optimizer: Any = None, *, use_xser: bool = False) -> int:
+def prepare_async_save(
+    model: Any = None, optimizer: Any = None, *, use_xser: bool = False, device_snapshot_budget: int | str | None = None
+) -> int:
     """Make the first ``save_checkpoint(..., async_save=True)`` of this process as cheap as later ones: the host
     buffers it copies into are reserved now and faulted in beside the training loop (a low-priority thread); on
     XLA state the device snapshot is taken once now, so its graph is compiled before the first save (pass
-    ``use_xser`` as the saves will). Call it once the model and optimizer exist; returns the host bytes reserved."""
-    return get_manager().prepare_async_save(model=model, optimizer=optimizer, use_xser=use_xser)
+    ``use_xser`` and ``device_snapshot_budget`` as the saves will). Call it once the model and optimizer exist;
+    returns the host bytes reserved."""
+    return get_manager().prepare_async_save(
+        model=model, optimizer=optimizer, use_xser=use_xser, device_snapshot_budget=device_snapshot_budget
+    )
 
 
 def finalize_checkpoint() -> None:

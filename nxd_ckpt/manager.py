@@ -26,6 +26,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from nxd_ckpt import adapters
+from nxd_ckpt.device.backend import resolve_snapshot_budget
+from nxd_ckpt.device.kept_budget import KeptSnapshotBudget, device_tensors
 from nxd_ckpt.format import layout, retention, tags
 from nxd_ckpt.format.metadata import FORMAT_VERSION
 from nxd_ckpt.load.pipeline import LoadPipeline, LoadServices
@@ -67,12 +69,15 @@ class CheckpointManager:
         storage: Callable[[Any], Storage] | None = None,
         memory_tier: MemoryTier | None = None,
         host_memory_budget: int | str | None = None,
+        device_snapshot_budget: int | str | None = None,
     ) -> None:
         """Defaults: a Coordinator over torch.distributed (re-made when the process group changes), the parallel
         state's topology at each call, and ``storage_for`` of the checkpoint directory. Inject others to run the
         manager's policies without processes (``nxd_ckpt.testing.threadworld``) or on another backend.
         ``memory_tier`` is used by every save and load that does not pass its own (docs/memory-tier.md), and
-        ``host_memory_budget`` by every async save that does not pass its own (``save.budget``)."""
+        ``host_memory_budget`` by every async save that does not pass its own (``save.budget``), and
+        ``device_snapshot_budget`` by every async save that does not pass its own and by the preparation of the
+        first one (``prepare_async_save``, a resume's)."""
         if memory_tier is not None and not isinstance(memory_tier, MemoryTier):
             raise TypeError(f"memory_tier must be a nxd_ckpt.MemoryTier, got {type(memory_tier).__name__}")
         self._injected_coordinator = coordinator
@@ -91,6 +96,10 @@ class CheckpointManager:
         self.memory_tier = memory_tier
         self.host_memory_budget = host_memory_budget
         resolve_budget(host_memory_budget)  # a bad value fails here, not at the first save
+        self.device_snapshot_budget = device_snapshot_budget
+        resolve_snapshot_budget(device_snapshot_budget)
+        self._device_budget = KeptSnapshotBudget()
+        """The device snapshot budget the saves agreed on, kept from save to save (``device.kept_budget``)."""
         self._tier_runtime: TierRuntime | None = None
         self._tier_key: tuple | None = None
         self.last_restore: RestoreReport | None = None
@@ -235,14 +244,23 @@ class CheckpointManager:
             writer.check_for_errors()
 
     # ----------------------------------------------------------------- save and load
-    def prepare_async_save(self, model: Any = None, optimizer: Any = None, *, use_xser: bool = False) -> int:
+    def prepare_async_save(
+        self,
+        model: Any = None,
+        optimizer: Any = None,
+        *,
+        use_xser: bool = False,
+        device_snapshot_budget: int | str | None = None,
+    ) -> int:
         """Reserve and fault in, on a low-priority background thread, the host buffers the first async save of
         ``model``/``optimizer`` will copy into, and take its device snapshot of XLA state once (its graph is then
         compiled), so that it blocks no longer than later ones. ``use_xser`` as the saves will pass it: with DP
         replicas a rank snapshots only its share of the files, which depends on it. Call it once the model and
         optimizer exist (after a resume load, say); returns the host bytes reserved (0 when buffers are already
-        held). A later save with a host memory budget does not use them; ``finalize`` frees them."""
-        return self._prepare(model, optimizer, use_xser=use_xser, host_buffers=True)
+        held). A later save with a host memory budget does not use them; ``finalize`` frees them. The snapshot is
+        taken within the saves' budget: ``device_snapshot_budget`` as they will pass it (default: the manager's,
+        else ``NXD_CKPT_DEVICE_SNAPSHOT_BUDGET``), the one earlier saves agreed on once they have."""
+        return self._prepare(model, optimizer, use_xser=use_xser, host_buffers=True, budget=device_snapshot_budget)
 
     def _prepare_after_resume(self, model: Any, optimizer: Any, *, use_xser: bool) -> int:
         """Step 6 of a load (a resume of an async-saved tag): ``prepare_async_save``, without host buffers when a
@@ -251,7 +269,9 @@ class CheckpointManager:
         budgeted = resolve_budget(self.host_memory_budget) is not None
         return self._prepare(model, optimizer, use_xser=use_xser, host_buffers=not budgeted)
 
-    def _prepare(self, model: Any, optimizer: Any, *, use_xser: bool, host_buffers: bool) -> int:
+    def _prepare(
+        self, model: Any, optimizer: Any, *, use_xser: bool, host_buffers: bool, budget: int | str | None = None
+    ) -> int:
         trees = []
         if model is not None:
             trees.append(adapters.model_state(model))
@@ -259,7 +279,12 @@ class CheckpointManager:
             trees.append(adapters.optimizer_state(optimizer))
         zero1 = optimizer is not None and adapters.is_zero1_optimizer(optimizer)
         planned = save_pipeline.planned_tensors(self.topology(), model, optimizer, use_xser=use_xser, zero1=zero1)
-        return self._staging_pool.prepare(trees if host_buffers else [], snapshot_of=planned)
+        asked = resolve_snapshot_budget(budget if budget is not None else self.device_snapshot_budget)
+        state = device_tensors(trees)
+        device_budget = self._device_budget.for_warm_up(asked, state) if state else None
+        return self._staging_pool.prepare(
+            trees if host_buffers else [], snapshot_of=planned, device_budget=device_budget
+        )
 
     def save(
         self, checkpoint_dir: str | os.PathLike[str] | SaveOptions, tag: str | None = None, **keywords: Any
@@ -272,6 +297,8 @@ class CheckpointManager:
             options = options.replace(memory_tier=self.memory_tier)
         if options.host_memory_budget is None and self.host_memory_budget is not None:
             options = options.replace(host_memory_budget=self.host_memory_budget)
+        if options.device_snapshot_budget is None and self.device_snapshot_budget is not None:
+            options = options.replace(device_snapshot_budget=self.device_snapshot_budget)
         ran_pending_step = adapters.run_pending_step(options.model, options.optimizer)
         save_pipeline.refuse_unsavable(options)
         waited = self._settle_saves()
@@ -341,6 +368,7 @@ class CheckpointManager:
             storage_for=self._storage_for,
             tier_runtime=self._tier,
             pending_deletions=tuple(f for f in self._retention_jobs if not f.done()),
+            device_budget=self._device_budget,
         )
 
     def _load_services(self, coord: Coordinator) -> LoadServices:

@@ -24,9 +24,11 @@ from nxd_ckpt.device.pinned import REGISTER_MIN_BYTES, registered_empty
 
 BUDGET_ENV = "NXD_CKPT_DEVICE_SNAPSHOT_BUDGET"
 FREE_FRACTION = 0.9
-"""Of the memory a device reports free, the part a snapshot may take by default (the rest stays for training)."""
-UNKNOWN_FRACTION = 0.25
-"""Without any memory figure from the runtime, a snapshot takes at most this fraction of the state it copies."""
+"""Of the device memory training left unused at its peak, the part a snapshot may take by default (``auto``)."""
+SOURCE_SET = "set"
+SOURCE_PEAK = "device memory left at the training's peak"
+SOURCE_HOST = "half the host's available memory (XLA CPU device)"
+SOURCE_NONE = "no peak memory figure from the runtime: no device copy"
 
 
 def kind(t: torch.Tensor) -> str:
@@ -137,17 +139,19 @@ class NativeDevice:
 
         return register, guarded_unregister
 
-    def free_bytes(self) -> int | None:
-        """Memory the device can still hand out: free in the driver plus what the caching allocator holds unused."""
-        mem_get_info = getattr(self.module, "mem_get_info", None)
-        if mem_get_info is None:
+    def peak_headroom_bytes(self) -> int | None:
+        """Device memory this process's training left unused at its peak: what the driver has free plus what the
+        caching allocator holds now, less the most it ever held (``max_memory_reserved``); None where the backend
+        reports no peak."""
+        module = self.module
+        if not all(hasattr(module, f) for f in ("mem_get_info", "memory_reserved", "max_memory_reserved")):
             return None
         try:
-            free, _total = mem_get_info(self.device)
-            cached = self.module.memory_reserved(self.device) - self.module.memory_allocated(self.device)
+            free, _total = module.mem_get_info(self.device)
+            reserved, peak = module.memory_reserved(self.device), module.max_memory_reserved(self.device)
         except Exception:
             return None
-        return int(free) + max(0, int(cached))
+        return max(0, int(free) + int(reserved) - int(peak))
 
 
 _CUDA_REGISTER_FAILED: list[str] = []
@@ -185,8 +189,13 @@ _NO_MEMORY_INFO: set[str] = set()
 """XLA device types whose runtime answered that it keeps no memory statistics: not asked again in this process."""
 
 
-def xla_free_bytes(device: torch.device) -> int | None:
-    """Free device memory as torch_xla reports it (``xm.get_memory_info``), or None where the runtime does not.
+XLA_PEAK_FIELDS = ("peak_bytes_used", "peak_bytes_in_use")
+"""The keys of ``xm.get_memory_info`` that hold the most device memory used so far (runtimes name it differently)."""
+
+
+def xla_peak_headroom_bytes(device: torch.device) -> int | None:
+    """Device memory left unused at the peak so far, as torch_xla reports it (``xm.get_memory_info``: its limit
+    less its peak), or None where the runtime reports no peak.
 
     The CPU client (``PJRT_DEVICE=CPU``) is not asked: it has no allocator statistics, and its refusal took 25 ms
     the first time in a process (inside the first async save's call). A runtime that refuses once is not asked
@@ -205,11 +214,10 @@ def xla_free_bytes(device: torch.device) -> int | None:
         if "UNIMPLEMENTED" in str(e) or "not supported" in str(e):
             _NO_MEMORY_INFO.add(device_type)
         return None
-    if "bytes_limit" in info and "bytes_used" in info:
-        return max(0, int(info["bytes_limit"]) - int(info["bytes_used"]))
-    if "kb_free" in info:
-        return int(info["kb_free"]) * 1024
-    return None
+    peak = next((info[k] for k in XLA_PEAK_FIELDS if k in info), None)
+    if "bytes_limit" not in info or peak is None:
+        return None
+    return max(0, int(info["bytes_limit"]) - int(peak))
 
 
 def _host_available_bytes() -> int | None:
@@ -232,36 +240,48 @@ def _xla_device_is_host_memory() -> bool:
 
 @dataclass(frozen=True)
 class SnapshotBudget:
-    """How much device memory an async save may use for its snapshot: ``bytes`` fixed, or None for what the device
-    reports free (``resolve`` at the save)."""
+    """How much device memory an async save may use for its snapshot: ``bytes`` fixed, or None for ``auto``
+    (``resolve``: sized from the memory training left unused at its peak)."""
 
     bytes: int | None
 
     def resolve(self, tensors: Sequence[torch.Tensor]) -> tuple[int, str]:
-        """The budget in bytes for a snapshot of ``tensors``, and where it came from (for the report)."""
+        """The budget in bytes for a snapshot of ``tensors``, and where it came from (``SOURCE_*``). ``auto``:
+        ``FREE_FRACTION`` of what the training left unused at its peak (native: the caching allocator's peak;
+        XLA: the runtime's peak field); the XLA CPU device, whose device memory is host memory, half the host's
+        available memory; a runtime without a peak figure, 0 (no device copy: the direct transfer), never a
+        single moment's free memory, which the next forward and backward need."""
         if self.bytes is not None:
-            return self.bytes, "set"
-        state = sum(nbytes(t) for t in tensors)
+            return self.bytes, SOURCE_SET
         native = native_device(tensors)
         if native is not None:
-            free = native.free_bytes()
-            if free is not None:
-                return int(free * FREE_FRACTION), "free device memory"
+            headroom = native.peak_headroom_bytes()
+            if headroom is not None:
+                return int(headroom * FREE_FRACTION), SOURCE_PEAK
         xla_tensors = [t for t in tensors if kind(t) == "xla"]
         if xla_tensors:
-            free = xla_free_bytes(xla_tensors[0].device)
-            if free is not None:
-                return int(free * FREE_FRACTION), "free device memory"
             if _xla_device_is_host_memory():
                 available = _host_available_bytes()
                 if available is not None:
-                    return available // 2, "half the host's available memory (XLA CPU device)"
-        return int(state * UNKNOWN_FRACTION), f"{UNKNOWN_FRACTION:g} of the state (no memory figure from the runtime)"
+                    return available // 2, SOURCE_HOST
+            headroom = xla_peak_headroom_bytes(xla_tensors[0].device)
+            if headroom is not None:
+                return int(headroom * FREE_FRACTION), SOURCE_PEAK
+        return 0, SOURCE_NONE
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is the device running out of memory (torch's ``OutOfMemoryError``, XLA's
+    ``RESOURCE_EXHAUSTED``): a snapshot that meets one moves what did not fit by the direct transfer."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
 def resolve_snapshot_budget(value: int | str | None) -> SnapshotBudget:
     """``device_snapshot_budget=``: bytes or a size (``"8GiB"``; 0 takes no snapshot), ``"auto"``, or None for
-    ``NXD_CKPT_DEVICE_SNAPSHOT_BUDGET`` (default ``auto``: what the device reports free)."""
+    ``NXD_CKPT_DEVICE_SNAPSHOT_BUDGET`` (default ``auto``: ``SnapshotBudget.resolve``)."""
     if value is None:
         raw = knobs.device_snapshot_budget()
         if raw.strip().lower() == "auto":

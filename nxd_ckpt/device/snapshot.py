@@ -25,7 +25,15 @@ from typing import Any
 import torch
 
 from nxd_ckpt import xla
-from nxd_ckpt.device.backend import NativeDevice, SnapshotBudget, kind, native_device, nbytes, on_device
+from nxd_ckpt.device.backend import (
+    NativeDevice,
+    SnapshotBudget,
+    kind,
+    native_device,
+    nbytes,
+    on_device,
+    out_of_memory,
+)
 from nxd_ckpt.device.pinned import PinnedArena, PinnedPool
 from nxd_ckpt.device.transfer import DeviceTransfer, stand_in, start_transfer_thread
 
@@ -45,6 +53,9 @@ class Snapshot:
     """Time the call spent on ``direct_bytes``."""
     budget_bytes: int
     budget_source: str
+    fallback: str | None = None
+    """Why part of what fit the budget moved by the direct transfer instead (the device ran out of memory in the
+    snapshot); None when the snapshot went as planned."""
 
 
 def split_by_budget(tensors: Sequence[torch.Tensor], budget: int) -> tuple[list[int], list[int]]:
@@ -76,9 +87,9 @@ def take(
     keys = [stand_in(t) for t in tensors]
     start = time.perf_counter()
     if device_kind == "xla":
-        transfer = _take_xla(tensors, keys, fit, rest, chunk_bytes)
+        transfer, fit, rest, fallback = _take_xla(tensors, keys, fit, rest, chunk_bytes)
     else:
-        transfer = _take_native(tensors, keys, fit, rest, pool, chunk_bytes)
+        transfer, fit, rest, fallback = _take_native(tensors, keys, fit, rest, pool, chunk_bytes)
     return Snapshot(
         stand_ins={id(t): k for t, k in zip(tensors, keys, strict=True)},
         transfer=transfer,
@@ -87,7 +98,48 @@ def take(
         direct_s=time.perf_counter() - start if rest else 0.0,
         budget_bytes=limit,
         budget_source=source,
+        fallback=fallback,
     )
+
+
+def _fallback_reason(error: BaseException, moved_bytes: int) -> str:
+    """``Snapshot.fallback``: the out-of-memory met, and what moved by the direct transfer instead."""
+    first_line = (str(error).strip().splitlines() or [""])[0][:200]
+    return (
+        f"the device ran out of memory in the snapshot ({type(error).__name__}: {first_line}); {moved_bytes} bytes "
+        "moved by the direct transfer instead"
+    )
+
+
+def _clone_while_memory_lasts(
+    tensors: Sequence[torch.Tensor], fit: list[int]
+) -> tuple[list[torch.Tensor], list[int], str | None]:
+    """A native device's clones of ``tensors[i]`` for ``fit``, in order, until the device runs out of memory:
+    (the clones, the indices left uncloned, why) -- those move by the direct transfer."""
+    clones: list[torch.Tensor] = []
+    with torch.no_grad():
+        for n, i in enumerate(fit):
+            try:
+                clones.append(tensors[i].detach().clone())
+            except Exception as e:
+                if not out_of_memory(e):
+                    raise
+                return clones, fit[n:], _fallback_reason(e, sum(nbytes(tensors[j]) for j in fit[n:]))
+    return clones, [], None
+
+
+def _launch_xla_copies_or_none(
+    tensors: Sequence[torch.Tensor], fit: list[int], rest: list[int], *, wait: bool
+) -> tuple[list[torch.Tensor], list[torch.Tensor], str | None]:
+    """``_launch_xla_copies``; where the runtime reports an out-of-memory in it (at the graph's compile or launch;
+    one in its asynchronous execution surfaces later), no clones and the reason: everything stays live."""
+    try:
+        clones, live = _launch_xla_copies(tensors, fit, rest, wait=wait)
+    except Exception as e:
+        if not out_of_memory(e):
+            raise
+        return [], [], _fallback_reason(e, sum(nbytes(tensors[i]) for i in fit))
+    return clones, live, None
 
 
 @dataclass
@@ -100,6 +152,8 @@ class DeviceCopies:
     snapshot_bytes: int
     budget_bytes: int
     native: NativeDevice | None = None
+    fallback: str | None = None
+    """As ``Snapshot.fallback``: the copies that did not fit in device memory stay live (the call stages them)."""
     ready: Any = None
     """A native device's event recorded after the clones (the first fetch's copies wait for it)."""
     arena: PinnedArena | None = None
@@ -166,18 +220,22 @@ def copy_on_device(
     fit, _rest = split_by_budget(tensors, limit)
     native = ready = None
     if device_kind == "xla":
-        clones, _ = _launch_xla_copies([tensors[i] for i in fit], list(range(len(fit))), [], wait=False)
+        clones, _, fallback = _launch_xla_copies_or_none(
+            [tensors[i] for i in fit], list(range(len(fit))), [], wait=False
+        )
     else:
         native = native_device(tensors)
         assert native is not None
-        with native.guard(), torch.no_grad():
-            clones = [tensors[i].detach().clone() for i in fit]
+        with native.guard():
+            clones, _, fallback = _clone_while_memory_lasts(tensors, fit)
             ready = native.record(native.current_stream())
+    fit = fit[: len(clones)]
     return DeviceCopies(
         sources={id(tensors[i]): c for i, c in zip(fit, clones, strict=True)},
         snapshot_bytes=sum(nbytes(tensors[i]) for i in fit),
         budget_bytes=limit,
         native=native,
+        fallback=fallback,
         ready=ready,
         arena=arena if native is not None else None,
     )
@@ -218,6 +276,8 @@ def warm(tensors: Sequence[torch.Tensor], budget: SnapshotBudget) -> int:
     if not xla_tensors or xla.pending(xla_tensors):
         return 0
     fit, rest = split_by_budget(xla_tensors, budget.resolve(xla_tensors)[0])
+    if not fit:  # nothing would be copied on the device: no snapshot graph to compile
+        return 0
     if _graph_key(xla_tensors, fit, rest) not in _launched_graphs:  # else compiled already: by a save or a warm
         _launch_xla_copies(xla_tensors, fit, rest, wait=True)
     return sum(nbytes(xla_tensors[i]) for i in fit)
@@ -256,19 +316,24 @@ def _take_xla(
     fit: list[int],
     rest: list[int],
     chunk_bytes: int | None,
-) -> DeviceTransfer:
+) -> tuple[DeviceTransfer, list[int], list[int], str | None]:
     """Clones under one sync (together with the tensors that do not fit), then the rest by bulk transfers here. The
-    sync is only launched when everything fits: torch_xla runs the next step after it and fetches wait for it."""
+    sync is only launched when everything fits: torch_xla runs the next step after it and fetches wait for it.
+    Returns the transfer, the indices cloned and moved here, and ``Snapshot.fallback``."""
     # one execution materialises the snapshot (launched, not waited for)
-    clones, live = _launch_xla_copies(tensors, fit, rest, wait=bool(rest))
+    clones, live, fallback = _launch_xla_copies_or_none(tensors, fit, rest, wait=bool(rest))
+    if fallback is not None:  # out of memory: everything moves here, from the live tensors
+        fit, rest = [], sorted(fit + rest)
+        live = [tensors[i].detach() for i in rest]
     arrived: dict[int, torch.Tensor] = {}
-    for batch, copies in xla.iter_to_cpu(live, chunk_bytes, synced=True):
+    for batch, copies in xla.iter_to_cpu(live, chunk_bytes, synced=fallback is None):
         for j, c in zip(batch, copies, strict=True):
             arrived[id(keys[rest[j]])] = c
     del live
-    return DeviceTransfer(
+    transfer = DeviceTransfer(
         [keys[i] for i in fit], clones, chunk_bytes=chunk_bytes, background=True, synced=True, arrived=arrived
     )
+    return transfer, fit, rest, fallback
 
 
 def _take_native(
@@ -278,9 +343,10 @@ def _take_native(
     rest: list[int],
     pool: PinnedPool | None,
     chunk_bytes: int | None,
-) -> DeviceTransfer:
-    """Clones enqueued on the training stream; the rest copied into pinned buffers on a side stream that the training
-    stream waits for. Returns without waiting for the device."""
+) -> tuple[DeviceTransfer, list[int], list[int], str | None]:
+    """Clones enqueued on the training stream (those the device has no memory for join the rest); the rest copied
+    into pinned buffers on a side stream that the training stream waits for. Returns without waiting for the
+    device: the transfer, the indices cloned and copied here, and ``Snapshot.fallback``."""
     native = native_device(tensors)
     assert native is not None
     with native.guard():  # the caller's thread may have another device current (or none set: device 0)
@@ -295,14 +361,15 @@ def _enqueue_native(
     rest: list[int],
     pool: PinnedPool | None,
     chunk_bytes: int | None,
-) -> DeviceTransfer:
+) -> tuple[DeviceTransfer, list[int], list[int], str | None]:
     """``_take_native``'s work, under ``native``'s device."""
     training = native.current_stream()
+    clones, uncloned, fallback = _clone_while_memory_lasts(tensors, fit)
+    if uncloned:
+        fit, rest = fit[: len(clones)], sorted(rest + uncloned)
     # a process's first stream costs milliseconds (the backend fills its stream pool): made here only when the call
     # enqueues copies on it, else by the transfer thread
     side = native.new_stream() if rest else None
-    with torch.no_grad():
-        clones = [tensors[i].detach().clone() for i in fit]
     arrived: dict[int, torch.Tensor] = {}
     lent: list[torch.Tensor] = []
     arrived_event = None
@@ -325,7 +392,7 @@ def _enqueue_native(
         arrived_event = native.record(side)
         training.wait_event(arrived_event)  # training's next kernels cannot overwrite what is still being copied
     ready = native.record(training)  # the clones are enqueued before this point
-    return DeviceTransfer(
+    transfer = DeviceTransfer(
         [keys[i] for i in fit],
         clones,
         chunk_bytes=chunk_bytes,
@@ -338,3 +405,4 @@ def _enqueue_native(
         pool=pool,
         lent=lent,
     )
+    return transfer, fit, rest, fallback

@@ -256,18 +256,24 @@ class Coordinator:
         return common, self._scatter(parts, 0) if scattered else None
 
     def gather_to_master_and_master_computes(
-        self, obj: T, fn: Callable[[], Any], phase: str
+        self, obj: T, fn: Callable[[], Any], phase: str, agree: Callable[[list[T]], Any] | None = None
     ) -> tuple[list[T] | None, Any]:
         """``gather_object(obj)`` to rank 0 and ``master_computes(fn)`` in one step: rank 0 receives every rank's
         ``obj`` (the others None) and every rank rank 0's result of ``fn`` (or its exception, raised everywhere as
-        in ``master_computes``). Only rank 0 receives O(N) bytes; ``obj`` must hold CPU tensors only."""
+        in ``master_computes``). Only rank 0 receives O(N) bytes; ``obj`` must hold CPU tensors only. With
+        ``agree``, rank 0 also reduces the gathered objects (``agree(objs)``: quick, a minimum say) and every rank
+        receives ``(fn's result, agree's)`` in the same broadcast: no further round."""
         value, failure, local = self._on_master(fn, phase)
         if not self.distributed:
             if local is not None:
                 raise local
-            return [obj], value
+            return [obj], value if agree is None else (value, agree([obj]))
         self._arrive_and_wait(phase)
         out = self._gather(obj, 0)
+        if agree is not None and self.rank == 0 and failure is None:
+            assert out is not None
+            agreed, failure, local = self._on_master(lambda: agree(out), phase)
+            value = (value, agreed)
         failure, value = self._broadcast((failure, value) if self.rank == 0 else None, 0, None)
         raise_failures([failure], local, self.rank)
         return out, value

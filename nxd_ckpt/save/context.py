@@ -8,9 +8,10 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from nxd_ckpt.device.kept_budget import KeptSnapshotBudget
 from nxd_ckpt.device.transfer import DeviceTransfer
 from nxd_ckpt.format import integrity
 from nxd_ckpt.options import SaveOptions
@@ -68,6 +69,8 @@ class SaveServices:
     pending_deletions: tuple[Future, ...] = ()
     """Deletions still running on the writer thread (retention, Lightning's removals): a save does not wait for
     them, except rank 0 before it touches a tag of the same name (``prepare_tag``)."""
+    device_budget: KeptSnapshotBudget = field(default_factory=KeptSnapshotBudget)
+    """The device snapshot budget kept from save to save (the manager's): each save proposes it, agrees on it."""
 
 
 @dataclass(frozen=True)

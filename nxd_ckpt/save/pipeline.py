@@ -40,6 +40,7 @@ import torch
 
 from nxd_ckpt import adapters, knobs, statefile, tree
 from nxd_ckpt import rank_state as rank_states
+from nxd_ckpt.device import kept_budget
 from nxd_ckpt.device import snapshot as device_snapshot
 from nxd_ckpt.device.backend import native_device, nbytes, on_device
 from nxd_ckpt.device.transfer import DeviceTransfer, run_on_transfer_thread
@@ -122,9 +123,19 @@ class SavePipeline:
         share = sharding_share(coord, topo, options, captured.model) if options.model is not None else None
         runtime = self.services.tier_runtime(options.memory_tier, storage.url, topo) if options.memory_tier else None
         durable = runtime.count_save() if runtime is not None else True
-        ctx = self.mark_tag(options, storage, topo, share, durable, runtime)
+        ctx = self.mark_tag(options, storage, topo, share, durable, runtime, self.budget_proposal(options, captured))
         report.checkpoint_dir = storage.url
         return ctx, captured
+
+    def budget_proposal(self, options: SaveOptions, captured: Captured) -> int | None:
+        """An async save's proposal of a device snapshot budget for the model's and optimizer's device state (the
+        kept one: ``kept_budget``); None without device state, or for a sync save."""
+        if not options.async_save:
+            return None
+        optimizer = adapters.optimizer_state(options.optimizer) if options.optimizer is not None else None
+        trees = [captured.model, optimizer]
+        state = kept_budget.device_tensors(t for t in trees if t is not None)
+        return self.services.device_budget.proposal(options.device_budget, state) if state else None
 
     def mark_tag(
         self,
@@ -134,20 +145,26 @@ class SavePipeline:
         share: ShardingShare,
         durable: bool,
         runtime: TierRuntime | None = None,
+        budget_proposal: int | None = None,
     ) -> SaveContext:
         """Rank 0 marks the tag as being saved (a complete one is re-saved beside it) and receives every rank's
-        ``share`` of the sharding record; all ranks agree on the save: one world-wide step. A save to the memory
+        ``share`` of the sharding record; all ranks agree on the save and on the device snapshot budget (the least
+        of the ranks' ``budget_proposal``, kept for the next saves): one world-wide step. A save to the memory
         tier only (``durable`` False) leaves the checkpoint directory alone."""
         coord, tag = self.coord, options.tag
-        shares, (created_at, resave) = coord.gather_to_master_and_master_computes(
-            share,
+        shares, ((created_at, resave), agreed) = coord.gather_to_master_and_master_computes(
+            (share, budget_proposal),
             lambda: (
                 prepare_tag(storage, tag, durable, self.services.pending_deletions, options.timeout_s)
                 if coord.rank == 0
                 else (0.0, False)
             ),
             f"starting checkpoint {tag!r}",
+            agree=lambda gathered: kept_budget.agree([proposal for _, proposal in gathered]),
         )
+        if budget_proposal is not None and agreed is not None:  # the snapshot of every rank is cut alike
+            options = options.replace(device_snapshot_budget=self.services.device_budget.agree(agreed).bytes)
+        shares = [s for s, _ in shares] if shares is not None else None
         record = merge_sharding(shares) if shares is not None and options.model is not None else None
         target = tags.ResaveStorage(storage, tag) if resave else storage
         monitor = StorageMonitor(f"writing {tag!r} on rank {coord.rank}", options.timeout_s, url=storage.url)
@@ -215,6 +232,7 @@ class SavePipeline:
             report.device_direct_bytes = lease.snapshot.direct_bytes
             report.device_direct_s = lease.snapshot.direct_s
             report.device_budget_bytes = lease.snapshot.budget_bytes
+            self.after_fallback(report, lease.snapshot.fallback, lease.snapshot.snapshot_bytes)
         copies = [w.with_state(state) for w, state in zip(files, lease.trees, strict=True)]
         return Staged([*copies, *planned.rank_state_files], lease=lease, pool=pool, fetcher=lease.transfer)
 
@@ -253,6 +271,7 @@ class SavePipeline:
             report.device_snapshot_bytes = copies.snapshot_bytes
             report.device_direct_bytes = sum(nbytes(t) for t in device) - copies.snapshot_bytes
             report.device_budget_bytes = copies.budget_bytes
+            self.after_fallback(report, copies.fallback, copies.snapshot_bytes)
         staged = Staged(planned.writes, fetcher=stager, pool=self.services.staging_pool)
         report.staging_s = self.timer.since(stage_start)
         if frozen:
@@ -264,6 +283,15 @@ class SavePipeline:
         report.budget_wait_s = stager.waited_s
         report.staging_s = self.timer.since(stage_start)
         return staged
+
+    def after_fallback(self, report: SaveReport, fallback: str | None, cloned_bytes: int) -> None:
+        """A snapshot that ran out of device memory (``fallback``) is reported, warned about, and the kept budget
+        shrinks (``KeptSnapshotBudget.shrink``) so that the next save does not run out again."""
+        if fallback is None:
+            return
+        smaller = self.services.device_budget.shrink(cloned_bytes)
+        report.device_snapshot_fallback = f"{fallback}; the next saves propose a budget of {smaller} bytes"
+        logger.warning("checkpoint %s on rank %d: %s", report.tag, self.coord.rank, report.device_snapshot_fallback)
 
     def stage_live(self, ctx: SaveContext, planned: plan.SavePlan) -> Staged:
         """Sync: training is blocked in the call, so the live tensors are the sources; device tensors are copied

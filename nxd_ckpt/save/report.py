@@ -46,7 +46,11 @@ class SaveReport:
     device_direct_s: float = 0.0
     """Part of ``blocked_s`` spent on ``device_direct_bytes``."""
     device_budget_bytes: int = 0
-    """The device snapshot budget this save used (``device_snapshot_budget``, or what the device reported free)."""
+    """The device snapshot budget this save used: ``device_snapshot_budget`` or ``auto``'s figure, the least any
+    rank proposed, kept from save to save until the state's shapes change (docs/async.md)."""
+    device_snapshot_fallback: str | None = None
+    """Why part of the device snapshot moved by the direct transfer instead: the device ran out of memory in it
+    (the save still succeeded, and the budget kept for the next saves shrank); None when it went as planned."""
     ran_pending_step: bool = False
     """The state had a pending XLA graph at the call (a save after the optimizer step, before the step's sync): the
     save ran that graph once, as the step's own sync would, so the tag holds the stepped state (docs/async.md)."""

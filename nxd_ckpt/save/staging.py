@@ -24,7 +24,7 @@ import torch
 
 from nxd_ckpt import pages
 from nxd_ckpt.device import snapshot as device_snapshot
-from nxd_ckpt.device.backend import SnapshotBudget, kind, native_device, on_device, resolve_snapshot_budget
+from nxd_ckpt.device.backend import SnapshotBudget, kind, native_device, on_device
 from nxd_ckpt.device.pinned import PinnedArena, PinnedPool
 from nxd_ckpt.device.transfer import DeviceTransfer, stand_in
 from nxd_ckpt.tree import iter_tensors, map_tensors
@@ -240,15 +240,20 @@ class StagingPool:
         out = [map_tensors(tree, lambda t: staged[id(t)]) for tree in trees]
         return StagedState(out, nbytes, allocated, copy_s, _pool=self, _set=buffer_set, snapshot=snapshot)
 
-    def prepare(self, trees: Sequence[Any], snapshot_of: Sequence[torch.Tensor] = ()) -> int:
+    def prepare(
+        self,
+        trees: Sequence[Any],
+        snapshot_of: Sequence[torch.Tensor] = (),
+        device_budget: SnapshotBudget | None = None,
+    ) -> int:
         """Reserve the buffers the next ``stage`` of ``trees`` (or of a part of them) copies into and fault them
         in on a background thread, so that the first async save of a process copies into touched memory like
         every later one. Returns the bytes reserved: 0 when the pool already holds or lends out a set. The
         buffers are the pool's: an unused one is dropped by the first save (or by ``clear``). A native
         accelerator's tensors get their pinned buffers (``PinnedPool.reserve``) instead. The XLA tensors of
-        ``snapshot_of`` (those the save will snapshot on this rank) get their snapshot taken once
-        (``device.snapshot.warm``): its graph is then compiled, which the first save would otherwise do in its
-        call."""
+        ``snapshot_of`` (those the save will snapshot on this rank) get their snapshot within ``device_budget``
+        (the saves' own: ``KeptSnapshotBudget.for_warm_up``; None: none) taken once (``device.snapshot.warm``):
+        its graph is then compiled, which the first save would otherwise do in its call."""
         unique: dict[int, torch.Tensor] = {}
         native: dict[int, torch.Tensor] = {}
         for tree in trees:
@@ -258,8 +263,8 @@ class StagingPool:
                 elif kind(t) == "native":
                     native.setdefault(id(t), t)
         on_xla = [t for t in snapshot_of if kind(t) == "xla"]
-        if on_xla:
-            device_snapshot.warm(on_xla, resolve_snapshot_budget(None))
+        if on_xla and device_budget is not None:
+            device_snapshot.warm(on_xla, device_budget)
         pinned = 0
         if native:
             device = native_device(list(native.values()))

@@ -37,6 +37,15 @@ DEVICE_TYPE = "fakeacc"
 DEVICE_COUNT = 2
 FREE_BYTES = 16 << 30
 """What ``mem_get_info`` reports free (a test may change it)."""
+TOTAL_BYTES: int | None = None
+"""What ``mem_get_info`` reports as the device's size (None: twice ``FREE_BYTES``)."""
+RESERVED_BYTES = 0
+"""What ``memory_reserved`` reports: the caching allocator's memory now."""
+PEAK_RESERVED_BYTES = 0
+"""What ``max_memory_reserved`` reports: the most the caching allocator held (training's peak)."""
+CLONES_BEFORE_OOM: int | None = None
+"""Set: the device runs out of memory (``torch.OutOfMemoryError``) at every clone after this many more succeeded
+(``out_of_memory_after``)."""
 
 _aten = torch.ops.aten
 
@@ -128,6 +137,8 @@ class FakeAccTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func is _aten.clone.default:
+            _allocate_clone()
         if func is _aten.copy_.default:
             return _copy(args[0], args[1], bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking")))
         if func is _aten._to_copy.default and _is_host(kwargs.get("device")):
@@ -136,6 +147,28 @@ class FakeAccTensor(torch.Tensor):
         out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
         by_inner = {id(a.inner): a for a in args if isinstance(a, FakeAccTensor)}
         return tree_map(lambda x: _rewrap(x, by_inner, index), out)
+
+
+def _allocate_clone() -> None:
+    """A clone's device memory: refused once ``CLONES_BEFORE_OOM`` more clones have been made."""
+    global CLONES_BEFORE_OOM
+    if CLONES_BEFORE_OOM is None:
+        return
+    if CLONES_BEFORE_OOM <= 0:
+        raise torch.OutOfMemoryError(f"{DEVICE_TYPE}: out of memory (injected: the device has no room for a clone)")
+    CLONES_BEFORE_OOM -= 1
+
+
+@contextlib.contextmanager
+def out_of_memory_after(clones: int) -> Iterator[None]:
+    """Inside the block the device has room for ``clones`` more clones; every later one raises
+    ``torch.OutOfMemoryError``, as a full device does."""
+    global CLONES_BEFORE_OOM
+    CLONES_BEFORE_OOM = clones
+    try:
+        yield
+    finally:
+        CLONES_BEFORE_OOM = None
 
 
 def _is_host(device: Any) -> bool:
@@ -376,10 +409,13 @@ class _Module(types.ModuleType):
         pass
 
     def mem_get_info(self, device: Any = None) -> tuple[int, int]:
-        return FREE_BYTES, 2 * FREE_BYTES
+        return FREE_BYTES, TOTAL_BYTES if TOTAL_BYTES is not None else 2 * FREE_BYTES
 
     def memory_reserved(self, device: Any = None) -> int:
-        return 0
+        return RESERVED_BYTES
+
+    def max_memory_reserved(self, device: Any = None) -> int:
+        return PEAK_RESERVED_BYTES
 
     def memory_allocated(self, device: Any = None) -> int:
         return 0

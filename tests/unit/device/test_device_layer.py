@@ -45,11 +45,10 @@ def test_the_budget_setting(monkeypatch):
             backend.resolve_snapshot_budget(bad)
 
 
-def test_a_fixed_budget_is_used_as_is_and_without_any_memory_figure_a_quarter_of_the_state():
+def test_a_fixed_budget_is_used_as_is_and_without_a_peak_memory_figure_auto_copies_nothing_on_the_device():
     tensors = [torch.empty(1000, device="meta"), torch.empty(3000, device="meta")]
     assert backend.SnapshotBudget(123).resolve(tensors) == (123, "set")
-    limit, source = backend.SnapshotBudget(None).resolve(tensors)
-    assert limit == 4000 * 4 // 4 and "no memory figure" in source
+    assert backend.SnapshotBudget(None).resolve(tensors) == (0, backend.SOURCE_NONE)
 
 
 def _fake_xla_runtime(monkeypatch, host_memory: bool, memory_info) -> list[str]:
@@ -80,14 +79,20 @@ def test_the_xla_cpu_client_is_not_asked_for_memory_and_a_runtime_that_refuses_i
         raise RuntimeError("Bad StatusOr access: UNIMPLEMENTED: GetAllocatorStats is not supported")
 
     asked = _fake_xla_runtime(monkeypatch, host_memory=True, memory_info=refuse)
-    assert backend.xla_free_bytes(torch.device("xla:0")) is None and asked == []  # its refusal costs 25 ms
+    assert backend.xla_peak_headroom_bytes(torch.device("xla:0")) is None and asked == []  # its refusal: 25 ms
     asked = _fake_xla_runtime(monkeypatch, host_memory=False, memory_info=refuse)
-    assert [backend.xla_free_bytes(torch.device("xla:0")) for _ in range(3)] == [None] * 3
+    assert [backend.xla_peak_headroom_bytes(torch.device("xla:0")) for _ in range(3)] == [None] * 3
     assert asked == ["xla:0"]
 
 
-def test_a_runtime_with_memory_figures_is_asked_at_every_save_and_a_passing_failure_is_not_remembered(monkeypatch):
-    answers = iter([RuntimeError("device busy"), {"bytes_limit": 1000, "bytes_used": 400}, {"kb_free": 2}])
+def test_a_runtime_with_memory_figures_is_asked_each_time_and_only_its_peak_counts(monkeypatch):
+    answers = iter(
+        [
+            RuntimeError("device busy"),  # a passing failure: asked again
+            {"bytes_limit": 1000, "bytes_used": 400, "peak_bytes_used": 700},
+            {"bytes_limit": 1000, "bytes_used": 400},  # a single moment's figure: not a size for the snapshot
+        ]
+    )
 
     def answer():
         a = next(answers)
@@ -96,7 +101,7 @@ def test_a_runtime_with_memory_figures_is_asked_at_every_save_and_a_passing_fail
         return a
 
     asked = _fake_xla_runtime(monkeypatch, host_memory=False, memory_info=answer)
-    assert [backend.xla_free_bytes(torch.device("xla:0")) for _ in range(3)] == [None, 600, 2048]
+    assert [backend.xla_peak_headroom_bytes(torch.device("xla:0")) for _ in range(3)] == [None, 300, None]
     assert len(asked) == 3
 
 
