@@ -201,3 +201,21 @@ def test_gather_to_master_and_master_computes_is_one_step_and_only_rank_0_receiv
         assert all("could not mark the tag" in m for m in world.run(failing))
     finally:
         world.close()
+
+
+def test_an_agreement_over_the_gathered_shares_reaches_every_rank_in_the_same_step():
+    world = ThreadWorld(3, count=True)
+    try:
+
+        def both(rank: int) -> tuple[Any, Any, int]:
+            coord = world.coordinator(rank)
+            proposal = [900, 300, 500][rank]
+            gathered, value = coord.gather_to_master_and_master_computes(proposal, lambda: "prepared", "start", min)
+            return gathered, value, coord._step
+
+        results = world.run(both)
+        assert results[0] == ([900, 300, 500], ("prepared", 300), 1)
+        assert results[1] == (None, ("prepared", 300), 1) and results[2] == (None, ("prepared", 300), 1)
+        assert world.collectives[1]["gather"][1] == 0  # still: a rank other than 0 receives no one's share
+    finally:
+        world.close()
