@@ -106,7 +106,7 @@ def test_control_without_the_snapshot_the_check_fails(tmp_path, monkeypatch):
 
     def no_snapshot(tensors, keys, fit, rest, chunk_bytes):
         live = [tensors[i] for i in fit]  # references, no copy: what holding the state would do
-        return DeviceTransfer([keys[i] for i in fit], live, chunk_bytes=chunk_bytes, background=True)
+        return DeviceTransfer([keys[i] for i in fit], live, chunk_bytes=chunk_bytes, background=True), fit, rest, None
 
     monkeypatch.setattr(device_snapshot, "_take_xla", no_snapshot)
     with pytest.raises(AssertionError):
