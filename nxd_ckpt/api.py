@@ -114,7 +114,8 @@ def save_checkpoint(
     no limit) caps the host memory an async save holds: a larger state is staged and written in pieces while the
     call waits for what does not fit (the SaveReport's ``budget_wait_s``).
     ``device_snapshot_budget`` (bytes, a size such as ``"8GiB"``, ``"auto"`` or 0; default
-    ``NXD_CKPT_DEVICE_SNAPSHOT_BUDGET``, else ``"auto"``: 90% of the memory the device reports free) caps the
+    ``NXD_CKPT_DEVICE_SNAPSHOT_BUDGET``, else ``"auto"``: 90% of the memory training left unused at its peak, 0
+    where the runtime reports no peak; agreed by the ranks and kept from save to save: docs/async.md) caps the
     device memory an async save of device state (XLA, CUDA) copies the state into before it returns; that copy
     travels to the host beside training. What does not fit is moved to the host by the call itself (the
     SaveReport's ``device_direct_bytes`` and ``device_direct_s``); 0 takes no device snapshot.

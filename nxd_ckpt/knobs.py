@@ -68,9 +68,9 @@ KNOBS: dict[str, Knob] = {
             "str",
             "auto",
             "most device memory an async save of device state (XLA, CUDA) copies the state into on the device before "
-            "it returns (the copy travels to the host beside training); `auto`: 90% of what the device reports free; "
-            "a size (`8GiB`); 0: none (the call transfers everything itself). The `device_snapshot_budget=` keyword "
-            "overrides it",
+            "it returns (the copy travels to the host beside training); `auto`: 90% of what training left unused at "
+            "its peak, measured once and agreed by the ranks (0 where the runtime reports no peak); a size (`8GiB`); "
+            "0: none (the call transfers everything itself). The `device_snapshot_budget=` keyword overrides it",
         ),
         Knob(
             "NXD_CKPT_XLA_TRANSFER_THREAD",

@@ -77,7 +77,7 @@ class SaveOptions:
     budget_bytes: int | None = field(init=False, repr=False)
     """``host_memory_budget`` in bytes, or ``NXD_CKPT_HOST_MEMORY_BUDGET`` when None; None: no limit."""
     device_budget: SnapshotBudget = field(init=False, repr=False)
-    """``device_snapshot_budget``, or ``NXD_CKPT_DEVICE_SNAPSHOT_BUDGET`` when None (default: free device memory)."""
+    """``device_snapshot_budget``, or ``NXD_CKPT_DEVICE_SNAPSHOT_BUDGET`` when None (``auto``: docs/async.md)."""
     retention: KeepLatest | None = field(init=False, repr=False)
     """What ``num_kept_ckpts`` keeps once this save is committed; None (``num_kept_ckpts`` None or -1): no retention."""
 

@@ -129,13 +129,16 @@ class SavePipeline:
 
     def budget_proposal(self, options: SaveOptions, captured: Captured) -> int | None:
         """An async save's proposal of a device snapshot budget for the model's and optimizer's device state (the
-        kept one: ``kept_budget``); None without device state, or for a sync save."""
+        kept one: ``kept_budget``); None without device state, or for a sync save. Never raises (it runs before
+        the collective the others wait in): a state it cannot size fails the save in ``stage``, on every rank."""
         if not options.async_save:
             return None
-        optimizer = adapters.optimizer_state(options.optimizer) if options.optimizer is not None else None
-        trees = [captured.model, optimizer]
-        state = kept_budget.device_tensors(t for t in trees if t is not None)
-        return self.services.device_budget.proposal(options.device_budget, state) if state else None
+        try:
+            optimizer = adapters.optimizer_state(options.optimizer) if options.optimizer is not None else None
+            state = kept_budget.device_tensors(t for t in (captured.model, optimizer) if t is not None)
+            return self.services.device_budget.proposal(options.device_budget, state) if state else None
+        except Exception:
+            return None
 
     def mark_tag(
         self,
