@@ -6,7 +6,8 @@ Run (one process; the model and its AdamW state on CUDA when torch sees a GPU, e
     ... [--device auto|cuda|xla] [--size-gb N] [--reps N] [--steady N] [--first-runs N] [--skip ROWS|none]
         [--json out.json]
 The defaults are 10 GiB / 3 reps / 1 steady save per rep on CUDA and 0.4 GiB / 5 reps / 2 on XLA. --skip leaves
-rows out (async_plain, async_nosnap, sync, dcp, torch_save, loads, today, check, memory, memory_sync, resume); by
+rows out (async_plain, async_nosnap, sync, dcp, torch_save, loads, today, check, memory, memory_sync, resume,
+before_sync, pressure); by
 default async_plain, async_nosnap and memory_sync on CUDA and async_nosnap on XLA, to keep the default runs short.
 A missing device is a clear error: --device xla without torch_xla, --device cuda without a GPU.
 
@@ -70,6 +71,13 @@ before every timed operation):
                device, device memory is host memory: the report's ``device_snapshot_bytes``), and peak extra host
                memory (benchlib.PeakRSS, sampler on) of an nxd async save until durable, a load of its tag into
                the live model and (memory_sync) a sync save, in untimed runs after the repetitions.
+  before_sync  per rep, in turn: a training step synced alone, and the same step with an async xser save called
+               after ``optimizer.step()``, before the step's sync (as loops written for NxD do): device time from
+               the step's start to the end of the user's sync (XLA: the ExecuteTime metric; CUDA: wall, synced).
+  pressure     after the repetitions, once: the device filled to within 10% of its size (CUDA: device memory; the
+               XLA CPU device: this host's memory), a new process-wide manager (the budget is decided anew), an
+               async xser save with ``device_snapshot_budget="auto"`` and a training step: blocked and durable
+               against the steady saves', the budget, what was cloned, whether it fell back.
 Every nxd save also counts, in the call, this process's minor page faults (first touches of fresh memory) and
 XLA graph compiles: counters the machine's load does not change, which say where a first save's time goes.
 Once (rep 0), outside the timing: the state after every load equals the state saved, bit for bit (the live
@@ -119,6 +127,7 @@ ROWS = (
     "memory_sync",
     "resume",
     "before_sync",
+    "pressure",
 )
 CUDA_SKIP = ("async_plain", "async_nosnap", "memory_sync")  # default --skip: 10 GiB within 6 minutes
 XLA_SKIP = ("async_nosnap",)  # 0.4 GiB on 2 cores within about 4 minutes
@@ -254,6 +263,22 @@ class Device:
 
         data = met.metric_data("ExecuteTime")
         return float(data[1]) / 1e9 if data else 0.0
+
+    def fill(self, left_fraction: float) -> tuple[Any, int]:
+        """Take the device's memory until ``left_fraction`` of its size is left (CUDA: device memory; the XLA CPU
+        device: this host's, its device memory), touched; (the filler to drop, bytes left free)."""
+        if self.kind == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            take = max(0, free - int(left_fraction * total))
+            filler = torch.empty(take, dtype=torch.uint8, device=self.device).fill_(1)
+            torch.cuda.synchronize(self.device)
+            return filler, torch.cuda.mem_get_info(self.device)[0]
+        with open("/proc/meminfo") as f:
+            meminfo = dict(line.split(":", 1) for line in f)
+        total, available = (int(meminfo[k].split()[0]) * 1024 for k in ("MemTotal", "MemAvailable"))
+        take = max(0, available - int(left_fraction * total))
+        filler = torch.ones(take, dtype=torch.uint8)
+        return filler, available - take
 
     def drop_floor_buffers(self) -> None:
         self._pinned = None
@@ -978,6 +1003,37 @@ class Run:
                 self.memory_load(path, name)
         remove(path)
 
+    def pressure(self) -> None:
+        """An async save with ``device_snapshot_budget="auto"`` on a device filled to within 10% of its size, then a
+        training step (it must run): blocked time against the steady saves', what the snapshot took, and whether it
+        fell back to the direct transfer. The process-wide manager is replaced first, so the budget is decided anew
+        under the pressure (a manager keeps its budget from save to save)."""
+        from nxd_ckpt.api import reset_manager
+
+        path = os.path.join(self.root, "pressure")
+        reset_manager()
+        filler, left = self.dev.fill(0.10)
+        try:
+            self.tr.steps(2)
+            figures = nxd_save(self.dev, path, "pressure", self.tr, xser=True, async_save=True)
+            self.tr.steps(1)
+        except Exception as e:
+            self.failed("pressure", e, loud=True)
+            return
+        finally:
+            del filler
+            reset_manager()
+            remove(path)
+        fields = figures["report"]
+        fallback = fields.get("device_snapshot_fallback")
+        self.add(
+            "pressure",
+            figures,
+            f"memory pressure ({fmt_bytes(left)} left free): {describe_save(figures)}; snapshot "
+            f"{fmt_bytes(fields.get('device_snapshot_bytes'))}, direct {fmt_bytes(fields.get('device_direct_bytes'))}, "
+            f"budget {fmt_bytes(fields.get('device_budget_bytes'))}, fallback: {fallback}",
+        )
+
     def memory_load(self, path: str, tag: str) -> None:
         from benchlib import PeakRSS
 
@@ -1350,6 +1406,8 @@ def build_summary(
                     row(f"{who} nxd async xser while training goes on: {what}", [x[key] for x in figures["training"]])
     row("step alone: device time s", r.get("step_alone", []))
     row("step + async save before its sync: device time s", r.get("step_save_before_sync", []))
+    row("nxd async xser, device filled to within 10%: blocked s", col("pressure", "call_s"))
+    row("nxd async xser, device filled to within 10%: durable s", col("pressure", "durable_s"))
     row("nxd sync save (xser) s", col("nxd_sync", "call_s"))
     row("torch.save + fsync s", col("torch_save", "s"))
     row("load: nxd load_checkpoint s", col("load_nxd", "s"))
@@ -1379,6 +1437,16 @@ def build_summary(
         "" if gpu else "<= 1.5 (XLA)",
     )
     ratio("first async blocked / steady async blocked", m("nxd first async: blocked s"), steady, "<= 1.5")
+    ratio(
+        "async blocked, device filled to within 10% / steady async blocked",
+        m("nxd async xser, device filled to within 10%: blocked s"),
+        steady,
+    )
+    ratio(
+        "async durable, device filled to within 10% / steady async durable",
+        m("nxd async xser, device filled to within 10%: durable s"),
+        m("nxd async xser: durable s"),
+    )
     ratio(
         "step + save before its sync / step alone (device time)",
         m("step + async save before its sync: device time s"),
@@ -1669,6 +1737,9 @@ def main(argv: list[str] | None = None) -> int:
         run.phase = "memory"
         if run.on("memory"):
             run.memory()
+        run.phase = "pressure"
+        if run.on("pressure"):
+            run.pressure()
         nxd_ckpt.finalize_checkpoint()
         if run.dcp_stager is not None:
             run.dcp_stager.close()
