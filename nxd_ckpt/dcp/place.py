@@ -132,5 +132,6 @@ def recover(place: CheckpointPlace) -> None:
         root.delete_tree(folder)
         root.rename_dir(replaced, folder)
         root.sync_dirs([""])
-    tags.delete_copy(root, place.staging, METADATA)
-    tags.delete_copy(root, replaced, METADATA)
+    for hidden in (place.staging, replaced):
+        tags.delete_copy(root, hidden, METADATA)
+        root.delete_tree(hidden)  # one left empty too

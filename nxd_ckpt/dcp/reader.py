@@ -1,11 +1,12 @@
 """``StorageReader``: DCP's storage reader over the library's storage, checking what was written.
 
 Reads any stock DCP checkpoint (``torch.save`` serialization, no stream transforms). Where the writer left
-manifests (``nxd_ckpt.dcp.StorageWriter``), the coordinator reads them once while DCP plans the load and hands each
+manifests (``nxd_ckpt.dcp.StorageWriter``), ``.metadata`` is checked against its record (in the committing rank's
+manifest) before it is unpickled; the coordinator reads the manifests once while DCP plans the load and hands each
 rank the records of the files it reads (in the plan's ``storage_data``); each rank then reads every such file
 whole and checks its size and xxh3_64 digest (``integrity.VerifyingStorage``) before a byte of it reaches the
-state dict, and ``.metadata`` against its record: a truncated or corrupted file raises IntegrityError naming it.
-Without manifests (a checkpoint stock DCP wrote) every file the metadata points into must hold the bytes it
+state dict: a truncated or corrupted file raises IntegrityError naming it. Without manifests (a checkpoint stock
+DCP wrote, or one whose ``nxd_ckpt/`` folder is gone) every file the metadata points into must hold the bytes it
 points at: a truncated file is named too; a flipped byte is found only where ``torch.load`` notices it.
 """
 
@@ -28,17 +29,24 @@ from nxd_ckpt.dcp.place import METADATA, CheckpointPlace
 from nxd_ckpt.errors import CheckpointNotFoundError, FormatError, IntegrityError
 from nxd_ckpt.format.hashing import hash_bytes
 from nxd_ckpt.format.integrity import VerifyingStorage
-from nxd_ckpt.format.manifests import RESTORE_HINT, FileRecord, IndexShare, check_record, read_manifests
+from nxd_ckpt.format.manifests import (
+    RESTORE_HINT,
+    FileRecord,
+    IndexShare,
+    check_record,
+    manifest_paths,
+    parse_manifest,
+    read_manifests,
+)
 from nxd_ckpt.tools.dcp_io import unpickle_metadata
 
 
 @dataclasses.dataclass(frozen=True)
 class _ReadShare:
-    """What the coordinator hands one rank for its reads: the records of its files and of ``.metadata`` (None for
-    a checkpoint without manifests)."""
+    """What the coordinator hands one rank for its reads: the records of its files (None for a checkpoint without
+    manifests)."""
 
     records: dict[str, FileRecord] | None
-    metadata: FileRecord | None = None
 
 
 class StorageReader(_DcpStorageReader):
@@ -65,7 +73,6 @@ class StorageReader(_DcpStorageReader):
             self.place = CheckpointPlace.of(self.path)
         self.load_id = str(uuid.uuid4())
         self.storage_data: dict[MetadataIndex, Any] = {}
-        self._metadata_digest: tuple[int, str] | None = None
 
     @property
     def checkpoint_id(self) -> str:
@@ -89,7 +96,9 @@ class StorageReader(_DcpStorageReader):
                 "nxd_ckpt.dcp.recover_folder or the next save into this folder)"
             )
         data = self.place.root.read_bytes(path)
-        self._metadata_digest = hash_bytes(data)
+        record = self._metadata_record()
+        if record is not None:  # checked before it is unpickled
+            check_record(self.place.root.url, self.place.folder, path, record, *hash_bytes(data))
         where = f"{self.place.root.url}/{path}"
         try:
             metadata = unpickle_metadata(io.BytesIO(data), where, allow_pickle=self.allow_pickle)
@@ -100,6 +109,16 @@ class StorageReader(_DcpStorageReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _metadata_record(self) -> FileRecord | None:
+        """``.metadata``'s record, from the manifest of the rank that committed (rank 0's, the first, unless DCP's
+        coordinator was another rank); None for a checkpoint without manifests."""
+        root = self.place.root
+        for path in manifest_paths(root, self.place.folder):
+            records = parse_manifest(root.read_bytes(path), f"{root.url}/{path}")[1]
+            if METADATA in records:
+                return records[METADATA]
+        return None
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if metadata.storage_data is None:
@@ -125,17 +144,12 @@ class StorageReader(_DcpStorageReader):
         shares = []
         for plan in plans:
             files = {self.storage_data[item.storage_index].relative_path for item in plan.items}
-            shares.append(_ReadShare({f: index[f] for f in files}, index.get(METADATA)))
+            shares.append(_ReadShare({f: index[f] for f in files}))
         return [dataclasses.replace(p, storage_data=s) for p, s in zip(plans, shares, strict=True)]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read this rank's items, file by file (each checked first, where it has a record)."""
         share: _ReadShare = plan.storage_data if isinstance(plan.storage_data, _ReadShare) else _ReadShare(None)
-        if share.metadata is not None and self._metadata_digest is not None:
-            check_record(
-                self.place.root.url, self.place.folder, f"{self.place.folder}/{METADATA}", share.metadata,
-                *self._metadata_digest,
-            )  # fmt: skip
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
