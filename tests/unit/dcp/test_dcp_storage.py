@@ -3,8 +3,10 @@ damage named on load, the staging folder and its commit, and what is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import time
 import warnings
 
 import pytest
@@ -15,7 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from nxd_ckpt.dcp import StorageReader, StorageWriter, recover_folder
 from nxd_ckpt.errors import CheckpointError, InvalidTagError
 from nxd_ckpt.format import layout
-from nxd_ckpt.storage import LocalStorage
+from nxd_ckpt.storage import DelegatingStorage, LocalStorage
 
 pytestmark = pytest.mark.device_independent  # file protocol over CPU tensors: runs once, in the CPU lane
 
@@ -214,3 +216,24 @@ def test_a_folder_that_is_no_checkpoint_says_so(tmp_path):
 def test_a_folder_name_that_cannot_be_a_checkpoint_is_refused(tmp_path):
     with pytest.raises(InvalidTagError, match="not a plain folder name"):
         StorageWriter(str(tmp_path / "my ckpt"))
+
+
+class _StallingWrites(DelegatingStorage):
+    """A backend whose ``.distcp`` writes hang (a hung mount), for the writer's deadline."""
+
+    def open_write(self, path: str):
+        if path.endswith(".distcp"):
+            time.sleep(3)
+        return self.inner.open_write(path)
+
+
+def test_a_stalled_write_raises_under_the_deadline_naming_the_file(tmp_path):
+    path = str(tmp_path / "step-1")
+    writer = StorageWriter(path, timeout=0.6)  # a stall is half the deadline without progress
+    writer.place = dataclasses.replace(writer.place, root=_StallingWrites(writer.place.root))
+    started = time.monotonic()
+    with pytest.raises(CheckpointException) as excinfo:
+        dcp.save(_state(1), storage_writer=writer, no_dist=True)
+    assert time.monotonic() - started < 2.5
+    assert "made no progress" in _message(excinfo) and "step-1/__0_0.distcp" in _message(excinfo)
+    assert not os.path.exists(path)
