@@ -412,8 +412,6 @@ def delete_copy(storage: Storage, directory: str, marker: str = layout.DONE_MARK
     storage.delete_tree(directory)
 
 
-
-
 def recover_resaves(storage: Storage, finish_only: bool = False) -> list[str]:
     """Rank 0: finish or undo re-saves a crash interrupted (see above); return the tags touched.
 
