@@ -72,6 +72,23 @@ def replaced_dir(tag: str) -> str:
     return REPLACED_PREFIX + validate_tag(tag)
 
 
+DCP_STAGING_PREFIX = ".nxd-dcp-staging."
+"""Hidden directory beside a DCP checkpoint folder where ``nxd_ckpt.dcp.StorageWriter`` writes a save until its
+commit renames it into place (stock DCP and TorchTitan's ``step-N`` scan skip it)."""
+DCP_REPLACED_PREFIX = ".nxd-dcp-replaced."
+"""Hidden name an older DCP checkpoint has while a save replaces it where directories cannot be exchanged."""
+
+
+def dcp_staging_dir(folder: str) -> str:
+    """Where a DCP save of the checkpoint folder ``folder`` is written until it is committed."""
+    return DCP_STAGING_PREFIX + validate_tag(folder)
+
+
+def dcp_replaced_dir(folder: str) -> str:
+    """Where the older DCP checkpoint of ``folder`` goes between the two renames of a swap without exchange."""
+    return DCP_REPLACED_PREFIX + validate_tag(folder)
+
+
 def tag_path(tag: str, *parts: str) -> str:
     return "/".join((validate_tag(tag), *parts))
 

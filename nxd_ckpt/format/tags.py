@@ -255,10 +255,10 @@ def _why_empty(storage: Storage) -> str:
 class ResaveStorage(DelegatingStorage):
     """The storage of a re-save: paths under ``tag/`` go to ``layout.resave_dir(tag)/``; the rest pass through."""
 
-    def __init__(self, inner: Storage, tag: str) -> None:
+    def __init__(self, inner: Storage, tag: str, staging: str | None = None) -> None:
         super().__init__(inner)
         self.tag = layout.validate_tag(tag)
-        self.staging = layout.resave_dir(tag)
+        self.staging = layout.resave_dir(tag) if staging is None else staging
 
     def _map(self, path: str) -> str:
         if path == self.tag or path.startswith(self.tag + "/"):
@@ -333,19 +333,11 @@ def swap_in_resave(storage: Storage, tag: str) -> None:
     if not storage.exists(f"{staging}/{layout.DONE_MARKER}"):
         raise CheckpointError(f"{storage.url}/{staging} is not complete; refusing to swap it in as {tag!r}")
     _carry_foreign_files(storage, tag, staging)
-    if storage.renames_dirs and storage.list_dir(tag) and storage.exchange_dirs(staging, tag):
-        # One atomic step: the tag now holds the new checkpoint and the hidden directory the old one (older
-        # by its creation time, which is how recovery tells the two apart if a crash comes before the deletion).
-        storage.sync_dirs([""])
-        _delete_copy(storage, staging)
-        return
-    if storage.renames_dirs:  # two renames: between them the tag is missing (a load or save finishes the swap)
-        if storage.list_dir(tag):
-            _delete_copy(storage, old)  # a replaced copy left by an earlier interrupted swap
-            storage.rename_dir(tag, old)
-        storage.rename_dir(staging, tag)
-        storage.sync_dirs([""])  # the swap is durable before the old copy goes
-        _delete_copy(storage, old)
+    if storage.renames_dirs:
+        # Exchanged: the hidden directory holds the old copy (older by its creation time, which is how recovery
+        # tells the two apart if a crash comes before the deletion). Two renames: between them the tag is missing
+        # (a load or save finishes the swap).
+        replace_dir(storage, staging, tag, old)
         return
     # No directory rename (object stores): the complete copy in ``staging`` is what a crash from here keeps.
     storage.delete(layout.tag_path(tag, layout.DONE_MARKER))
@@ -356,7 +348,7 @@ def swap_in_resave(storage: Storage, tag: str) -> None:
     storage.sync_dirs({tag + p[len(staging) :].rsplit("/", 1)[0] for p in files} | {tag, ""})
     storage.write_bytes(layout.tag_path(tag, layout.DONE_MARKER), b"1")
     storage.sync_dirs([tag])
-    _delete_copy(storage, staging)
+    delete_copy(storage, staging)
 
 
 def _carry_foreign_files(storage: Storage, tag: str, staging: str) -> None:
@@ -394,11 +386,28 @@ def _metadata_at(storage: Storage, directory: str) -> TagMetadata | None:
     return TagMetadata.from_json(storage.read_bytes(path), f"{storage.url}/{path}")
 
 
-def _delete_copy(storage: Storage, directory: str) -> None:
-    """Delete a hidden copy of a tag: ``done`` first, so a partial deletion never looks complete."""
+def replace_dir(storage: Storage, new: str, target: str, old: str, marker: str = layout.DONE_MARKER) -> None:
+    """Give the complete copy in directory ``new`` the name ``target`` (storage that ``renames_dirs``), durably,
+    then delete the copy it replaced (``marker`` first). One atomic exchange where the filesystem has it (the old
+    copy then sits at ``new`` until deleted); else two renames through ``old``, between which ``target`` is missing.
+    """
+    if storage.list_dir(target) and storage.exchange_dirs(new, target):
+        storage.sync_dirs([""])
+        delete_copy(storage, new, marker)
+        return
+    if storage.list_dir(target):
+        delete_copy(storage, old, marker)  # a replaced copy left by an earlier interrupted swap
+        storage.rename_dir(target, old)
+    storage.rename_dir(new, target)
+    storage.sync_dirs([""])  # the swap is durable before the old copy goes
+    delete_copy(storage, old, marker)
+
+
+def delete_copy(storage: Storage, directory: str, marker: str = layout.DONE_MARKER) -> None:
+    """Delete a hidden copy of a checkpoint: its ``marker`` first, so a partial deletion never looks complete."""
     if not storage.list_dir(directory):
         return
-    storage.delete(f"{directory}/{layout.DONE_MARKER}")
+    storage.delete(f"{directory}/{marker}")
     storage.sync_dirs([directory])
     storage.delete_tree(directory)
 
@@ -432,7 +441,7 @@ def _recover_resave(storage: Storage, tag: str, finish_only: bool) -> None:
         return
     if storage.exists(f"{staging}/{layout.DONE_MARKER}"):  # the old copy an exchange left: delete it
         if not finish_only:
-            _delete_copy(storage, staging)
+            delete_copy(storage, staging)
         return
     if finish_only:
         if not storage.list_dir(tag) and storage.exists(f"{old}/{layout.DONE_MARKER}"):
@@ -444,7 +453,7 @@ def _recover_resave(storage: Storage, tag: str, finish_only: bool) -> None:
     if not storage.list_dir(old):
         return
     if storage.exists(layout.tag_path(tag, layout.DONE_MARKER)) or not storage.exists(f"{old}/{layout.DONE_MARKER}"):
-        _delete_copy(storage, old)
+        delete_copy(storage, old)
         return
     _restore(storage, tag, old)
 

@@ -9,7 +9,9 @@ knows exactly what it must hold.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
+import io
 import os
 import signal
 import threading
@@ -108,9 +110,12 @@ class CrashLoop:
             raise AssertionError(f"a saving rank exited on its own before the kill (exit codes {crashed})")
 
 
-def _kill_at_call(kill_after: int, names: tuple[str, ...], log_path: str | None = None) -> list[int]:
+def _kill_at_call(
+    kill_after: int, names: tuple[str, ...], log_path: str | None = None, write_opens: bool = False
+) -> list[int]:
     """Wrap the ``os`` functions ``names`` so this process SIGKILLs itself at their ``kill_after``-th call in all
-    (never, if negative); returns the call counter (``[n]``).
+    (never, if negative); returns the call counter (``[n]``). ``write_opens``: opening a file for writing (the
+    built-in ``open``, which ``pathlib`` and DCP's own writer use) counts as a call too, logged as ``open``.
 
     The calls are serialized by one lock, held through each call, so a kill lands between two mutations and never
     beside one another thread is making. With ``log_path``, each call that ran is appended there as
@@ -135,7 +140,22 @@ def _kill_at_call(kill_after: int, names: tuple[str, ...], log_path: str | None 
 
     for name in names:
         setattr(os, name, counted(name, getattr(os, name)))
+    if write_opens:
+        _count_write_opens(counted("open", io.open))
     return calls
+
+
+def _count_write_opens(counted_open: Any) -> None:
+    """Route the built-in ``open`` (also ``io.open``, which ``pathlib`` calls) through ``counted_open`` when a
+    file is opened for writing; reads pass straight through."""
+    real = io.open
+
+    def open_file(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if any(c in mode for c in "wax+"):
+            return counted_open(file, mode, *args, **kwargs)
+        return real(file, mode, *args, **kwargs)
+
+    io.open = builtins.open = open_file  # type: ignore[assignment]
 
 
 def read_mutation_log(log_path: str) -> list[tuple[str, ...]]:

@@ -212,13 +212,19 @@ class DcpSource:
                 from torch.distributed.checkpoint.metadata import StorageMeta
 
                 with open(meta_file, "rb") as f:
-                    metadata = _RestrictedUnpickler(f, meta_file).load()
+                    metadata = unpickle_metadata(f, meta_file)
                 if getattr(metadata, "storage_meta", None) is None:
                     metadata.storage_meta = StorageMeta()
                 metadata.storage_meta.load_id = self.load_id
                 return metadata
 
         return _Reader(self.path)
+
+
+def unpickle_metadata(f: Any, where: str, *, allow_pickle: bool = False) -> Any:
+    """DCP's ``Metadata`` from the pickle stream ``f`` (``where`` names it in errors): only torch's own classes are
+    imported (UnsafeCheckpointError otherwise), unless ``allow_pickle``."""
+    return pickle.load(f) if allow_pickle else _RestrictedUnpickler(f, where).load()
 
 
 class _RestrictedUnpickler(pickle.Unpickler):

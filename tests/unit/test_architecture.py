@@ -130,7 +130,7 @@ LAYERS = [
     {"statefile", "adapters", "inspection", "inspect", "tier"},
     {"options", "rank_state"},
     {"save", "load"},
-    {"manager", "tools", "testing"},
+    {"manager", "tools", "testing", "dcp"},
     {"api", "cli", "lightning", "compat"},
 ]
 """Dependencies point down: a module imports only from its own layer or lower ones (the folders' order)."""

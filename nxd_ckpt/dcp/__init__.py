@@ -1,0 +1,19 @@
+"""torch.distributed.checkpoint (DCP) storage with the library's guarantees: ``StorageWriter`` and ``StorageReader``
+write and read stock DCP checkpoints with per-rank checksums, a crash-safe commit and deadlines (docs/torchtitan.md).
+
+Importing this package imports ``torch.distributed.checkpoint``; ``import nxd_ckpt`` does not.
+"""
+
+from __future__ import annotations
+
+from nxd_ckpt.dcp.place import CheckpointPlace, recover
+from nxd_ckpt.dcp.reader import StorageReader
+from nxd_ckpt.dcp.writer import StorageWriter
+
+__all__ = ["StorageReader", "StorageWriter", "recover_folder"]
+
+
+def recover_folder(path: str) -> None:
+    """Settle what a killed save left beside the checkpoint folder ``path`` (the next save into it does this too):
+    an older checkpoint whose replacement never arrived gets its name back; hidden copies are deleted."""
+    recover(CheckpointPlace.of(path))

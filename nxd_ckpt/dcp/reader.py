@@ -1,0 +1,204 @@
+"""``StorageReader``: DCP's storage reader over the library's storage, checking what was written.
+
+Reads any stock DCP checkpoint (``torch.save`` serialization, no stream transforms). Where the writer left
+manifests (``nxd_ckpt.dcp.StorageWriter``), ``.metadata`` is checked against its record (in the committing rank's
+manifest) before it is unpickled; the coordinator reads the manifests once while DCP plans the load and hands each
+rank the records of the files it reads (in the plan's ``storage_data``); each rank then reads every such file
+whole and checks its size and xxh3_64 digest (``integrity.VerifyingStorage``) before a byte of it reaches the
+state dict: a truncated or corrupted file raises IntegrityError naming it. Without manifests (a checkpoint stock
+DCP wrote, or one whose ``nxd_ckpt/`` folder is gone) every file the metadata points into must hold the bytes it
+points at: a truncated file is named too; a flipped byte is found only where ``torch.load`` notices it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import uuid
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import Metadata
+from torch.distributed.checkpoint import StorageReader as _DcpStorageReader
+from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from nxd_ckpt.dcp.place import METADATA, CheckpointPlace
+from nxd_ckpt.errors import CheckpointNotFoundError, FormatError, IntegrityError
+from nxd_ckpt.format.hashing import hash_bytes
+from nxd_ckpt.format.integrity import VerifyingStorage
+from nxd_ckpt.format.manifests import (
+    RESTORE_HINT,
+    FileRecord,
+    IndexShare,
+    check_record,
+    manifest_paths,
+    parse_manifest,
+    read_manifests,
+)
+from nxd_ckpt.tools.dcp_io import unpickle_metadata
+
+
+@dataclasses.dataclass(frozen=True)
+class _ReadShare:
+    """What the coordinator hands one rank for its reads: the records of its files (None for a checkpoint without
+    manifests)."""
+
+    records: dict[str, FileRecord] | None
+
+
+class StorageReader(_DcpStorageReader):
+    """Reads a DCP checkpoint folder (a local path; ``s3://`` through the library's storage), verified where the
+    checkpoint carries the library's manifests.
+
+    >>> # xdoctest: +SKIP
+    >>> dcp.load(state_dict, storage_reader=nxd_ckpt.dcp.StorageReader("/ckpt/step-100"))
+
+    Args:
+        path: the checkpoint folder (``checkpoint_id``).
+        allow_pickle: unpickle ``.metadata`` with any class (default: torch's own classes only).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, allow_pickle: bool = False) -> None:
+        super().__init__()
+        self.allow_pickle = allow_pickle
+        self.reset(path)
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """A new load (from ``checkpoint_id`` when given)."""
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+            self.place = CheckpointPlace.of(self.path)
+        self.load_id = str(uuid.uuid4())
+        self.storage_data: dict[MetadataIndex, Any] = {}
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """A local path or an ``s3://`` URL."""
+        url = os.fspath(checkpoint_id)
+        return url.startswith("s3://") or "://" not in url
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's ``.metadata`` (rank-local metadata, ``rank=``, is not read: the writer never writes it)."""
+        if kwargs.get("rank") is not None:
+            raise FormatError(f"{self.path}: rank-local DCP metadata (use_collectives=False) is not supported")
+        path = f"{self.place.folder}/{METADATA}"
+        if not self.place.root.exists(path):
+            raise CheckpointNotFoundError(
+                f"{self.path} holds no DCP checkpoint (no {METADATA}): the save into it never committed, or the path "
+                "is wrong; load another checkpoint (an interrupted save's older copy, if any, is restored by "
+                "nxd_ckpt.dcp.recover_folder or the next save into this folder)"
+            )
+        data = self.place.root.read_bytes(path)
+        record = self._metadata_record()
+        if record is not None:  # checked before it is unpickled
+            check_record(self.place.root.url, self.place.folder, path, record, *hash_bytes(data))
+        where = f"{self.place.root.url}/{path}"
+        try:
+            metadata = unpickle_metadata(io.BytesIO(data), where, allow_pickle=self.allow_pickle)
+        except (EOFError, ValueError, TypeError, AttributeError, ImportError, IndexError, KeyError) as e:
+            problem = f"{type(e).__name__}: {e}"
+            raise IntegrityError(f"{where} is damaged and cannot be read ({problem}); {RESTORE_HINT}") from e
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _metadata_record(self) -> FileRecord | None:
+        """``.metadata``'s record, from the manifest of the rank that committed (rank 0's, the first, unless DCP's
+        coordinator was another rank); None for a checkpoint without manifests."""
+        root = self.place.root
+        for path in manifest_paths(root, self.place.folder):
+            records = parse_manifest(root.read_bytes(path), f"{root.url}/{path}")[1]
+            if METADATA in records:
+                return records[METADATA]
+        return None
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if metadata.storage_data is None:
+            raise FormatError(f"{self.path}/{METADATA} has no storage records; it is not a file-system checkpoint")
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Coordinator: read the manifests once and give each rank the records of the files it reads."""
+        found = read_manifests(self.place.root, self.place.folder).raise_first()
+        if not found.index:
+            return [dataclasses.replace(p, storage_data=_ReadShare(None)) for p in plans]
+        index = found.index
+        for info in self.storage_data.values():
+            if info.relative_path not in index:
+                raise IntegrityError(
+                    f"{self.place.root.url}/{self.place.folder}/{info.relative_path} is listed in {METADATA} but in "
+                    f"no manifest of {self.path}: a rank's manifest is missing or the folder was altered; "
+                    f"{RESTORE_HINT}"
+                )
+        shares = []
+        for plan in plans:
+            files = {self.storage_data[item.storage_index].relative_path for item in plan.items}
+            shares.append(_ReadShare({f: index[f] for f in files}))
+        return [dataclasses.replace(p, storage_data=s) for p, s in zip(plans, shares, strict=True)]
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read this rank's items, file by file (each checked first, where it has a record)."""
+        share: _ReadShare = plan.storage_data if isinstance(plan.storage_data, _ReadShare) else _ReadShare(None)
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for rel, items in per_file.items():
+            whole = self._verified_file(rel, share.records) if share.records is not None else None
+            for item in items:
+                info = self.storage_data[item.storage_index]
+                if getattr(info, "transform_descriptors", None):
+                    raise FormatError(
+                        f"{self.path}/{rel}: {item.storage_index.fqn} was written through DCP stream transforms "
+                        f"({info.transform_descriptors}), which this reader does not undo; read it with "
+                        "FileSystemReader"
+                    )
+                end = info.offset + info.length
+                _apply(planner, item, whole[info.offset : end] if whole is not None else self._range(rel, end, info))
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _verified_file(self, rel: str, records: dict[str, FileRecord]) -> memoryview:
+        """The whole file ``rel``, read once and checked against its record (IntegrityError naming it)."""
+        folder = self.place.folder
+        verifying = VerifyingStorage(self.place.root, folder, IndexShare(records, frozenset([rel])))
+        return memoryview(verifying.read_buffer(f"{folder}/{rel}"))
+
+    def _range(self, rel: str, end: int, info: Any) -> bytes:
+        """One item's bytes of a file without a record; FormatError naming the file when it ends too early."""
+        path = f"{self.place.folder}/{rel}"
+        data = self.place.root.read_bytes(path, info.offset, info.length)
+        if len(data) != info.length:
+            raise FormatError(
+                f"{self.place.root.url}/{path} is truncated: {METADATA} points at bytes up to {end} but it has "
+                f"{info.offset + len(data)}; {RESTORE_HINT}"
+            )
+        return data
+
+
+def _apply(planner: LoadPlanner, item: ReadItem, data: bytes | memoryview) -> None:
+    """One item's bytes into the state dict, as DCP's FileSystemReader does."""
+    if item.type == LoadItemType.BYTE_IO:
+        planner.load_bytes(item, io.BytesIO(data))
+        return
+    tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+        tensor = tensor.narrow(dim, start, length)  # the part of the saved chunk this item reads
+    target = planner.resolve_tensor(item).detach()
+    if target.size() != tensor.size():
+        raise FormatError(
+            f"{item.storage_index.fqn}: saved chunk {tuple(tensor.size())} does not fit {tuple(target.size())}"
+        )
+    target.copy_(tensor)
+    planner.commit_tensor(item, target)
