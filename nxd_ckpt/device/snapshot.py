@@ -25,9 +25,18 @@ from typing import Any
 import torch
 
 from nxd_ckpt import xla
-from nxd_ckpt.device.backend import NativeDevice, SnapshotBudget, kind, native_device, nbytes, on_device
+from nxd_ckpt.device.backend import (
+    NativeDevice,
+    SnapshotBudget,
+    distinct_storages,
+    kind,
+    native_device,
+    nbytes,
+    on_device,
+)
 from nxd_ckpt.device.pinned import PinnedArena, PinnedPool
 from nxd_ckpt.device.transfer import DeviceTransfer, stand_in, start_transfer_thread
+from nxd_ckpt.ranks.deadlines import Deadline
 
 
 @dataclass
@@ -67,23 +76,30 @@ def take(
     *,
     pool: PinnedPool | None = None,
     chunk_bytes: int | None = None,
+    deadline: Deadline | None = None,
 ) -> Snapshot:
-    """Snapshot the device ``tensors`` (distinct, in the order the writers need them) and start their transfer."""
+    """Snapshot the device ``tensors`` (distinct objects, in the order the writers need them) and start their
+    transfer. Tensors over one storage (tied weights) are copied and moved once (``distinct_storages``); each still
+    gets a stand-in, whose host copy is a copy of its own (the files keep one tensor per key, as NxD writes them).
+    ``deadline`` bounds every wait for the transfer."""
     device_kind = _device_kind(tensors)
     start_transfer_thread()  # before the device gets busy with the copies (the first save of a process)
-    limit, source = budget.resolve(tensors)
-    fit, rest = split_by_budget(tensors, limit)
-    keys = [stand_in(t) for t in tensors]
+    first, alias_of = distinct_storages(tensors)
+    all_keys = [stand_in(t) for t in tensors]
+    links = {"aliases": {id(all_keys[j]): all_keys[i] for j, i in alias_of.items()}, "deadline": deadline}
+    copied, keys = [tensors[i] for i in first], [all_keys[i] for i in first]
+    limit, source = budget.resolve(copied)
+    fit, rest = split_by_budget(copied, limit)
     start = time.perf_counter()
     if device_kind == "xla":
-        transfer = _take_xla(tensors, keys, fit, rest, chunk_bytes)
+        transfer = _take_xla(copied, keys, fit, rest, chunk_bytes, links)
     else:
-        transfer = _take_native(tensors, keys, fit, rest, pool, chunk_bytes)
+        transfer = _take_native(copied, keys, fit, rest, pool, chunk_bytes, links)
     return Snapshot(
-        stand_ins={id(t): k for t, k in zip(tensors, keys, strict=True)},
+        stand_ins={id(t): k for t, k in zip(tensors, all_keys, strict=True)},
         transfer=transfer,
-        snapshot_bytes=sum(nbytes(tensors[i]) for i in fit),
-        direct_bytes=sum(nbytes(tensors[i]) for i in rest),
+        snapshot_bytes=sum(nbytes(copied[i]) for i in fit),
+        direct_bytes=sum(nbytes(copied[i]) for i in rest),
         direct_s=time.perf_counter() - start if rest else 0.0,
         budget_bytes=limit,
         budget_source=source,
@@ -214,7 +230,8 @@ def warm(tensors: Sequence[torch.Tensor], budget: SnapshotBudget) -> int:
     A native accelerator compiles nothing. Nothing is done while a tensor has a pending graph (called between an
     optimizer step and its ``mark_step``): the clones' graph would hold the step's, and not be the save's. Returns
     the bytes the snapshot covered."""
-    xla_tensors = list({id(t): t for t in tensors if kind(t) == "xla"}.values())
+    on_xla = [t for t in tensors if kind(t) == "xla"]
+    xla_tensors = [on_xla[i] for i in distinct_storages(on_xla)[0]]  # as ``take`` copies them
     if not xla_tensors or xla.pending(xla_tensors):
         return 0
     fit, rest = split_by_budget(xla_tensors, budget.resolve(xla_tensors)[0])
@@ -256,9 +273,11 @@ def _take_xla(
     fit: list[int],
     rest: list[int],
     chunk_bytes: int | None,
+    links: dict[str, Any],
 ) -> DeviceTransfer:
     """Clones under one sync (together with the tensors that do not fit), then the rest by bulk transfers here. The
-    sync is only launched when everything fits: torch_xla runs the next step after it and fetches wait for it."""
+    sync is only launched when everything fits: torch_xla runs the next step after it and fetches wait for it.
+    ``links``: the transfer's ``aliases`` and ``deadline``."""
     # one execution materialises the snapshot (launched, not waited for)
     clones, live = _launch_xla_copies(tensors, fit, rest, wait=bool(rest))
     arrived: dict[int, torch.Tensor] = {}
@@ -267,7 +286,13 @@ def _take_xla(
             arrived[id(keys[rest[j]])] = c
     del live
     return DeviceTransfer(
-        [keys[i] for i in fit], clones, chunk_bytes=chunk_bytes, background=True, synced=True, arrived=arrived
+        [keys[i] for i in fit],
+        clones,
+        chunk_bytes=chunk_bytes,
+        background=True,
+        synced=True,
+        arrived=arrived,
+        **links,
     )
 
 
@@ -278,9 +303,10 @@ def _take_native(
     rest: list[int],
     pool: PinnedPool | None,
     chunk_bytes: int | None,
+    links: dict[str, Any],
 ) -> DeviceTransfer:
     """Clones enqueued on the training stream; the rest copied into pinned buffers on a side stream that the training
-    stream waits for. Returns without waiting for the device."""
+    stream waits for. Returns without waiting for the device. ``links``: the transfer's ``aliases`` and ``deadline``."""
     native = native_device(tensors)
     assert native is not None
     with native.guard():  # the caller's thread may have another device current (or none set: device 0)
@@ -337,4 +363,5 @@ def _enqueue_native(
         side=side,
         pool=pool,
         lent=lent,
+        **links,
     )

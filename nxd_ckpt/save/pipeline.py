@@ -41,7 +41,7 @@ import torch
 from nxd_ckpt import adapters, knobs, statefile, tree
 from nxd_ckpt import rank_state as rank_states
 from nxd_ckpt.device import snapshot as device_snapshot
-from nxd_ckpt.device.backend import native_device, nbytes, on_device
+from nxd_ckpt.device.backend import distinct_storages, native_device, nbytes, on_device
 from nxd_ckpt.device.transfer import DeviceTransfer, run_on_transfer_thread
 from nxd_ckpt.errors import CheckpointTimeoutError
 from nxd_ckpt.format import integrity, layout, retention, sharding_marks, tags
@@ -49,6 +49,7 @@ from nxd_ckpt.format.metadata import metadata_path, write_metadata
 from nxd_ckpt.format.sharding import ShardingRecord
 from nxd_ckpt.options import SaveOptions
 from nxd_ckpt.ranks.coordinator import Coordinator
+from nxd_ckpt.ranks.deadlines import Deadline
 from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.save import budget, commit, plan
 from nxd_ckpt.save.commit import CommitTarget
@@ -208,7 +209,13 @@ class SavePipeline:
         state files are copies already (``begin``)."""
         pool, files = self.services.staging_pool, planned.state_files
         needed = [id(t) for t in plan.tensors_to_write(files, self.coord.rank)]  # in the writers' order
-        lease = pool.stage([w.state for w in files], needed=needed, device_budget=ctx.options.device_budget)
+        lease = pool.stage(
+            [w.state for w in files],
+            ctx.options.timeout_s,
+            needed=needed,
+            device_budget=ctx.options.device_budget,
+            rank=self.coord.rank,
+        )
         report.staging_allocated_bytes = lease.allocated_bytes
         if lease.snapshot is not None:
             report.device_snapshot_bytes = lease.snapshot.snapshot_bytes
@@ -243,6 +250,7 @@ class SavePipeline:
                 batch_bytes=knobs.xla_transfer_batch_bytes(),
                 give_back=copies.give_back if copies is not None else None,
                 room=copies.room if copies is not None else None,
+                rank=self.coord.rank,
             )
             stager.watch(ctx.storage)  # a written file frees the copies it was written from
             if ctx.tier is not None:
@@ -270,7 +278,13 @@ class SavePipeline:
         to the host by a thread running ahead of the writers (one sync for all)."""
         tensors = plan.tensors_to_write(planned.state_files, self.coord.rank)
         device = list({id(t): t for t in tensors if on_device(t)}.values())
-        return Staged(planned.writes, fetcher=DeviceTransfer(device, device) if device else None)
+        if not device:
+            return Staged(planned.writes)
+        first, alias_of = distinct_storages(device)  # tied weights travel once; each key still gets its own copy
+        moved = [device[i] for i in first]
+        aliases = {id(device[j]): device[i] for j, i in alias_of.items()}
+        deadline = Deadline(ctx.options.timeout_s, self.coord.rank)
+        return Staged(planned.writes, fetcher=DeviceTransfer(moved, moved, aliases=aliases, deadline=deadline))
 
     def hand_off(self, ctx: SaveContext, staged: Staged, report: SaveReport) -> None:
         """Async: write and commit become one job on the writer thread (``self.job``), which ``report`` follows."""
