@@ -160,3 +160,14 @@ def test_a_budgeted_save_whose_write_fails_frees_the_transfer_thread_for_the_nex
     loaded, _ = native_state.training(device, WIDTH)
     nxd.load_checkpoint(str(tmp_path), "step_2", model=loaded)
     assert_state_equal(host_copy(loaded.state_dict()), expected)
+
+
+@pytest.mark.parametrize("use_xser", [False, True], ids=["plain", "xser"])
+@run_with_ranks(1)
+def test_tied_weights_are_cloned_and_moved_once_and_written_as_a_sync_save_writes_them(tmp_path, use_xser):
+    from nxd_ckpt.testing import tied_weights
+    from nxd_ckpt.testing.native_state import patched
+
+    with patched() as monkeypatch:
+        report = tied_weights.saved_once_and_loaded_tied(str(tmp_path), _fake(), monkeypatch, use_xser)
+    assert report.device_direct_bytes == 0
