@@ -349,7 +349,7 @@ class SavePipeline:
         """The checkpoint directory: every file fsynced in one batch at the end, then the rank's manifest."""
         storage = ctx.storage
         with storage.durability_batch():
-            written = write_files(storage, staged, self.coord.rank, report)
+            written = write_files(storage, staged, self.coord.rank, report, ctx.monitor)
         storage.sync_dirs({p.rsplit("/", 1)[0] for p in written})
         storage.write_manifest()  # before arriving: 'done' implies every rank's manifest exists
         report.files_written = len(written)
@@ -357,7 +357,7 @@ class SavePipeline:
     def write_tiers(self, ctx: SaveContext, tier: TierSave, staged: Staged, report: SaveReport) -> None:
         """Node memory first (the copy every other tier is made from), then the peers, then durable storage."""
         tier.begin()
-        written = write_files(tier.storage, staged, self.coord.rank, report)
+        written = write_files(tier.storage, staged, self.coord.rank, report, ctx.monitor)
         if self.coord.rank == 0:  # the metadata a restore from memory needs (durable storage gets it at 'done')
             write_metadata(tier.storage, ctx.commit.metadata())
         tier.seal()
@@ -472,10 +472,13 @@ def _optimizer_tree(optimizer: Any) -> Any:
     return tree.nxd_containers(adapters.optimizer_state(optimizer)) if optimizer is not None else None
 
 
-def write_files(target: Storage, staged: Staged, rank: int, report: SaveReport) -> list[str]:
-    """Every staged write into ``target``; the paths written (tensor bytes are added to the report)."""
+def write_files(
+    target: Storage, staged: Staged, rank: int, report: SaveReport, monitor: StorageMonitor | None = None
+) -> list[str]:
+    """Every staged write into ``target``; the paths written (tensor bytes are added to the report). ``monitor``
+    watches the storage calls (not the waits for device copies)."""
     written: list[str] = []
-    host = staged.host()
+    host = staged.host(monitor)
     for w in staged.writes:
         if w.is_state_file:
             done = statefile.write_state_file(

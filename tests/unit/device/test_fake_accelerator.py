@@ -171,3 +171,10 @@ def test_tied_weights_are_cloned_and_moved_once_and_written_as_a_sync_save_write
     with patched() as monkeypatch:
         report = tied_weights.saved_once_and_loaded_tied(str(tmp_path), _fake(), monkeypatch, use_xser)
     assert report.device_direct_bytes == 0
+
+
+@run_with_ranks(1)
+def test_a_stuck_transfer_makes_the_next_save_raise_at_its_deadline_and_loses_nothing(tmp_path):
+    from nxd_ckpt.testing import native_state
+
+    native_state.stuck_transfer_fails_at_the_deadline(str(tmp_path), _fake())
