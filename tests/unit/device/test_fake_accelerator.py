@@ -178,3 +178,12 @@ def test_a_stuck_transfer_makes_the_next_save_raise_at_its_deadline_and_loses_no
     from nxd_ckpt.testing import native_state
 
     native_state.stuck_transfer_fails_at_the_deadline(str(tmp_path), _fake())
+
+
+@run_with_ranks(1, timeout=120)
+def test_a_thousand_async_saves_hold_no_more_device_memory_pinned_memory_threads_or_files(tmp_path):
+    from nxd_ckpt.testing import soak
+
+    with soak.memory_dir(tmp_path) as path:  # fsyncs cost nothing there: the saves' own work is what is measured
+        measures = soak.saves_hold_nothing(path, _fake(), saves=1000, every=100)
+    assert measures[0].device > 0 and measures[0].pinned > 0  # the measures see the state and its buffers
