@@ -310,7 +310,7 @@ def _take_native(
     native = native_device(tensors)
     assert native is not None
     with native.guard():  # the caller's thread may have another device current (or none set: device 0)
-        return _enqueue_native(native, tensors, keys, fit, rest, pool, chunk_bytes)
+        return _enqueue_native(native, tensors, keys, fit, rest, pool, chunk_bytes, links)
 
 
 def _enqueue_native(
@@ -321,6 +321,7 @@ def _enqueue_native(
     rest: list[int],
     pool: PinnedPool | None,
     chunk_bytes: int | None,
+    links: dict[str, Any],
 ) -> DeviceTransfer:
     """``_take_native``'s work, under ``native``'s device."""
     training = native.current_stream()
