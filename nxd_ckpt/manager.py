@@ -35,6 +35,7 @@ from nxd_ckpt.load.report import RestoreReport
 from nxd_ckpt.options import LoadOptions, SaveOptions, load_options, resolve_budget, save_options
 from nxd_ckpt.parallel_state import current_topology
 from nxd_ckpt.ranks.coordinator import Coordinator, group_identity
+from nxd_ckpt.ranks.deadlines import Deadline
 from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.save import pipeline as save_pipeline
 from nxd_ckpt.save import staging
@@ -164,13 +165,19 @@ class CheckpointManager:
         self.check_for_errors()
         return waited
 
-    def _settle_saves(self) -> float:
+    def _settle_saves(self, deadline: Deadline) -> float:
         """Before a save: raise a background failure, wait for the earlier saves' jobs (not for deletions queued
-        behind them: the writer runs them before the next save's files), raise theirs; the seconds waited."""
+        behind them: the writer runs them before the next save's files), raise theirs; the seconds waited. Past
+        ``deadline`` (the new save's) it raises ``CheckpointTimeoutError``: the earlier save goes on, or fails, in
+        the background, and nothing of this one was touched."""
         self.check_for_errors()
         start = time.perf_counter()
-        concurrent.futures.wait(self._save_jobs)
+        _, running = concurrent.futures.wait(self._save_jobs, timeout=deadline.timeout_s)
         waited = time.perf_counter() - start
+        if running:
+            raise deadline.expired(
+                "waiting for the previous async save", f"{len(running)} earlier save(s) still being written"
+            )
         self.check_for_errors()
         return waited
 
@@ -301,7 +308,7 @@ class CheckpointManager:
             options = options.replace(device_snapshot_budget=self.device_snapshot_budget)
         ran_pending_step = adapters.run_pending_step(options.model, options.optimizer)
         save_pipeline.refuse_unsavable(options)
-        waited = self._settle_saves()
+        waited = self._settle_saves(Deadline(options.timeout_s, self.coordinator().rank))
         earlier_failures = self._background_failures()
         coord = self.coordinator()
         report = SaveReport(

@@ -51,6 +51,8 @@ class StorageMonitor:
         self._ops: dict[int, _Op] = {}
         self._last_progress = time.monotonic()
         self._last_op: _Op | None = None
+        self._off_storage = 0
+        """Writers now waiting for something other than storage (``waiting_off_storage``)."""
         self.cancelled = False
 
     def reset(self, phase: str) -> None:
@@ -76,6 +78,23 @@ class StorageMonitor:
                 self._last_op = op
                 self._last_progress = time.monotonic()
 
+    @contextlib.contextmanager
+    def waiting_off_storage(self) -> Iterator[None]:
+        """A writer waits for something other than storage (its device state's copy to reach the host, a wait with a
+        deadline and an error of its own): meanwhile no stall is counted, and open files' clocks stop."""
+        start = time.monotonic()
+        with self._lock:
+            self._off_storage += 1
+        try:
+            yield
+        finally:
+            waited = time.monotonic() - start
+            with self._lock:
+                self._off_storage -= 1
+                self._last_progress = time.monotonic()
+                for op in self._ops.values():
+                    op.started += waited
+
     def moved(self, op: _Op, nbytes: int) -> None:
         with self._lock:
             op.moved += nbytes
@@ -85,6 +104,8 @@ class StorageMonitor:
         """Raise if a storage call stalled or a file passed its deadline."""
         now = time.monotonic()
         with self._lock:
+            if self._off_storage:
+                return
             ops = sorted(self._ops.values(), key=lambda o: o.started)
             idle = now - self._last_progress
             last = self._last_op

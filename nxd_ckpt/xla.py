@@ -75,6 +75,19 @@ def is_xla(t: torch.Tensor) -> bool:
     return t.device.type == "xla"
 
 
+def tensor_id(t: torch.Tensor) -> int | None:
+    """torch_xla's id of the device data behind XLA tensor ``t``, or None where torch_xla has no such call.
+
+    Detached aliases of one tensor (the two objects ``state_dict()`` returns for tied weights) share it in torch_xla
+    2.9, under functionalization and with a pending graph alike, while any other tensor (a clone, a slice) gets its
+    own: torch_xla hands out each id once. Their storages tell nothing (an XLA tensor's storage has no data
+    pointer), and ``_unsafe_buffer_pointer`` fails on a tensor with a pending graph (a save before the step's sync).
+    """
+    xla = require("telling aliased XLA tensors apart")
+    get = getattr(xla._XLAC, "_xla_get_tensor_id", None)
+    return int(get(t)) if get is not None else None
+
+
 def batch_bytes_from_env() -> int:
     """The transfer batch budget in bytes (NXD_CKPT_XLA_TRANSFER_BATCH_BYTES, default 256 MiB)."""
     from nxd_ckpt import knobs

@@ -48,6 +48,39 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def storage_key(t: torch.Tensor) -> tuple | None:
+    """What names the bytes ``t`` shows: where they live (a native or host address, an XLA tensor's data id), its
+    shape, strides and dtype. Two tensors with one key hold the same values (aliases over one storage, such as the
+    two objects ``state_dict()`` returns for tied weights); None where that is not known (empty, sparse, meta)."""
+    if t.numel() == 0 or t.layout != torch.strided or kind(t) == "meta":
+        return None
+    if kind(t) == "xla":
+        data = xla.tensor_id(t)
+        if data is None:
+            return None
+        where: tuple = ("xla", data)
+    else:
+        where = (str(t.device), t.data_ptr())  # the storage's address plus the tensor's offset in it
+    return (*where, tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def distinct_storages(tensors: Sequence[torch.Tensor]) -> tuple[list[int], dict[int, int]]:
+    """The indices of ``tensors`` whose bytes are copied (the first of each ``storage_key``, in order), and for
+    each other one the index of the tensor it aliases: tied weights are copied and moved once."""
+    first: list[int] = []
+    alias_of: dict[int, int] = {}
+    seen: dict[tuple, int] = {}
+    for i, t in enumerate(tensors):
+        key = storage_key(t)
+        if key is not None and key in seen:
+            alias_of[i] = seen[key]
+            continue
+        if key is not None:
+            seen[key] = i
+        first.append(i)
+    return first, alias_of
+
+
 class NativeDevice:
     """A native accelerator's stream surface (``torch.cuda`` and its siblings): the training thread's stream, a
     side stream for checkpoint copies, events, and page-locked host memory."""

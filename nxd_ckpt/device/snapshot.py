@@ -28,6 +28,7 @@ from nxd_ckpt import xla
 from nxd_ckpt.device.backend import (
     NativeDevice,
     SnapshotBudget,
+    distinct_storages,
     kind,
     native_device,
     nbytes,
@@ -36,6 +37,7 @@ from nxd_ckpt.device.backend import (
 )
 from nxd_ckpt.device.pinned import PinnedArena, PinnedPool
 from nxd_ckpt.device.transfer import DeviceTransfer, stand_in, start_transfer_thread
+from nxd_ckpt.ranks.deadlines import Deadline
 
 
 @dataclass
@@ -78,23 +80,30 @@ def take(
     *,
     pool: PinnedPool | None = None,
     chunk_bytes: int | None = None,
+    deadline: Deadline | None = None,
 ) -> Snapshot:
-    """Snapshot the device ``tensors`` (distinct, in the order the writers need them) and start their transfer."""
+    """Snapshot the device ``tensors`` (distinct objects, in the order the writers need them) and start their
+    transfer. Tensors over one storage (tied weights) are copied and moved once (``distinct_storages``); each still
+    gets a stand-in, whose host copy is a copy of its own (the files keep one tensor per key, as NxD writes them).
+    ``deadline`` bounds every wait for the transfer."""
     device_kind = _device_kind(tensors)
     start_transfer_thread()  # before the device gets busy with the copies (the first save of a process)
-    limit, source = budget.resolve(tensors)
-    fit, rest = split_by_budget(tensors, limit)
-    keys = [stand_in(t) for t in tensors]
+    first, alias_of = distinct_storages(tensors)
+    all_keys = [stand_in(t) for t in tensors]
+    links = {"aliases": {id(all_keys[j]): all_keys[i] for j, i in alias_of.items()}, "deadline": deadline}
+    copied, keys = [tensors[i] for i in first], [all_keys[i] for i in first]
+    limit, source = budget.resolve(copied)
+    fit, rest = split_by_budget(copied, limit)
     start = time.perf_counter()
     if device_kind == "xla":
-        transfer, fit, rest, fallback = _take_xla(tensors, keys, fit, rest, chunk_bytes)
+        transfer, fit, rest, fallback = _take_xla(copied, keys, fit, rest, chunk_bytes, links)
     else:
-        transfer, fit, rest, fallback = _take_native(tensors, keys, fit, rest, pool, chunk_bytes)
+        transfer, fit, rest, fallback = _take_native(copied, keys, fit, rest, pool, chunk_bytes, links)
     return Snapshot(
-        stand_ins={id(t): k for t, k in zip(tensors, keys, strict=True)},
+        stand_ins={id(t): k for t, k in zip(tensors, all_keys, strict=True)},
         transfer=transfer,
-        snapshot_bytes=sum(nbytes(tensors[i]) for i in fit),
-        direct_bytes=sum(nbytes(tensors[i]) for i in rest),
+        snapshot_bytes=sum(nbytes(copied[i]) for i in fit),
+        direct_bytes=sum(nbytes(copied[i]) for i in rest),
         direct_s=time.perf_counter() - start if rest else 0.0,
         budget_bytes=limit,
         budget_source=source,
@@ -151,6 +160,8 @@ class DeviceCopies:
     """``id`` of each live device tensor that fit the snapshot budget -> its copy on the device."""
     snapshot_bytes: int
     budget_bytes: int
+    direct_bytes: int = 0
+    """Bytes of the distinct device storages left live (not copied on the device): the save's call stages them."""
     native: NativeDevice | None = None
     fallback: str | None = None
     """As ``Snapshot.fallback``: the copies that did not fit in device memory stay live (the call stages them)."""
@@ -213,9 +224,13 @@ def copy_on_device(
 ) -> DeviceCopies:
     """On the training thread: a copy on the device of each of ``tensors`` (device tensors, in the writers' order)
     that fits ``budget``, launched and not waited for (XLA: the clones under one sync; native: clone kernels on the
-    training stream). The rest stay live: the save's call stages them itself. ``arena``: pinned memory that a
-    native device's copies are fetched into."""
+    training stream). The rest stay live: the save's call stages them itself. Tensors over one storage (tied
+    weights) get one copy, which ``sources`` maps each of them to. ``arena``: pinned memory that a native device's
+    copies are fetched into."""
     device_kind = _device_kind(tensors)
+    first, alias_of = distinct_storages(tensors)  # tied weights: one device copy, which every alias is mapped to
+    aliases = [tensors[j] for j in alias_of]
+    tensors = [tensors[i] for i in first]
     limit, _source = budget.resolve(tensors)
     fit, _rest = split_by_budget(tensors, limit)
     native = ready = None
@@ -230,9 +245,15 @@ def copy_on_device(
             clones, _, fallback = _clone_while_memory_lasts(tensors, fit)
             ready = native.record(native.current_stream())
     fit = fit[: len(clones)]
+    sources = {id(tensors[i]): c for i, c in zip(fit, clones, strict=True)}
+    for alias, j in zip(aliases, alias_of.values(), strict=True):
+        original = id(tensors[first.index(j)])
+        if original in sources:
+            sources[id(alias)] = sources[original]
     return DeviceCopies(
-        sources={id(tensors[i]): c for i, c in zip(fit, clones, strict=True)},
+        sources=sources,
         snapshot_bytes=sum(nbytes(tensors[i]) for i in fit),
+        direct_bytes=sum(nbytes(t) for t in tensors) - sum(nbytes(tensors[i]) for i in fit),
         budget_bytes=limit,
         native=native,
         fallback=fallback,
@@ -272,7 +293,8 @@ def warm(tensors: Sequence[torch.Tensor], budget: SnapshotBudget) -> int:
     A native accelerator compiles nothing. Nothing is done while a tensor has a pending graph (called between an
     optimizer step and its ``mark_step``): the clones' graph would hold the step's, and not be the save's. Returns
     the bytes the snapshot covered."""
-    xla_tensors = list({id(t): t for t in tensors if kind(t) == "xla"}.values())
+    on_xla = [t for t in tensors if kind(t) == "xla"]
+    xla_tensors = [on_xla[i] for i in distinct_storages(on_xla)[0]]  # as ``take`` copies them
     if not xla_tensors or xla.pending(xla_tensors):
         return 0
     fit, rest = split_by_budget(xla_tensors, budget.resolve(xla_tensors)[0])
@@ -316,10 +338,12 @@ def _take_xla(
     fit: list[int],
     rest: list[int],
     chunk_bytes: int | None,
+    links: dict[str, Any],
 ) -> tuple[DeviceTransfer, list[int], list[int], str | None]:
     """Clones under one sync (together with the tensors that do not fit), then the rest by bulk transfers here. The
     sync is only launched when everything fits: torch_xla runs the next step after it and fetches wait for it.
-    Returns the transfer, the indices cloned and moved here, and ``Snapshot.fallback``."""
+    ``links``: the transfer's ``aliases`` and ``deadline``. Returns the transfer, the indices cloned and moved here,
+    and ``Snapshot.fallback``."""
     # one execution materialises the snapshot (launched, not waited for)
     clones, live, fallback = _launch_xla_copies_or_none(tensors, fit, rest, wait=bool(rest))
     if fallback is not None:  # out of memory: everything moves here, from the live tensors
@@ -331,7 +355,13 @@ def _take_xla(
             arrived[id(keys[rest[j]])] = c
     del live
     transfer = DeviceTransfer(
-        [keys[i] for i in fit], clones, chunk_bytes=chunk_bytes, background=True, synced=True, arrived=arrived
+        [keys[i] for i in fit],
+        clones,
+        chunk_bytes=chunk_bytes,
+        background=True,
+        synced=True,
+        arrived=arrived,
+        **links,
     )
     return transfer, fit, rest, fallback
 
@@ -343,14 +373,16 @@ def _take_native(
     rest: list[int],
     pool: PinnedPool | None,
     chunk_bytes: int | None,
+    links: dict[str, Any],
 ) -> tuple[DeviceTransfer, list[int], list[int], str | None]:
     """Clones enqueued on the training stream (those the device has no memory for join the rest); the rest copied
     into pinned buffers on a side stream that the training stream waits for. Returns without waiting for the
-    device: the transfer, the indices cloned and copied here, and ``Snapshot.fallback``."""
+    device: the transfer, the indices cloned and copied here, and ``Snapshot.fallback``. ``links``: the transfer's
+    ``aliases`` and ``deadline``."""
     native = native_device(tensors)
     assert native is not None
     with native.guard():  # the caller's thread may have another device current (or none set: device 0)
-        return _enqueue_native(native, tensors, keys, fit, rest, pool, chunk_bytes)
+        return _enqueue_native(native, tensors, keys, fit, rest, pool, chunk_bytes, links)
 
 
 def _enqueue_native(
@@ -361,6 +393,7 @@ def _enqueue_native(
     rest: list[int],
     pool: PinnedPool | None,
     chunk_bytes: int | None,
+    links: dict[str, Any],
 ) -> tuple[DeviceTransfer, list[int], list[int], str | None]:
     """``_take_native``'s work, under ``native``'s device."""
     training = native.current_stream()
@@ -404,5 +437,6 @@ def _enqueue_native(
         side=side,
         pool=pool,
         lent=lent,
+        **links,
     )
     return transfer, fit, rest, fallback

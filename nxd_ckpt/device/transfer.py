@@ -14,7 +14,7 @@ import contextlib
 import os
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,9 +22,12 @@ import torch
 from nxd_ckpt import knobs, xla
 from nxd_ckpt.device.backend import NativeDevice, kind, native_device, nbytes, on_device
 from nxd_ckpt.device.pinned import PinnedPool
+from nxd_ckpt.ranks.deadlines import Deadline
 from nxd_ckpt.tree import iter_tensors, map_tensors
 
 THREAD_NAME = "nxd_ckpt_d2h"
+PHASE = "device-to-host transfer of the save's device state"
+"""The phase a wait for a transfer that passed its deadline names."""
 FIRST_CHUNK_BYTES = 32 << 20
 """The first chunk of a transfer, at most: the writers start on it while the next ones, each twice the one before
 up to ``chunk_bytes``, travel. (XLA CPU device, 0.45 GB while training goes on: durable ~10% sooner than with
@@ -129,7 +132,9 @@ class DeviceTransfer:
     device's event, has completed). A native device's copies wait for ``ready`` (an event recorded after the
     snapshot's clones) on ``side``, a stream of their own. ``background=False`` transfers everything now, on the
     caller's thread (``NXD_CKPT_XLA_TRANSFER_THREAD=0``). ``lent``: pinned buffers of ``pool`` that ``arrived``
-    copies live in."""
+    copies live in. ``aliases`` maps more keys (by id) to the key whose bytes they share (tied weights): moved once,
+    each gets a host copy of its own. Every wait for the transfer (``host``, ``close``) lasts at most ``deadline``'s
+    time (default: the library's) and then raises ``CheckpointTimeoutError``."""
 
     def __init__(
         self,
@@ -146,12 +151,16 @@ class DeviceTransfer:
         side: Any = None,
         pool: PinnedPool | None = None,
         lent: Sequence[torch.Tensor] = (),
+        aliases: Mapping[int, torch.Tensor] | None = None,
+        deadline: Deadline | None = None,
     ) -> None:
         if len(keys) != len(sources):
             raise ValueError(f"{len(keys)} keys for {len(sources)} sources")
         self._keys = list(keys)
         self._sources: list[torch.Tensor | None] = list(sources)
-        self._planned = {id(k) for k in self._keys} | set(arrived or ())
+        self._aliases = dict(aliases or {})
+        self._planned = {id(k) for k in self._keys} | set(arrived or ()) | set(self._aliases)
+        self.deadline = deadline if deadline is not None else Deadline.default()
         self._arrived = dict(arrived or {})
         self._arrived_event = arrived_event
         self._native = native if native is not None else native_device(list(sources))
@@ -264,21 +273,39 @@ class DeviceTransfer:
     # ------------------------------------------------------------------ the writers
     def host(self, t: torch.Tensor) -> torch.Tensor:
         """``t``'s host copy, once it has arrived; host and unplanned ``meta`` tensors as they are."""
+        primary = self._aliases.get(id(t))
+        if primary is not None:
+            return self._own_copy(t, self.host(primary))
         if id(t) not in self._planned:
             if not on_device(t):
                 return t.detach()
             with self._cond:  # a device tensor nobody planned (not expected): copied now
-                self._cond.wait_for(lambda: self._done)
+                self.deadline.wait(self._cond, lambda: self._done, PHASE, "the transfer to end")
             return copy_to_host([t])[0]
         with self._cond:
-            while id(t) not in self._copies:
-                if self._error is not None:
-                    self._reported = True
-                    raise RuntimeError(f"copying the state to the host failed: {self._error}") from self._error
-                if self._done:
-                    raise RuntimeError("internal error: a planned tensor never arrived on the host")
-                self._cond.wait()
-            return self._copies[id(t)]
+            self.deadline.wait(
+                self._cond,
+                lambda: id(t) in self._copies or self._error is not None or self._done,
+                PHASE,
+                f"a {tuple(t.shape)} {t.dtype} tensor to reach the host",
+            )
+            if id(t) in self._copies:
+                return self._copies[id(t)]
+            if self._error is not None:
+                self._reported = True
+                raise RuntimeError(f"copying the state to the host failed: {self._error}") from self._error
+            raise RuntimeError("internal error: a planned tensor never arrived on the host")
+
+    def _own_copy(self, alias: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+        """The host copy of ``alias``: a copy, made once, of the one of the key whose bytes it shares (a file keeps
+        a tensor of its own for each key, as it did when the alias was moved apart)."""
+        with self._cond:
+            made = self._copies.get(id(alias))
+        if made is None:
+            made = host.clone()
+            with self._cond:
+                made = self._copies.setdefault(id(alias), made)
+        return made
 
     def _raise_unreported(self) -> None:
         if self._error is not None and not self._reported:
@@ -287,9 +314,10 @@ class DeviceTransfer:
             raise RuntimeError(f"copying the state to the host failed: {error}") from error
 
     def close(self) -> None:
-        """Wait for the transfer to end, drop the copies (pinned ones back to their pool), raise an unseen error."""
+        """Wait for the transfer to end, drop the copies (pinned ones back to their pool), raise an unseen error.
+        Past the deadline it raises and keeps the pinned buffers from the pool (the stuck copies may still land)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._done)
+            self.deadline.wait(self._cond, lambda: self._done, PHASE, "the transfer to end")
         self._copies.clear()
         self._sources = []
         pinned, self._pinned = self._pinned, []

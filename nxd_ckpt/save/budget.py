@@ -37,13 +37,16 @@ from typing import Any, BinaryIO
 import torch
 
 from nxd_ckpt import pages
-from nxd_ckpt.errors import CheckpointTimeoutError
+from nxd_ckpt.ranks.deadlines import Deadline
 from nxd_ckpt.storage import DelegatingStorage, Storage
 
 STUCK_S = 1.0
 """How long writers wait for frozen copies while ``stage_frozen`` waits for room, before copying themselves."""
 SMALL_BYTES = 1 << 20
 """Tensors up to this size that the writer needs before they are staged are copied by the writer itself."""
+
+FROZEN_PHASE = "bringing device copies to the host under the host memory budget"
+"""The phase a wait for the device copies of a budgeted save that passed its deadline names."""
 
 _PENDING, _COPYING, _STAGED, _BORROWED, _DONE = range(5)
 
@@ -87,7 +90,9 @@ class BudgetedStager:
     Used from four places: ``stage`` on the training thread (inside the save call), ``stage_frozen`` on the transfer
     thread (device copies, ``frozen``), ``host`` on the writer's threads (the ``HostCopy`` every state-file writer
     takes), and the storages given to ``watch`` (a closed file frees the copies its writer thread fetched). ``close``
-    (the writer's end) frees everything and wakes ``stage`` and ``stage_frozen``.
+    (the writer's end) frees everything and wakes ``stage`` and ``stage_frozen``. Each of their waits lasts at most
+    ``timeout_s`` and then raises ``CheckpointTimeoutError`` naming ``rank`` (``stage_frozen`` keeps it for the
+    writers).
     """
 
     def __init__(
@@ -100,15 +105,22 @@ class BudgetedStager:
         batch_bytes: int | None = None,
         give_back: Callable[[torch.Tensor], None] | None = None,
         room: Callable[[Sequence[int]], int] | None = None,
+        rank: int | None = None,
     ) -> None:
         if budget < 1:
             raise ValueError(f"the host memory budget must be a positive number of bytes, got {budget}")
         self.budget = budget
         self.timeout_s = timeout_s
+        self.deadline = Deadline(timeout_s, rank) if timeout_s is not None else Deadline.default()
         self._order = list({id(t): t for t in order}.values())
         self._frozen: dict[int, torch.Tensor] = dict(frozen or {})
         """Key -> a copy of its tensor that nothing changes (a device snapshot): staged beside training by
         ``stage_frozen``, not by the call."""
+        self._sharing: dict[int, list[torch.Tensor]] = {}
+        """``id`` of a device copy -> the tensors it is the copy of (several for tied weights)."""
+        for t in self._order:
+            if id(t) in self._frozen:
+                self._sharing.setdefault(id(self._frozen[id(t)]), []).append(t)
         self._fetch = fetch if fetch is not None else (lambda ts: [_copy(t)[0] for t in ts])
         self._give_back = give_back
         """Called with each host copy ``fetch`` made once nothing reads it any more (its pinned memory is reused)."""
@@ -192,30 +204,21 @@ class BudgetedStager:
                     if not pending:
                         return
                     first = pending[0]
-                    if not self._has_room(first):
-                        self._stuck_since = time.monotonic()
-                        self._cond.notify_all()  # a writer that holds room of its own copies what it needs itself
-                    self._cond.wait_for(
-                        lambda first=first: (
-                            self._closed
-                            or self._abandoned is not None
-                            or self._state[id(first)] != _PENDING
-                            or self._has_room(first)
-                        )
-                    )
-                    self._stuck_since = None
+                    self._wait_for_room(first)
                     if self._closed or self._abandoned is not None:
                         return
                     if self._state[id(first)] != _PENDING:
                         continue
                     limit, batch = min(self.budget - self.held_bytes, max(self._batch_bytes, _nbytes(first))), []
+                    in_batch: set[int] = set()  # device copies fetched by this batch: their aliases get host clones
                     for t in pending:
-                        if self._state[id(t)] != _PENDING:
+                        if self._state[id(t)] != _PENDING or id(self._frozen[id(t)]) in in_batch:
                             continue
                         if _nbytes(t) > limit:
                             break
                         limit -= _nbytes(t)
                         batch.append(t)
+                        in_batch.add(id(self._frozen[id(t)]))
                     if self._room is not None:  # the first fits: so many of the others as fit after it
                         del batch[max(1, self._room([_nbytes(t) for t in batch])) :]
                     for t in batch:
@@ -231,9 +234,7 @@ class BudgetedStager:
                         self._frozen_progress = time.monotonic()
                 with self._cond:
                     for t, copy in zip(batch, copies, strict=True):
-                        self._stored(t, copy, False)
-                        self._fetched_from_frozen.add(id(t))
-                        self._frozen.pop(id(t), None)  # its device copy can go now
+                        self._stored_frozen(t, copy)
         except BaseException as e:
             with self._cond:
                 self._error = e
@@ -242,6 +243,39 @@ class BudgetedStager:
             with self._cond:
                 self._frozen_beside, self._stuck_since = False, None
                 self._cond.notify_all()
+
+    def _stored_frozen(self, t: torch.Tensor, copy: torch.Tensor) -> None:
+        """(Under the lock, ``stage_frozen``.) ``copy`` fetched from ``t``'s device copy is staged; the tensors that
+        share that device copy (tied weights) and still wait get a host clone of it, without another transfer (each
+        key keeps a copy of its own: the files hold one tensor per key, as NxD writes them)."""
+        source = self._frozen.pop(id(t), None)  # its device copy can go now
+        self._stored(t, copy, False)
+        self._fetched_from_frozen.add(id(t))
+        for alias in self._sharing.get(id(source), ()) if source is not None else ():
+            if alias is not t and id(alias) in self._frozen and self._state[id(alias)] == _PENDING:
+                self._frozen.pop(id(alias))
+                self._reserve(id(alias), _nbytes(alias))
+                self._stored(alias, copy.clone(), False)
+                self._fetched_from_frozen.add(id(alias))
+
+    def _wait_for_room(self, first: torch.Tensor) -> None:
+        """(Under the lock, ``stage_frozen``.) Wait until ``first`` fits, a writer took it, or the writer ended;
+        past the deadline raise (writers then get the error)."""
+        if not self._has_room(first):
+            self._stuck_since = time.monotonic()
+            self._cond.notify_all()  # a writer that holds room of its own copies what it needs itself
+        self.deadline.wait(
+            self._cond,
+            lambda: (
+                self._closed
+                or self._abandoned is not None
+                or self._state[id(first)] != _PENDING
+                or self._has_room(first)
+            ),
+            FROZEN_PHASE,
+            "the writer to free room for the device copies",
+        )
+        self._stuck_since = None
 
     def _has_room(self, t: torch.Tensor) -> bool:
         """(Under the lock.) Whether ``stage_frozen`` can copy ``t`` now: within the budget, into ``fetch``'s memory."""
@@ -255,10 +289,9 @@ class BudgetedStager:
             if left is not None and left <= 0:
                 self._abandoned = f"the save call gave up after {self.timeout_s:g} s waiting for the writer"
                 self._cond.notify_all()
-                raise CheckpointTimeoutError(
-                    f"an async save under a host memory budget of {self.budget} bytes waited {self.timeout_s:g} s for "
-                    "its writer to free memory; storage is stuck or far too slow. Raise the budget or the timeout",
-                    phase="staging under the host memory budget",
+                raise self.deadline.expired(
+                    "staging under the host memory budget",
+                    f"the writer to free memory of a budget of {self.budget} bytes (or raise the budget)",
                 )
             self._cond.wait(left if left is not None else 1.0)
 
@@ -289,7 +322,10 @@ class BudgetedStager:
             state = self._state.get(key)
             if state is None:  # not planned (should not happen): a private copy, outside the budget
                 return _copy(t)[0]
+            waited = time.monotonic()
             while self._waits_for(key, t):
+                if time.monotonic() - waited > self.deadline.timeout_s:
+                    raise self.deadline.expired(FROZEN_PHASE, f"the host copy of a {tuple(t.shape)} tensor")
                 self._cond.wait(STUCK_S / 4)
             state = self._state[key]
             if self._error is not None and state != _STAGED:

@@ -156,8 +156,18 @@ class Staged:
     snapshot of an async save, from the live tensors of a sync one); async saves under a host memory budget: the
     copies the training thread makes in ``stage`` while the writer writes."""
 
-    def host(self) -> Callable[[Any], Any] | None:
-        return self.fetcher.host if self.fetcher is not None else None
+    def host(self, monitor: StorageMonitor | None = None) -> Callable[[Any], Any] | None:
+        """What writers ask for a tensor's host copy; while it waits for the device, ``monitor`` counts no storage
+        stall (the wait has its own deadline, which names the transfer)."""
+        if self.fetcher is None or monitor is None:
+            return self.fetcher.host if self.fetcher is not None else None
+        fetch = self.fetcher.host
+
+        def host(t: Any) -> Any:
+            with monitor.waiting_off_storage():
+                return fetch(t)
+
+        return host
 
     def close(self, monitor: StorageMonitor) -> tuple[BaseException | None, int]:
         """After the write: stop the fetcher and hand the copies back (never to be reused once ``monitor`` gave

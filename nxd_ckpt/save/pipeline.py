@@ -42,7 +42,7 @@ from nxd_ckpt import adapters, knobs, statefile, tree
 from nxd_ckpt import rank_state as rank_states
 from nxd_ckpt.device import kept_budget
 from nxd_ckpt.device import snapshot as device_snapshot
-from nxd_ckpt.device.backend import native_device, nbytes, on_device
+from nxd_ckpt.device.backend import distinct_storages, native_device, on_device
 from nxd_ckpt.device.transfer import DeviceTransfer, run_on_transfer_thread
 from nxd_ckpt.errors import CheckpointTimeoutError
 from nxd_ckpt.format import integrity, layout, retention, sharding_marks, tags
@@ -50,6 +50,7 @@ from nxd_ckpt.format.metadata import metadata_path, write_metadata
 from nxd_ckpt.format.sharding import ShardingRecord
 from nxd_ckpt.options import SaveOptions
 from nxd_ckpt.ranks.coordinator import Coordinator
+from nxd_ckpt.ranks.deadlines import Deadline
 from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.save import budget, commit, plan
 from nxd_ckpt.save.commit import CommitTarget
@@ -228,7 +229,13 @@ class SavePipeline:
         state files are copies already (``begin``)."""
         pool, files = self.services.staging_pool, planned.state_files
         needed = [id(t) for t in plan.tensors_to_write(files, self.coord.rank)]  # in the writers' order
-        lease = pool.stage([w.state for w in files], needed=needed, device_budget=ctx.options.device_budget)
+        lease = pool.stage(
+            [w.state for w in files],
+            ctx.options.timeout_s,
+            needed=needed,
+            device_budget=ctx.options.device_budget,
+            rank=self.coord.rank,
+        )
         report.staging_allocated_bytes = lease.allocated_bytes
         if lease.snapshot is not None:
             report.device_snapshot_bytes = lease.snapshot.snapshot_bytes
@@ -264,6 +271,7 @@ class SavePipeline:
                 batch_bytes=knobs.xla_transfer_batch_bytes(),
                 give_back=copies.give_back if copies is not None else None,
                 room=copies.room if copies is not None else None,
+                rank=self.coord.rank,
             )
             stager.watch(ctx.storage)  # a written file frees the copies it was written from
             if ctx.tier is not None:
@@ -272,7 +280,7 @@ class SavePipeline:
         if copies is not None:
             copies.sources.clear()  # the stager holds the device copies now, and drops each once it is on the host
             report.device_snapshot_bytes = copies.snapshot_bytes
-            report.device_direct_bytes = sum(nbytes(t) for t in device) - copies.snapshot_bytes
+            report.device_direct_bytes = copies.direct_bytes
             report.device_budget_bytes = copies.budget_bytes
             self.after_fallback(report, copies.fallback, copies.snapshot_bytes)
         staged = Staged(planned.writes, fetcher=stager, pool=self.services.staging_pool)
@@ -301,7 +309,13 @@ class SavePipeline:
         to the host by a thread running ahead of the writers (one sync for all)."""
         tensors = plan.tensors_to_write(planned.state_files, self.coord.rank)
         device = list({id(t): t for t in tensors if on_device(t)}.values())
-        return Staged(planned.writes, fetcher=DeviceTransfer(device, device) if device else None)
+        if not device:
+            return Staged(planned.writes)
+        first, alias_of = distinct_storages(device)  # tied weights travel once; each key still gets its own copy
+        moved = [device[i] for i in first]
+        aliases = {id(device[j]): device[i] for j, i in alias_of.items()}
+        deadline = Deadline(ctx.options.timeout_s, self.coord.rank)
+        return Staged(planned.writes, fetcher=DeviceTransfer(moved, moved, aliases=aliases, deadline=deadline))
 
     def hand_off(self, ctx: SaveContext, staged: Staged, report: SaveReport) -> None:
         """Async: write and commit become one job on the writer thread (``self.job``), which ``report`` follows."""
@@ -366,7 +380,7 @@ class SavePipeline:
         """The checkpoint directory: every file fsynced in one batch at the end, then the rank's manifest."""
         storage = ctx.storage
         with storage.durability_batch():
-            written = write_files(storage, staged, self.coord.rank, report)
+            written = write_files(storage, staged, self.coord.rank, report, ctx.monitor)
         storage.sync_dirs({p.rsplit("/", 1)[0] for p in written})
         storage.write_manifest()  # before arriving: 'done' implies every rank's manifest exists
         report.files_written = len(written)
@@ -374,7 +388,7 @@ class SavePipeline:
     def write_tiers(self, ctx: SaveContext, tier: TierSave, staged: Staged, report: SaveReport) -> None:
         """Node memory first (the copy every other tier is made from), then the peers, then durable storage."""
         tier.begin()
-        written = write_files(tier.storage, staged, self.coord.rank, report)
+        written = write_files(tier.storage, staged, self.coord.rank, report, ctx.monitor)
         if self.coord.rank == 0:  # the metadata a restore from memory needs (durable storage gets it at 'done')
             write_metadata(tier.storage, ctx.commit.metadata())
         tier.seal()
@@ -489,10 +503,13 @@ def _optimizer_tree(optimizer: Any) -> Any:
     return tree.nxd_containers(adapters.optimizer_state(optimizer)) if optimizer is not None else None
 
 
-def write_files(target: Storage, staged: Staged, rank: int, report: SaveReport) -> list[str]:
-    """Every staged write into ``target``; the paths written (tensor bytes are added to the report)."""
+def write_files(
+    target: Storage, staged: Staged, rank: int, report: SaveReport, monitor: StorageMonitor | None = None
+) -> list[str]:
+    """Every staged write into ``target``; the paths written (tensor bytes are added to the report). ``monitor``
+    watches the storage calls (not the waits for device copies)."""
     written: list[str] = []
-    host = staged.host()
+    host = staged.host(monitor)
     for w in staged.writes:
         if w.is_state_file:
             done = statefile.write_state_file(

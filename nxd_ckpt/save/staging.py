@@ -27,6 +27,7 @@ from nxd_ckpt.device import snapshot as device_snapshot
 from nxd_ckpt.device.backend import SnapshotBudget, kind, native_device, on_device
 from nxd_ckpt.device.pinned import PinnedArena, PinnedPool
 from nxd_ckpt.device.transfer import DeviceTransfer, stand_in
+from nxd_ckpt.ranks.deadlines import Deadline, resolve_timeout
 from nxd_ckpt.tree import iter_tensors, map_tensors
 
 
@@ -189,6 +190,7 @@ class StagingPool:
         timeout: float | None = None,
         needed: Sequence[int] | None = None,
         device_budget: SnapshotBudget | None = None,
+        rank: int | None = None,
     ) -> StagedState:
         """Copy ``trees`` to memory no later training step can modify; same structure.
 
@@ -198,8 +200,11 @@ class StagingPool:
         metadata), so any attempt to read their data fails instead of writing something stale. Device tensors are
         snapshotted on the device within ``device_budget`` (default: what the device reports free) and reach the
         host through ``StagedState.transfer``, in the order of ``needed``: a writer waiting for a tensor that a
-        later chunk brings holds its thread while tensors already on the host wait to be written.
+        later chunk brings holds its thread while tensors already on the host wait to be written. Waits for a
+        free buffer set and for the transfer last at most ``timeout`` (default: the library's deadline) and then
+        raise ``CheckpointTimeoutError`` naming ``rank``.
         """
+        deadline = Deadline(resolve_timeout(timeout), rank)
         unique: dict[int, torch.Tensor] = {}
         skipped: dict[int, torch.Tensor] = {}
         order = {tid: i for i, tid in enumerate(dict.fromkeys(needed))} if needed is not None else {}
@@ -216,10 +221,10 @@ class StagingPool:
         staged: dict[int, torch.Tensor] = {}
         if device:
             budget = device_budget if device_budget is not None else SnapshotBudget(None)
-            snapshot = device_snapshot.take(device, budget, pool=self.pinned)
+            snapshot = device_snapshot.take(device, budget, pool=self.pinned, deadline=deadline)
             staged.update(snapshot.stand_ins)
         try:
-            buffer_set = self._acquire(timeout) if host_cpu else None
+            buffer_set = self._acquire(deadline) if host_cpu else None
         except BaseException:
             _close_quietly(snapshot)
             raise
@@ -295,13 +300,15 @@ class StagingPool:
             self._free.clear()
             self._generation += 1
 
-    def _acquire(self, timeout: float | None) -> _BufferSet:
+    def _acquire(self, deadline: Deadline) -> _BufferSet:
         with self._cond:
-            if not self._cond.wait_for(lambda: self._free or self._lent < self.max_sets, timeout):
-                raise TimeoutError(
-                    f"all {self.max_sets} staging buffer sets are still in use after {timeout} s: "
-                    "the previous saves are still being written"
-                )
+            deadline.wait(
+                self._cond,
+                lambda: bool(self._free) or self._lent < self.max_sets,
+                "staging an async save",
+                f"one of the {self.max_sets} staging buffer sets, all in use: the previous saves are still being "
+                "written",
+            )
             self._lent += 1
             if self._free:
                 return self._free.pop()

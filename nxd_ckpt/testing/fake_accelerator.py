@@ -26,6 +26,7 @@ import contextlib
 import ctypes
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -127,6 +128,7 @@ class FakeAccTensor(torch.Tensor):
 
     def __init__(self, inner: torch.Tensor, index: int = 0, requires_grad: bool = False) -> None:
         self.inner = inner
+        _LIVE.add(self)
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"FakeAccTensor({self.inner!r}, device={self.device})"
@@ -169,6 +171,19 @@ def out_of_memory_after(clones: int) -> Iterator[None]:
         yield
     finally:
         CLONES_BEFORE_OOM = None
+
+
+_LIVE: weakref.WeakSet[FakeAccTensor] = weakref.WeakSet()
+"""Every ``fakeacc`` tensor alive (``live_bytes``)."""
+
+
+def live_bytes() -> int:
+    """The fake's device memory in use: bytes of the storages of the ``fakeacc`` tensors alive now (views once)."""
+    storages = {}
+    for t in list(_LIVE):
+        storage = t.inner.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def _is_host(device: Any) -> bool:

@@ -215,3 +215,46 @@ def saves_and_loads_on(path: str, device: str, width: int = WIDTH, *, autograd: 
     assert_state_equal(host_copy(opt.state_dict())["state"], expected[1])
     manager.finalize()
     gc.collect()  # the pinned buffers the pool and the arena held are dropped (unregistered) here
+
+
+def stuck_transfer_fails_at_the_deadline(path: str, device: str, timeout_s: float = 2.0) -> None:
+    """A transfer that never moves (``HeldTransfer`` holds its job on the transfer thread): the next save raises
+    ``CheckpointTimeoutError`` within its deadline, naming the phase and the rank; the stuck save fails at its own
+    deadline (its writer waited for the transfer) without ``done``; the previous checkpoint still loads."""
+    import time
+
+    from nxd_ckpt.errors import AsyncSaveError, CheckpointTimeoutError
+
+    manager = CheckpointManager()
+    model, opt = training(device, 64)
+    steps(model, opt, 1, seed=1)
+    expected = host_copy(model.state_dict())
+    manager.save(path, "good", model=model, optimizer=opt, async_save=True).wait()
+    with patched() as monkeypatch:
+        gate = HeldTransfer(monkeypatch, timeout_s=60, hold="thread")
+        steps(model, opt, 1, seed=2)
+        stuck = manager.save(path, "stuck", model=model, optimizer=opt, async_save=True, timeout=timeout_s)
+        start = time.monotonic()
+        try:
+            manager.save(path, "next", model=model, optimizer=opt, async_save=True, timeout=timeout_s)
+            raise AssertionError("the save after a stuck one did not raise")
+        except CheckpointTimeoutError as e:
+            elapsed, message = time.monotonic() - start, str(e)
+        assert timeout_s <= elapsed < timeout_s + 8, f"raised after {elapsed:.1f} s"
+        assert "waiting for the previous async save on rank 0" in message, message
+        try:
+            stuck.wait()
+            raise AssertionError("the stuck save succeeded")
+        except CheckpointTimeoutError as e:
+            assert "device-to-host transfer" in str(e) and "on rank 0" in str(e), str(e)
+        gate.release()
+    try:
+        manager.finalize()
+        raise AssertionError("finalize did not report the stuck save's failure")
+    except AsyncSaveError as e:
+        assert isinstance(e.__cause__, CheckpointTimeoutError), repr(e.__cause__)
+    assert nxd.latest_checkpoint_tag(path) == "good"
+    model2, opt2 = training(device, 64)
+    manager = CheckpointManager()
+    manager.load(path, "good", model=model2, optimizer=opt2)
+    assert_state_equal(host_copy(model2.state_dict()), expected)

@@ -104,13 +104,23 @@ def test_control_without_the_snapshot_the_check_fails(tmp_path, monkeypatch):
     """The same save, but transferring the live tensors instead of their device copies: the tag then holds the
     state after the steps run meanwhile, and the check above fails. So it cannot pass without the snapshot."""
 
-    def no_snapshot(tensors, keys, fit, rest, chunk_bytes):
+    def no_snapshot(tensors, keys, fit, rest, chunk_bytes, links):
         live = [tensors[i] for i in fit]  # references, no copy: what holding the state would do
-        return DeviceTransfer([keys[i] for i in fit], live, chunk_bytes=chunk_bytes, background=True), fit, rest, None
+        transfer = DeviceTransfer([keys[i] for i in fit], live, chunk_bytes=chunk_bytes, background=True, **links)
+        return transfer, fit, rest, None
 
     monkeypatch.setattr(device_snapshot, "_take_xla", no_snapshot)
     with pytest.raises(AssertionError):
         _save_train_and_check(tmp_path, monkeypatch, "xser")
+
+
+@pytest.mark.parametrize("use_xser", [False, True], ids=["plain", "xser"])
+def test_tied_weights_are_cloned_and_moved_once_and_written_as_a_sync_save_writes_them(tmp_path, monkeypatch, use_xser):
+    """torch_xla gives the two detached entries of a tied weight one tensor id (``xla.tensor_id``)."""
+    from nxd_ckpt.testing import tied_weights
+
+    report = tied_weights.saved_once_and_loaded_tied(str(tmp_path), torch_xla.device(), monkeypatch, use_xser)
+    assert report.device_direct_bytes == 0
 
 
 @pytest.mark.parametrize("use_xser", [False, True], ids=["plain", "xser"])

@@ -160,3 +160,42 @@ def test_a_budgeted_save_whose_write_fails_frees_the_transfer_thread_for_the_nex
     loaded, _ = native_state.training(device, WIDTH)
     nxd.load_checkpoint(str(tmp_path), "step_2", model=loaded)
     assert_state_equal(host_copy(loaded.state_dict()), expected)
+
+
+@pytest.mark.parametrize("use_xser", [False, True], ids=["plain", "xser"])
+@run_with_ranks(1)
+def test_tied_weights_are_cloned_and_moved_once_and_written_as_a_sync_save_writes_them(tmp_path, use_xser):
+    from nxd_ckpt.testing import tied_weights
+    from nxd_ckpt.testing.native_state import patched
+
+    with patched() as monkeypatch:
+        report = tied_weights.saved_once_and_loaded_tied(str(tmp_path), _fake(), monkeypatch, use_xser)
+    assert report.device_direct_bytes == 0
+
+
+@run_with_ranks(1)
+def test_tied_weights_under_a_host_memory_budget_are_cloned_and_moved_once(tmp_path):
+    from nxd_ckpt.testing import tied_weights
+    from nxd_ckpt.testing.native_state import patched
+
+    with patched() as monkeypatch:
+        report = tied_weights.saved_once_and_loaded_tied(
+            str(tmp_path), _fake(), monkeypatch, True, host_memory_budget="4MiB"
+        )
+    assert report.device_direct_bytes == 0 and report.budget_peak_bytes <= 4 << 20
+
+
+@run_with_ranks(1)
+def test_a_stuck_transfer_makes_the_next_save_raise_at_its_deadline_and_loses_nothing(tmp_path):
+    from nxd_ckpt.testing import native_state
+
+    native_state.stuck_transfer_fails_at_the_deadline(str(tmp_path), _fake())
+
+
+@run_with_ranks(1, timeout=120)
+def test_a_thousand_async_saves_hold_no_more_device_memory_pinned_memory_threads_or_files(tmp_path):
+    from nxd_ckpt.testing import soak
+
+    with soak.memory_dir(tmp_path) as path:  # fsyncs cost nothing there: the saves' own work is what is measured
+        measures = soak.saves_hold_nothing(path, _fake(), saves=1000, every=100)
+    assert measures[0].device > 0 and measures[0].pinned > 0  # the measures see the state and its buffers

@@ -363,3 +363,44 @@ def test_a_copy_goes_back_to_the_kernel_when_its_file_is_written_though_a_refere
     assert float(second[0]) == 1.0 and resident_fraction(second) == 1.0  # the other copy is untouched
     stager.file_written()
     stager.close()
+
+
+def test_device_copies_waiting_for_room_give_up_at_the_deadline_and_the_writer_gets_the_error():
+    """Nobody writes, so the second frozen tensor never finds room: ``stage_frozen`` stops waiting after the deadline
+    (it does not hold the process's transfer thread for good) and a writer that then asks raises its error, naming
+    the phase and the rank."""
+    order = [torch.ones(MIB // 4) for _ in range(2)]
+    stager = BudgetedStager(order, budget=MIB + 1, timeout_s=0.3, frozen=_frozen(order), rank=3)
+    stager.begin_frozen()
+    start = time.monotonic()
+    stager.stage_frozen()
+    assert time.monotonic() - start < 5
+    assert torch.equal(stager.host(order[0]), order[0])  # it arrived before the wait
+    with pytest.raises(RuntimeError, match="under the host memory budget on rank 3: waited 0.3 s"):
+        stager.host(order[1])
+
+
+def test_a_writer_waiting_for_a_copy_another_thread_makes_gives_up_at_the_deadline():
+    from nxd_ckpt.errors import CheckpointTimeoutError
+
+    order = [torch.ones(MIB // 4)]
+    release = threading.Event()
+
+    def stuck_fetch(sources: list[torch.Tensor]) -> list[torch.Tensor]:
+        release.wait(30)  # a device fetch that does not come back
+        return [s.clone() for s in sources]
+
+    stager = BudgetedStager(order, budget=4 * MIB, timeout_s=0.3, frozen=_frozen(order), fetch=stuck_fetch, rank=1)
+    stager.begin_frozen()
+    beside = threading.Thread(target=stager.stage_frozen)
+    beside.start()
+    try:
+        while stager.held_bytes == 0:  # the copy is under way
+            time.sleep(0.01)
+        start = time.monotonic()
+        with pytest.raises(CheckpointTimeoutError, match="on rank 1") as raised:
+            stager.host(order[0])
+        assert time.monotonic() - start < 5 and raised.value.phase == save_budget.FROZEN_PHASE
+    finally:
+        release.set()
+        beside.join(timeout=30)
