@@ -114,6 +114,9 @@ def test_an_out_of_memory_in_the_snapshot_moves_the_state_directly_and_the_save_
 def test_prepare_async_save_snapshots_within_the_saves_budget(tmp_path):
     model, opt = _training(101)
     half = _xla_state_bytes(model, opt) // 2
+    import torch_xla.core.xla_model as xm
+
+    xm.wait_device_ops()  # executions launched earlier (other tests' async syncs) are counted before, not below
     before = xla_graph_executions()
     CheckpointManager(device_snapshot_budget=0).prepare_async_save(model=model, optimizer=opt)
     CheckpointManager().prepare_async_save(model=model, optimizer=opt, device_snapshot_budget=0)
