@@ -7,12 +7,13 @@ Importing this package imports ``torch.distributed.checkpoint``; ``import nxd_ck
 
 from __future__ import annotations
 
+from nxd_ckpt.dcp.contents import DcpDescription, describe, verify
 from nxd_ckpt.dcp.place import CheckpointPlace, recover
 from nxd_ckpt.dcp.reader import StorageReader
 from nxd_ckpt.dcp.stager import Stager
 from nxd_ckpt.dcp.writer import StorageWriter
 
-__all__ = ["Stager", "StorageReader", "StorageWriter", "recover_folder"]
+__all__ = ["DcpDescription", "Stager", "StorageReader", "StorageWriter", "describe", "recover_folder", "verify"]
 
 
 def recover_folder(path: str) -> None:
