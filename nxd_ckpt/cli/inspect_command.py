@@ -7,10 +7,11 @@ import argparse
 import json
 from typing import Any
 
-from nxd_ckpt.cli.locate import open_tag
+from nxd_ckpt.cli import dcp_commands
+from nxd_ckpt.cli.locate import dir_storage, open_tag
 from nxd_ckpt.cli.output import EXIT_FAILED, EXIT_OK, print_err, print_json, print_table
 from nxd_ckpt.errors import CheckpointError, UnsafeCheckpointError
-from nxd_ckpt.format import layout
+from nxd_ckpt.format import dcp_folders, layout
 from nxd_ckpt.inspection import Checkpoint
 from nxd_ckpt.log import format_bytes
 
@@ -18,6 +19,9 @@ from nxd_ckpt.log import format_bytes
 def cmd_inspect(args: argparse.Namespace) -> int:
     """``inspect``: one object (``--object``), the tag's metadata (``--metadata``), or every state file's contents;
     exit status 1 if a state file is damaged."""
+    storage = dir_storage(args.dir, args.command)
+    if dcp_folders.is_dcp_directory(storage):
+        return dcp_commands.dcp_inspect(args, storage)
     ckpt = open_tag(args)
     if args.object:
         return _show_object(ckpt, args.object, args.json)

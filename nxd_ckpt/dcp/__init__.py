@@ -1,16 +1,19 @@
 """torch.distributed.checkpoint (DCP) storage with the library's guarantees: ``StorageWriter`` and ``StorageReader``
-write and read stock DCP checkpoints with per-rank checksums, a crash-safe commit and deadlines (docs/torchtitan.md).
+write and read stock DCP checkpoints with per-rank checksums, a crash-safe commit and deadlines; ``Stager`` stages
+``dcp.async_save`` through the device snapshot and reused host buffers (docs/torchtitan.md).
 
 Importing this package imports ``torch.distributed.checkpoint``; ``import nxd_ckpt`` does not.
 """
 
 from __future__ import annotations
 
+from nxd_ckpt.dcp.contents import DcpDescription, describe, verify
 from nxd_ckpt.dcp.place import CheckpointPlace, recover
 from nxd_ckpt.dcp.reader import StorageReader
+from nxd_ckpt.dcp.stager import Stager
 from nxd_ckpt.dcp.writer import StorageWriter
 
-__all__ = ["StorageReader", "StorageWriter", "recover_folder"]
+__all__ = ["DcpDescription", "Stager", "StorageReader", "StorageWriter", "describe", "recover_folder", "verify"]
 
 
 def recover_folder(path: str) -> None:

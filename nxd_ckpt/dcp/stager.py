@@ -1,0 +1,301 @@
+"""``Stager``: DCP's ``AsyncStager`` over the library's staging: ``dcp.async_save`` blocks only for a device snapshot
+(accelerator state) or a copy into reused host buffers (CPU state), within the host and device budgets.
+
+``stage`` runs on the training thread. It hands the state to ``save.staging.StagingPool.stage``: CPU tensors are
+copied into host buffers kept from the previous save; device tensors are copied on the device within the device
+snapshot budget (``device.snapshot.take``), and ``device.transfer.DeviceTransfer`` brings the copies to the host on
+the process's transfer thread, into pinned buffers kept across saves. Sharded ``DTensor`` state (FSDP2, TP) is
+staged as its local shards and rebuilt with the same mesh, placements, shape and stride. Other leaves are deep
+copies. ``stage`` returns a ``Future`` of the staged state dict, done when every host copy has arrived (at once for
+CPU state): DCP's upload thread waits for it, the training thread does not; training may change the live state as
+soon as ``stage`` (``dcp.async_save``) returns.
+
+The staged copies are the pool's buffers: they go back to it when DCP drops the staged state dict (the upload
+ended, or failed), which the stager sees through a weak reference to each staged tensor. A save waits (under the
+deadline) while two earlier saves, or more than ``host_memory_budget`` bytes of them, still hold their copies.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import threading
+import time
+import weakref
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
+from torch.distributed.checkpoint.staging import AsyncStager
+
+from nxd_ckpt.device.backend import SnapshotBudget, nbytes, resolve_snapshot_budget
+from nxd_ckpt.device.kept_budget import KeptSnapshotBudget, device_tensors
+from nxd_ckpt.device.transfer import run_on_transfer_thread
+from nxd_ckpt.errors import CheckpointError, CheckpointTimeoutError
+from nxd_ckpt.options import resolve_budget
+from nxd_ckpt.ranks.deadlines import resolve_timeout
+from nxd_ckpt.save.staging import StagedState, StagingPool
+from nxd_ckpt.tree import children, iter_tensors, map_leaves, map_tensors
+
+MAX_IN_FLIGHT = 2
+"""Saves whose staged copies may exist at once (one being written, one staged): the pool's buffer sets."""
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """A ``DTensor`` (told by its interface: this package imports only torch.distributed.checkpoint)."""
+    return callable(getattr(t, "to_local", None)) and hasattr(t, "placements") and hasattr(t, "device_mesh")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What is staged of ``t``: a DTensor's local shard, else ``t`` itself."""
+    if not _is_dtensor(t):
+        return t
+    with torch.no_grad():
+        return t.to_local()  # type: ignore[attr-defined]
+
+
+def _rebuild(original: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
+    """``staged`` as ``original`` was: a DTensor with the same mesh, placements, shape and stride for a DTensor."""
+    if not _is_dtensor(original):
+        return staged
+    with torch.no_grad():
+        return type(original).from_local(  # type: ignore[attr-defined]
+            staged,
+            original.device_mesh,  # type: ignore[attr-defined]
+            original.placements,  # type: ignore[attr-defined]
+            run_check=False,
+            shape=original.shape,
+            stride=original.stride(),
+        )
+
+
+def _copy_leaf(value: Any) -> Any:
+    """A non-tensor leaf as it is now: training may change a mutable one after the call returns."""
+    return value if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+
+
+class _Lease:
+    """One save's staged copies, lent to DCP until every staged tensor handed out is gone; then given back."""
+
+    def __init__(self, stager: Stager, staged: StagedState, nbytes: int) -> None:
+        self._stager = stager
+        self._staged: StagedState | None = staged
+        self.nbytes = nbytes
+        self._alive = 0
+        self._lock = threading.Lock()
+
+    def watch(self, tensors: list[torch.Tensor]) -> None:
+        """Give the copies back once all of ``tensors`` (the staged state dict's) are garbage."""
+        self._alive = len(tensors)
+        for t in tensors:
+            weakref.finalize(t, self._one_gone).atexit = False
+        if not tensors:
+            self.end()
+
+    def _one_gone(self) -> None:
+        with self._lock:
+            self._alive -= 1
+            last = self._alive == 0
+        if last:
+            self.end()
+
+    def end(self) -> None:
+        """The copies back to the pool (pinned ones too); an error met here goes to the stager's next call."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return
+        try:
+            staged.release()
+            if staged.transfer is not None:
+                staged.transfer.close()
+        except BaseException as e:  # kept for the next stage()
+            self._stager._record_error(e)
+        finally:
+            self._stager._returned(self)
+
+
+class Stager(AsyncStager):
+    """DCP's ``AsyncStager`` with the library's device snapshot and reused host staging buffers.
+
+    >>> # xdoctest: +SKIP
+    >>> stager = nxd_ckpt.dcp.Stager()
+    >>> response = dcp.async_save(state, storage_writer=nxd_ckpt.dcp.StorageWriter(path), async_stager=stager)
+    >>> response.upload_completion.result()  # training may go on as soon as async_save returns
+    >>> stager.close()  # after the last save
+
+    Args:
+        host_memory_budget: the most host memory (bytes, or a size such as ``"8GiB"``) the staged copies of the
+            saves in flight hold together; default ``NXD_CKPT_HOST_MEMORY_BUDGET``, else no limit (two saves'
+            worth at most). A rank whose state alone exceeds it is refused (DCP needs the whole copy).
+        device_snapshot_budget: device memory for the snapshot (bytes, a size, ``"auto"``; None:
+            ``NXD_CKPT_DEVICE_SNAPSHOT_BUDGET``); what does not fit is copied to the host within the call.
+        timeout: seconds a save waits for earlier saves' copies to be given back (default ``NXD_CKPT_TIMEOUT_S``).
+    """
+
+    _synchronize_after_execute = False  # stage returns a Future: DCP's upload thread waits for it
+
+    def __init__(
+        self,
+        host_memory_budget: int | str | None = None,
+        device_snapshot_budget: int | str | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        self.host_memory_budget = resolve_budget(host_memory_budget)
+        self.device_snapshot_budget = resolve_snapshot_budget(device_snapshot_budget)
+        self.timeout_s = resolve_timeout(timeout)
+        self.pool = StagingPool(max_sets=MAX_IN_FLIGHT)
+        self._kept = KeptSnapshotBudget()
+        self._cond = threading.Condition()
+        self._leases: set[_Lease] = set()
+        self._error: BaseException | None = None
+        self._closed = False
+        self.last_allocated_bytes = 0
+        """Host bytes the last ``stage`` newly allocated for CPU state (0 once the pool's buffers are reused)."""
+        self.last_blocked_s = 0.0
+        """Seconds the last ``stage`` spent copying (the snapshot, or the copy into host buffers)."""
+
+    def stage(self, state_dict: STATE_DICT_TYPE) -> Future[STATE_DICT_TYPE]:  # type: ignore[override]
+        """The training-safe copy of ``state_dict``, as a Future done once its host copies have arrived."""
+        self._raise_earlier()
+        local = map_tensors(state_dict, _local)
+        size = sum(nbytes(t) for t in {id(t): t for _, t in iter_tensors(local)}.values())
+        self._wait_for_room(size)
+        budget = self._snapshot_budget(local)
+        staged = self.pool.stage([local], timeout=self.timeout_s, device_budget=budget)
+        lease = _Lease(self, staged, size)
+        with self._cond:
+            self._leases.add(lease)
+        try:
+            skeleton = map_leaves(staged.trees[0], _copy_leaf, lambda v: children(v) is None)
+        except BaseException:
+            lease.end()
+            raise
+        self.last_allocated_bytes, self.last_blocked_s = staged.allocated_bytes, staged.copy_s
+        originals = [t for _, t in iter_tensors(state_dict)]
+        future: Future[STATE_DICT_TYPE] = Future()
+        job = _Finish(future, lease, staged, skeleton, originals)
+        if staged.transfer is None:
+            job()
+        else:
+            run_on_transfer_thread(job)  # after the transfer the snapshot queued there
+        return future
+
+    def _snapshot_budget(self, local: Any) -> SnapshotBudget | None:
+        """The device snapshot budget, decided once per state layout (``KeptSnapshotBudget``; each rank its own)."""
+        on_device = device_tensors([local])
+        if not on_device:
+            return None
+        return self._kept.agree(self._kept.proposal(self.device_snapshot_budget, on_device))
+
+    def _wait_for_room(self, size: int) -> None:
+        """Wait until the saves in flight leave room for ``size`` bytes more (fewer than ``MAX_IN_FLIGHT`` saves,
+        within the host budget); CheckpointError for a state the budget can never hold."""
+        limit = self.host_memory_budget
+        if limit is not None and size > limit:
+            raise CheckpointError(
+                f"this rank's state needs {size} bytes of host memory to be staged, more than "
+                f"host_memory_budget={limit}: an async DCP save holds a whole copy of it until it is written; raise "
+                "the budget (NXD_CKPT_HOST_MEMORY_BUDGET), or save with dcp.save, which needs no copy"
+            )
+
+        def room() -> bool:
+            held = sum(lease.nbytes for lease in self._leases)
+            return len(self._leases) < MAX_IN_FLIGHT and (limit is None or held + size <= limit)
+
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            if room():
+                return
+        gc.collect()  # a staged state dict kept only by a reference cycle (a failed upload's traceback)
+        with self._cond:
+            if self._cond.wait_for(room, max(0.0, deadline - time.monotonic())):
+                return
+            held = sum(lease.nbytes for lease in self._leases)
+        raise CheckpointTimeoutError(
+            f"the staged copies of {len(self._leases)} earlier async saves ({held} bytes) were still held after "
+            f"{self.timeout_s} s: their uploads have not finished, or something keeps their staged state dicts "
+            "(an upload future's exception holds them); wait for upload_completion before the next save, or drop "
+            "the failed futures"
+        )
+
+    def _returned(self, lease: _Lease) -> None:
+        with self._cond:
+            self._leases.discard(lease)
+            self._cond.notify_all()
+
+    def _record_error(self, error: BaseException) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = error
+
+    def _raise_earlier(self) -> None:
+        """Raise what a background step of an earlier save met after its future was settled, and refuse a closed
+        stager."""
+        if self._closed:
+            raise CheckpointError("this nxd_ckpt.dcp.Stager was closed; make a new one for more saves")
+        with self._cond:
+            error, self._error = self._error, None
+        if error is not None:
+            raise CheckpointError(
+                f"an earlier async save's staging failed after it was handed to DCP ({type(error).__name__}: {error}); "
+                "that save's copies were dropped; this save was not started: save again"
+            ) from error
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: ``stage`` returns a Future (DCP waits for it on its upload thread)."""
+
+    def close(self) -> None:
+        """Free the pool's buffers (those lent to a save still running are dropped when it ends)."""
+        self._closed = True
+        self.pool.clear()
+
+
+class _Finish:
+    """Builds the staged state dict once the host copies have arrived (on the transfer thread, or at once) and
+    settles the future with it; the lease watches what it hands out."""
+
+    def __init__(
+        self,
+        future: Future[STATE_DICT_TYPE],
+        lease: _Lease,
+        staged: StagedState,
+        skeleton: Any,
+        originals: list[torch.Tensor],
+    ) -> None:
+        self.future, self.lease, self.staged, self.skeleton, self.originals = future, lease, staged, skeleton, originals
+
+    def __call__(self) -> None:
+        try:
+            out, handed = self._build()
+        except BaseException as e:  # the future carries it to DCP's upload and the caller
+            self.lease.end()
+            self.future.set_exception(e)
+            return
+        finally:
+            self.skeleton = self.originals = None  # type: ignore[assignment]
+        self.lease.watch(handed)
+        self.future.set_result(out)
+
+    def _build(self) -> tuple[Any, list[torch.Tensor]]:
+        """The state dict with host copies (aliases of the pool's buffers) in place of stand-ins, DTensors rebuilt."""
+        transfer = self.staged.transfer
+        snapshot = self.staged.snapshot
+        stand_ins = {id(s) for s in snapshot.stand_ins.values()} if snapshot is not None else set()
+        position = iter(self.originals)
+        aliases: dict[int, torch.Tensor] = {}
+        rebuilt: dict[int, torch.Tensor] = {}
+
+        def place(t: torch.Tensor) -> torch.Tensor:
+            original = next(position)
+            if id(original) in rebuilt:
+                return rebuilt[id(original)]
+            host = transfer.host(t) if transfer is not None and id(t) in stand_ins else t
+            if id(host) not in aliases:
+                aliases[id(host)] = host.detach()  # an object of our own: its death gives the buffer back
+            rebuilt[id(original)] = _rebuild(original, aliases[id(host)])
+            return rebuilt[id(original)]
+
+        out = map_tensors(self.skeleton, place)
+        return out, list(rebuilt.values())
