@@ -21,6 +21,7 @@ pytest.importorskip(
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.utils.data import IterableDataset
 from torchtitan.components.checkpointer import BaseCheckpointManager
 from torchtitan.components.checkpointer import CheckpointManager as TitanManager
@@ -29,6 +30,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersCon
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
 from nxd_ckpt.errors import IntegrityError
+from nxd_ckpt.testing.multiprocess import run_on_ranks
 from nxd_ckpt.torchtitan import CheckpointManager
 
 pytestmark = pytest.mark.device_independent  # CPU state over gloo: runs once, in the CPU lane
@@ -44,10 +46,11 @@ def _gloo_world_of_one() -> Iterator[None]:
 
 
 class _Tokens(IterableDataset):
-    """A deterministic stream of small batches' rows (StatefulDataLoader fast-forwards it on resume)."""
+    """A deterministic stream of small batches' rows, one per rank (StatefulDataLoader fast-forwards it on
+    resume)."""
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        gen = torch.Generator().manual_seed(1234)
+        gen = torch.Generator().manual_seed(1234 + dist.get_rank())
         for _ in range(1000):
             yield torch.randn(8, generator=gen)
 
@@ -81,7 +84,8 @@ class _Rig:
         self.lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(
             optimizers=self.optimizers, training_steps=20
         )
-        self.dataloader = ParallelAwareDataloader(_Tokens(), dp_rank=0, dp_world_size=1, batch_size=2)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.dataloader = ParallelAwareDataloader(_Tokens(), dp_rank=rank, dp_world_size=world, batch_size=2)
         self.train_state = _TrainState()
         self.checkpointer = config.build(
             dataloader=self.dataloader,
@@ -101,6 +105,9 @@ class _Rig:
                 self._batches = iter(self.dataloader)
             batch = next(self._batches)
             self.model(batch).square().mean().backward()
+            if dist.get_world_size() > 1:  # data parallel: every rank's replica takes the same step
+                for p in self.model.parameters():
+                    dist.all_reduce(p.grad)
             self.checkpointer.maybe_wait_for_staging()
             self.optimizers.step()
             self.lr_schedulers.step()
@@ -275,6 +282,21 @@ def test_a_damaged_step_is_detected_and_fallback_loads_the_newest_intact(tmp_pat
     _assert_same(resumed.snapshot(), at_two)
 
 
+def test_a_truncated_step_torchtitans_manager_wrote_is_skipped_with_fallback(tmp_path):
+    rig = _Rig(_theirs(interval=2), str(tmp_path), seed=0)
+    rig.train(2)
+    at_two = rig.snapshot()
+    rig.train(2)
+    rig.checkpointer.close()
+    path = tmp_path / "ckpt" / "step-4" / "__0_0.distcp"
+    os.truncate(path, os.path.getsize(path) // 2)  # still "valid" for TorchTitan: .metadata is there
+    with pytest.raises(IntegrityError, match=r"step-4 is damaged.*__0_0\.distcp is truncated"):
+        _Rig(_ours(), str(tmp_path), seed=1).checkpointer.load()
+    resumed = _Rig(_ours(fallback_to_verified=True), str(tmp_path), seed=1)
+    assert resumed.checkpointer.load()
+    _assert_same(resumed.snapshot(), at_two)
+
+
 def test_the_config_refuses_last_save_in_hf_and_unsupported_fields():
     with pytest.raises(ValueError, match="last_save_in_hf is not supported"):
         CheckpointManager.Config(enable=True, last_save_in_hf=True)
@@ -293,3 +315,51 @@ def test_it_is_a_checkpoint_config_the_trainer_builds():
         dataloader=None, model_parts=[], optimizers=None, lr_schedulers=None, states={}, sd_adapter=None
     )
     assert isinstance(disabled, CheckpointManager) and disabled.save(5) is False and disabled.load() is False
+
+
+def test_an_async_save_that_fails_raises_at_the_next_wait_and_the_previous_step_stays(tmp_path, monkeypatch):
+    rig = _Rig(_ours(interval=2, async_mode="async"), str(tmp_path), seed=0)
+    rig.train(2)
+    rig.checkpointer.maybe_wait_for_saving()
+    at_two = rig.snapshot()
+
+    def disk_full(*args: Any, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device (injected)")
+
+    monkeypatch.setattr("nxd_ckpt.dcp.place.CheckpointPlace.commit", disk_full)
+    rig.train(2)  # step 4's save starts in the background and fails there
+    with pytest.raises((CheckpointException, OSError), match="No space left on device"):
+        rig.checkpointer.close()  # waits for the save in flight: its error reaches the caller
+    rig.checkpointer.maybe_wait_for_saving()  # raised once
+    assert [n for n in _steps(tmp_path) if not n.startswith(".")] == ["step-2"]  # + step-4's hidden staging
+    resumed = _Rig(_ours(), str(tmp_path), seed=1)
+    assert resumed.checkpointer.load()
+    _assert_same(resumed.snapshot(), at_two)
+
+
+def _two_ranks(base: str) -> None:
+    """On each of 2 ranks: our manager saves asynchronously at step 3; TorchTitan's own manager and ours each
+    resume from it and train to step 6, bit-exactly as the run that never stopped."""
+    warnings.simplefilter("ignore")
+    ours = _ours(interval=3, async_mode="async")
+    first = _Rig(ours, base, seed=0)
+    first.train(3)
+    first.checkpointer.close()
+    reference = _Rig(_ours(interval=100), base + "-reference", seed=0)
+    reference.train(6)
+    for loader in (_theirs(interval=100), _ours(interval=100)):
+        resumed = _Rig(loader, base, seed=1)
+        assert resumed.checkpointer.load() and resumed.train_state.step == 3
+        resumed.train(3)
+        resumed.checkpointer.close()
+        _assert_same(resumed.snapshot(), reference.snapshot())
+
+
+def test_two_ranks_save_async_and_resume_with_either_manager(tmp_path):
+    run_on_ranks(_two_ranks, 2, {"base": str(tmp_path / "job")})
+    assert sorted(os.listdir(tmp_path / "job" / "ckpt" / "step-3")) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "nxd_ckpt",
+    ]
