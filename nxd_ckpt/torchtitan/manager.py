@@ -242,19 +242,19 @@ class CheckpointManager(BaseCheckpointManager):
         """Load ``step`` (-1: the newest complete one; none there: the initial checkpoint, if any). True when a
         checkpoint was loaded."""
         has_folder = self.steps.exists()
+        complete = self.steps.complete_steps() if has_folder else []
         if step != -1:
             if not has_folder:
                 raise FileNotFoundError(
                     f"--checkpoint.load_step={step} not found because checkpoint.folder {self.folder} does not exist"
                 )
-            if step not in self.steps.complete_steps():
+            if step not in complete:
                 raise FileNotFoundError(
                     f"--checkpoint.load_step={step} not found at {self.steps.path(step)} (no complete checkpoint: "
-                    f"no {METADATA}); complete steps there: {self.steps.complete_steps() or 'none'}"
+                    f"no {METADATA}); complete steps there: {complete or 'none'}"
                 )
             self._load_step(step)
             return True
-        complete = self.steps.complete_steps() if has_folder else []
         if complete:
             self._load_newest(complete)
             return True
