@@ -160,10 +160,11 @@ def _steps(base: Any) -> list[str]:
 
 
 def _run_then_resume(base: str, saver: Any, loader: Any, saved_at: int = 3, total: int = 6) -> None:
-    """A job saves step ``saved_at`` under ``saver`` (its interval) and stops; a second job
-    with other weights resumes under ``loader`` and trains to ``total``: both end bit-exactly alike."""
+    """A job saves step ``saved_at`` under ``saver`` (its interval), trains on while an async save writes, and
+    stops before its next save; a second job with other weights resumes under ``loader`` and trains to ``total``:
+    it ends bit-exactly as a run that never stopped."""
     first = _Rig(saver, base, seed=0)
-    first.train(saved_at)
+    first.train(saved_at + 2)  # steps after the save change the state it is writing (async modes)
     first.checkpointer.close()
     first_after = _Rig(saver, base + "-unused", seed=0)  # the uninterrupted run, from the same start
     first_after.train(total)
