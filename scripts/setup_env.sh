@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create (or reuse) a virtual environment for one test lane and print its python path on the last line.
-#   cpu: torch 2.13.0 (CPU build) + nxd_ckpt[test,s3]
+#   cpu: torch 2.13.0 (CPU build) + nxd_ckpt[test,s3,torchtitan] (the torchtitan extra needs Python >= 3.11; on 3.10
+#        it installs nothing and tests/torchtitan skips)
 #   xla: torch 2.9.0 + torch-xla 2.9.0 + nxd_ckpt[test,s3,frameworks] + optimum-neuron 0.4.2 (--no-deps: its own
 #        requirements pin numpy<=1.26.4; tests/thirdparty runs its pinned sources over the package's other modules)
 # Environments live outside the clone (NXD_CKPT_ENV_DIR, default ~/.cache/nxd-ckpt/envs) and are rebuilt only
@@ -22,7 +23,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 env_dir="${NXD_CKPT_ENV_DIR:-$HOME/.cache/nxd-ckpt/envs}/$lane"
 cpu_index="https://download.pytorch.org/whl/cpu"
 case "$lane" in
-  cpu) torch_version=2.13.0; extra_pins=(); extras="test,s3"; no_deps=(); default_index="$cpu_index"; installed_size="~1.4 GB" ;;
+  cpu) torch_version=2.13.0; extra_pins=(); extras="test,s3,torchtitan"; no_deps=(); default_index="$cpu_index"; installed_size="~1.8 GB" ;;
   xla) torch_version=2.9.0; extra_pins=(torch-xla==2.9.0); extras="test,s3,frameworks"; no_deps=(optimum-neuron==0.4.2)
        default_index=pypi; installed_size="~7.6 GB" ;;
   *) echo "setup_env.sh: unknown lane '$lane' (expected cpu or xla)" >&2; exit 2 ;;

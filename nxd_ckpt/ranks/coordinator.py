@@ -80,6 +80,14 @@ def group_identity() -> tuple[bool, int | None]:
     return is_distributed(), world_id()
 
 
+def new_gloo_group() -> Any:
+    """A new gloo group over the whole world (every rank must call it), for collectives a background save runs
+    beside training's own (DCP's ``async_save``); None without a process group."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo") if is_distributed() else None
+
+
 def local_store(timeout_s: float) -> Any:
     """A c10d TCPStore served by this process on 127.0.0.1 (a port the kernel picks): for ranks as threads.
 

@@ -1,0 +1,86 @@
+"""TorchTitan's checkpoint folder: ``step-N`` folders under ``checkpoint.folder``, which of them are checkpoints,
+and retention over them through the library's retention policy (``format.retention.KeepLatest``).
+
+A folder counts as a checkpoint when its name is exactly ``step-N`` and it holds DCP's ``.metadata``, which
+``nxd_ckpt.dcp.StorageWriter`` writes last and TorchTitan's own manager looks for too. The writer's hidden
+``.nxd-dcp-staging.step-N`` folders never count (TorchTitan's own scan uses ``re.search`` and would see them).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+from nxd_ckpt.dcp.place import METADATA
+from nxd_ckpt.format import tags
+from nxd_ckpt.format.retention import KeepLatest
+from nxd_ckpt.format.tags import TagInfo
+from nxd_ckpt.storage import Storage, storage_for
+
+logger = logging.getLogger("nxd_ckpt")
+
+_STEP_NAME = re.compile(r"step-(\d+)")
+
+
+def step_name(step: int) -> str:
+    """The folder name of ``step``'s checkpoint, as TorchTitan names it."""
+    return f"step-{step}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step of the folder ``name`` (``step-N``), None for any other name."""
+    match = _STEP_NAME.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+@dataclass(frozen=True)
+class StepFolders:
+    """The ``step-N`` folders of one TorchTitan checkpoint folder (a local path or an ``s3://`` URL)."""
+
+    folder: str
+    storage: Storage
+
+    @classmethod
+    def of(cls, folder: str) -> StepFolders:
+        """The step folders under ``folder`` (which need not exist yet)."""
+        return cls(folder.rstrip("/"), storage_for(folder))
+
+    def path(self, step: int) -> str:
+        """The checkpoint folder of ``step`` (what DCP gets as ``checkpoint_id``)."""
+        return f"{self.folder}/{step_name(step)}"
+
+    def exists(self) -> bool:
+        """Whether the checkpoint folder is there (on an object store: whether anything is under it)."""
+        return self.storage.exists("") or bool(self.storage.list_dir(""))
+
+    def steps(self) -> dict[int, bool]:
+        """Every ``step-N`` folder: step -> whether it is complete (holds ``.metadata``)."""
+        found = {}
+        for name in self.storage.list_dir(""):
+            step = parse_step(name)
+            if step is not None:
+                found[step] = self.storage.exists(f"{name}/{METADATA}")
+        return found
+
+    def complete_steps(self) -> list[int]:
+        """The steps holding a complete checkpoint, oldest first."""
+        return sorted(step for step, complete in self.steps().items() if complete)
+
+    def apply_retention(self, keep: int, protect: frozenset[int] = frozenset()) -> list[str]:
+        """Keep the ``keep`` newest complete steps (``KeepLatest``: older complete steps go, and incomplete ones
+        older than the oldest kept); never the steps in ``protect``. Each goes ``.metadata`` first, durably, so a
+        half-deleted step never counts as a checkpoint. Returns the folders deleted; a failure is logged."""
+        infos = [TagInfo(step_name(s), complete, float(s), None) for s, complete in self.steps().items()]
+        doomed = KeepLatest(keep).to_delete(infos, frozenset(step_name(s) for s in protect))
+        deleted = []
+        for name in doomed:
+            try:
+                tags.delete_copy(self.storage, name, METADATA)
+                self.storage.delete_tree(name)  # a folder emptied by an earlier, interrupted deletion
+                deleted.append(name)
+            except Exception as e:
+                logger.warning("could not delete checkpoint %s in %s: %s", name, self.folder, e)
+        if deleted:
+            logger.info("retention (keep_latest_k=%d) deleted %s", keep, ", ".join(deleted))
+        return deleted
