@@ -98,7 +98,10 @@ def take(
     if device_kind == "xla":
         transfer, fit, rest, fallback = _take_xla(copied, keys, fit, rest, chunk_bytes, links)
     else:
-        transfer, fit, rest, fallback = _take_native(copied, keys, fit, rest, pool, chunk_bytes, links)
+        native = native_device(copied)
+        assert native is not None
+        with native.guard():
+            transfer, fit, rest, fallback = _take_native(native, copied, keys, fit, rest, pool, chunk_bytes, links)
     return Snapshot(
         stand_ins={id(t): k for t, k in zip(tensors, all_keys, strict=True)},
         transfer=transfer,
@@ -367,25 +370,6 @@ def _take_xla(
 
 
 def _take_native(
-    tensors: Sequence[torch.Tensor],
-    keys: list[torch.Tensor],
-    fit: list[int],
-    rest: list[int],
-    pool: PinnedPool | None,
-    chunk_bytes: int | None,
-    links: dict[str, Any],
-) -> tuple[DeviceTransfer, list[int], list[int], str | None]:
-    """Clones enqueued on the training stream (those the device has no memory for join the rest); the rest copied
-    into pinned buffers on a side stream that the training stream waits for. Returns without waiting for the
-    device: the transfer, the indices cloned and copied here, and ``Snapshot.fallback``. ``links``: the transfer's
-    ``aliases`` and ``deadline``."""
-    native = native_device(tensors)
-    assert native is not None
-    with native.guard():  # the caller's thread may have another device current (or none set: device 0)
-        return _enqueue_native(native, tensors, keys, fit, rest, pool, chunk_bytes, links)
-
-
-def _enqueue_native(
     native: NativeDevice,
     tensors: Sequence[torch.Tensor],
     keys: list[torch.Tensor],
@@ -395,7 +379,11 @@ def _enqueue_native(
     chunk_bytes: int | None,
     links: dict[str, Any],
 ) -> tuple[DeviceTransfer, list[int], list[int], str | None]:
-    """``_take_native``'s work, under ``native``'s device."""
+    """Clones enqueued on the training stream (those the device has no memory for join the rest); the rest copied
+    into pinned buffers on a side stream that the training stream waits for, all under ``native``'s device (the
+    caller's thread may have another device current, or none set: device 0). Returns without waiting for the
+    device: the transfer, the indices cloned and copied here, and ``Snapshot.fallback``. ``links``: the transfer's
+    ``aliases`` and ``deadline``."""
     training = native.current_stream()
     clones, uncloned, fallback = _clone_while_memory_lasts(tensors, fit)
     if uncloned:

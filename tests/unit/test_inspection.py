@@ -11,7 +11,8 @@ import torch
 import nxd_ckpt as nxd
 from nxd_ckpt.errors import UnsafeCheckpointError
 from nxd_ckpt.inspection import object_prefix, open_checkpoint
-from nxd_ckpt.storage import LocalStorage, Storage
+from nxd_ckpt.storage import LocalStorage
+from nxd_ckpt.storage.base import DelegatingStorage
 from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_steps
 
 MODEL_FILE = "model/dp_rank_00_tp_rank_00_pp_rank_00.pt"
@@ -33,15 +34,14 @@ class CountingStorage(LocalStorage):
         return super().read_bytes(path, offset, length)
 
 
-class RemoteLikeStorage(Storage):
+class RemoteLikeStorage(DelegatingStorage):
     """Delegates to a LocalStorage but is not one (as S3 is not): reads go through ranged ``read_bytes`` calls,
     whose byte counts are recorded."""
 
     ranged_reads = True  # the capability S3 declares: partial reads go by ranges
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.inner = LocalStorage(root)
-        self.url = self.inner.url
+        super().__init__(LocalStorage(root))
         self.bytes_read: dict[str, int] = {}
 
     def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
@@ -54,27 +54,6 @@ class RemoteLikeStorage(Storage):
         with self.inner.open_read(path) as f:
             self.bytes_read[path] = self.bytes_read.get(path, 0) + self.inner.size(path)
             yield f
-
-    def open_write(self, path: str):
-        return self.inner.open_write(path)
-
-    def exists(self, path: str) -> bool:
-        return self.inner.exists(path)
-
-    def list_dir(self, path: str = "") -> list[str]:
-        return self.inner.list_dir(path)
-
-    def size(self, path: str) -> int:
-        return self.inner.size(path)
-
-    def mtime(self, path: str) -> float:
-        return self.inner.mtime(path)
-
-    def delete(self, path: str) -> None:
-        self.inner.delete(path)
-
-    def delete_tree(self, path: str) -> None:
-        self.inner.delete_tree(path)
 
 
 def _large_state(n: int = 24, numel: int = 64 * 1024) -> dict[str, torch.Tensor]:
