@@ -36,7 +36,7 @@ from nxd_ckpt.dcp.place import METADATA
 from nxd_ckpt.errors import FormatError, IntegrityError
 from nxd_ckpt.ranks.coordinator import new_gloo_group, world_rank
 from nxd_ckpt.storage import storage_for
-from nxd_ckpt.torchtitan.staging import ASYNC_MODES, check_budgets, make_stager
+from nxd_ckpt.torchtitan.staging import ASYNC_MODES, check_budgets, make_stager, wait_for_staging
 from nxd_ckpt.torchtitan.steps import StepFolders
 
 logger = logging.getLogger("nxd_ckpt")
@@ -54,7 +54,7 @@ class CheckpointManager(BaseCheckpointManager):
         """TorchTitan's checkpoint fields and its DCP manager's ``async_mode``, plus nxd_ckpt's below."""
 
         async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
-        """Synchronous saves, async saves (blocking copy to CPU), or async saves staged on a thread."""
+        """Synchronous saves, or async saves (both async values stage through ``nxd_ckpt.dcp.Stager``)."""
 
         fallback_to_verified: bool = False
         """Resuming from the newest step: when it is damaged, load the newest intact one (with a warning)."""
@@ -66,10 +66,12 @@ class CheckpointManager(BaseCheckpointManager):
         """Deadline of each storage phase of a save, in seconds (None: ``NXD_CKPT_TIMEOUT_S``)."""
 
         host_memory_budget: int | str | None = None
-        """Host memory for staging (needs ``nxd_ckpt.dcp.Stager``: must stay None until it is merged)."""
+        """Host memory the staged copies of async saves may hold (bytes or a size; None:
+        ``NXD_CKPT_HOST_MEMORY_BUDGET``, else no limit)."""
 
         device_snapshot_budget: int | str | None = None
-        """Device memory for snapshots (needs ``nxd_ckpt.dcp.Stager``: must stay None until it is merged)."""
+        """Device memory for the snapshot of device state (bytes, a size or ``"auto"``; None:
+        ``NXD_CKPT_DEVICE_SNAPSHOT_BUDGET``)."""
 
         def __post_init__(self) -> None:
             BaseCheckpointManager.Config.__post_init__(self)
@@ -125,7 +127,9 @@ class CheckpointManager(BaseCheckpointManager):
         self.export_dtype = TORCH_DTYPE_MAP[config.export_dtype]
         self.async_mode = config.async_mode
         self.pg = new_gloo_group() if self.async_mode != "disabled" else None
-        self.stager = make_stager(self.async_mode)
+        self.stager = make_stager(
+            self.async_mode, config.host_memory_budget, config.device_snapshot_budget, config.timeout_s
+        )
         keeps = config.keep_latest_k > 0 and world_rank() == 0
         self._purger = ThreadPoolExecutor(1, thread_name_prefix="nxd_titan_purge") if keeps else None
         self._purges: list[Future] = []
@@ -171,8 +175,8 @@ class CheckpointManager(BaseCheckpointManager):
         )
 
     def _save_async(self, curr_step: int) -> None:
-        """Start an async save: returns once staged (``async``) or once staging started (``async_with_pinned_mem``:
-        ``maybe_wait_for_staging`` waits for it); the write runs on a thread."""
+        """Start an async save through ``nxd_ckpt.dcp.Stager``: returns once the state is snapshotted (training may
+        change it at once); ``maybe_wait_for_staging`` waits for the host copies, the write runs on a thread."""
         result = dcp.async_save(
             self._flattened(self.states),
             storage_writer=self._writer(curr_step),
@@ -211,7 +215,7 @@ class CheckpointManager(BaseCheckpointManager):
         """Wait until the last async save's staging is done (training may then change the state)."""
         future, self.staging_future = self.staging_future, None
         if future is not None:
-            future.result()
+            wait_for_staging(future, self.config.timeout_s, world_rank())
 
     def _wait_for_saving(self) -> None:
         """Wait until the last async save is committed (its error raised here, once), then run retention."""
