@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import nxd_ckpt.dcp
 from nxd_ckpt.storage.s3 import S3Storage
+from nxd_ckpt.testing.titan_job import TitanJob, assert_same_state
 
 pytestmark = [pytest.mark.s3, pytest.mark.device_independent]
 
@@ -84,68 +85,6 @@ def test_a_complete_folder_is_not_overwritten_in_place(s3_url):
     assert loaded["step"] == 1
 
 
-class _TrainState:
-    """The trainer's own state entry, and a stand-in dataloader position."""
-
-    def __init__(self) -> None:
-        self.step = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.step = state_dict["step"]
-
-
-class _Job:
-    """A model, TorchTitan's optimizer and LR-scheduler containers, and our manager built from ``config`` as
-    TorchTitan's trainer builds it."""
-
-    def __init__(self, config: Any, seed: int) -> None:
-        from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
-        from torchtitan.components.optimizer.optimizer import ParamGroupConfig
-
-        torch.manual_seed(seed)
-        self.model = torch.nn.Linear(8, 4)
-        self.optimizers = OptimizersContainer.Config(
-            implementation="for-loop",
-            param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})],
-        ).build(model_parts=[self.model])
-        self.lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(
-            optimizers=self.optimizers, training_steps=20
-        )
-        self.train_state = _TrainState()
-        self.checkpointer = config.build(
-            dataloader=_TrainState(),
-            model_parts=[self.model],
-            optimizers=self.optimizers,
-            lr_schedulers=self.lr_schedulers,
-            states={"train_state": self.train_state},
-            sd_adapter=None,
-        )
-
-    def train(self, steps: int) -> None:
-        """``steps`` steps, a ``save`` after each, as TorchTitan's trainer calls it."""
-        for _ in range(steps):
-            gen = torch.Generator().manual_seed(100 + self.train_state.step)
-            self.model(torch.randn(2, 8, generator=gen)).square().mean().backward()
-            self.checkpointer.maybe_wait_for_staging()
-            self.optimizers.step()
-            self.lr_schedulers.step()
-            self.optimizers.zero_grad()
-            self.train_state.step += 1
-            self.checkpointer.save(self.train_state.step)
-
-    def state(self) -> dict[str, Any]:
-        """Model and optimizer state, cloned."""
-        optim = self.optimizers.state_dict()
-        return {
-            "model": {k: v.clone() for k, v in self.model.state_dict().items()},
-            "optim": {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optim.items()},
-            "step": self.train_state.step,
-        }
-
-
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
 def test_the_torchtitan_manager_saves_to_s3_keeps_the_latest_k_and_resumes(s3_url, async_mode):
     pytest.importorskip("torchtitan", reason="needs the torchtitan extra (pip install 'nxd-ckpt[torchtitan]')")
@@ -156,7 +95,7 @@ def test_the_torchtitan_manager_saves_to_s3_keeps_the_latest_k_and_resumes(s3_ur
     def config(**fields: Any) -> Any:
         return CheckpointManager.Config(enable=True, folder=folder, last_save_model_only=False, **fields)
 
-    job = _Job(config(interval=1, keep_latest_k=2, async_mode=async_mode), seed=0)
+    job = TitanJob(config(interval=1, keep_latest_k=2, async_mode=async_mode), seed=0)
     job.train(4)
     job.checkpointer.close()
     storage = S3Storage(folder)
@@ -167,12 +106,7 @@ def test_the_torchtitan_manager_saves_to_s3_keeps_the_latest_k_and_resumes(s3_ur
         "step-4/nxd_ckpt/manifest_rank_00000.json",
     ]
     assert nxd_ckpt.dcp.verify(f"{folder}/step-4").ok
-    resumed = _Job(config(), seed=1)
+    resumed = TitanJob(config(), seed=1)
     assert resumed.checkpointer.load()
-    expected, got = job.state(), resumed.state()
-    assert got["step"] == expected["step"] == 4
-    for part in ("model", "optim"):
-        assert expected[part].keys() == got[part].keys()
-        for key, value in expected[part].items():
-            assert torch.equal(value, got[part][key]) if isinstance(value, torch.Tensor) else value == got[part][key]
+    assert_same_state(job.state(), resumed.state())
     resumed.checkpointer.close()
