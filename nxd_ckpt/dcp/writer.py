@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from nxd_ckpt.dcp.checkin import WrittenCheckIn
 from nxd_ckpt.dcp.place import METADATA, CheckpointPlace
 from nxd_ckpt.errors import CheckpointError
 from nxd_ckpt.format.integrity import ChecksummingStorage
@@ -68,6 +69,9 @@ class _RankFiles:
     rank: int
     prefix: str
     tier: _TierPlan | None = None
+    save_key: str = ""
+    """The save's id on the store (the same on every rank: the coordinator's), for ``checkin``."""
+    world_size: int = 1
 
 
 class StorageWriter(_DcpStorageWriter):
@@ -151,16 +155,26 @@ class StorageWriter(_DcpStorageWriter):
             tier = _TierPlan(time.time(), self.tier.runtime.count_save(), len(plans))
         if tier is None or tier.durable:
             self._watched("preparing", lambda place, _: place.begin())
-        return [dataclasses.replace(p, storage_data=_RankFiles(i, f"__{i}_", tier)) for i, p in enumerate(plans)]
+        key, world = uuid.uuid4().hex, len(plans)
+        return [
+            dataclasses.replace(p, storage_data=_RankFiles(i, f"__{i}_", tier, key, world)) for i, p in enumerate(plans)
+        ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """This rank's files, durable, and its manifest, before the future is returned (already done)."""
+        """This rank's files, durable, and its manifest, before the future is returned (already done); the
+        coordinator then waits, under the deadline, until every rank's ``write_data`` has ended (``checkin``)."""
         files: _RankFiles = plan.storage_data
         self._rank = files.rank
-        results = self._watched(
-            f"writing rank {files.rank}'s files of",
-            lambda place, monitor: self._write_rank(place, monitor, plan, planner),
-        )
+        check_in = WrittenCheckIn(files.save_key, files.rank, files.world_size)
+        try:
+            results = self._watched(
+                f"writing rank {files.rank}'s files of",
+                lambda place, monitor: self._write_rank(place, monitor, plan, planner),
+            )
+        finally:
+            check_in.check_in()
+        if self._is_coordinator:
+            check_in.wait_for_all(f"DCP checkpoint {self.path}", self.timeout_s)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
