@@ -8,6 +8,9 @@ whole and checks its size and xxh3_64 digest (``integrity.VerifyingStorage``) be
 state dict: a truncated or corrupted file raises IntegrityError naming it. Without manifests (a checkpoint stock
 DCP wrote, or one whose ``nxd_ckpt/`` folder is gone) every file the metadata points into must hold the bytes it
 points at: a truncated file is named too; a flipped byte is found only where ``torch.load`` notices it.
+
+With ``memory_tier=`` the folder is read from the memory tier where it holds a complete copy (each rank's files
+from its own node's memory, else from a peer node's replica), verified the same way; else from the folder.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ from nxd_ckpt.format.manifests import (
     parse_manifest,
     read_manifests,
 )
+from nxd_ckpt.tier.memory import MemoryTier
+from nxd_ckpt.tier.shared import shared_tier
+from nxd_ckpt.tier.view import TierView
 from nxd_ckpt.tools.dcp_io import unpickle_metadata
 
 
@@ -59,11 +65,29 @@ class StorageReader(_DcpStorageReader):
     Args:
         path: the checkpoint folder (``checkpoint_id``).
         allow_pickle: unpickle ``.metadata`` with any class (default: torch's own classes only).
+        memory_tier: read the folder's copy in the memory tier (``nxd_ckpt.MemoryTier``, as it was saved) where
+            one is complete. Collective: every rank builds its reader at the same point (the nodes report what
+            they hold).
+        timeout: the deadline of the memory tier's steps (default ``NXD_CKPT_TIMEOUT_S``).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, allow_pickle: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        allow_pickle: bool = False,
+        memory_tier: MemoryTier | None = None,
+        timeout: float | None = None,
+    ) -> None:
         super().__init__()
+        if memory_tier is not None and not isinstance(memory_tier, MemoryTier):
+            raise TypeError(f"memory_tier must be a nxd_ckpt.MemoryTier, got {type(memory_tier).__name__}")
         self.allow_pickle = allow_pickle
+        self.memory_tier = memory_tier
+        self.timeout_s = timeout
+        self.tier_view: TierView | None = None
+        """The memory tier's copy this reader reads (None: the folder); ``bytes_remote`` counts what came from
+        other nodes."""
         self.reset(path)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -71,6 +95,12 @@ class StorageReader(_DcpStorageReader):
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
             self.place = CheckpointPlace.of(self.path)
+            self.tier_view = None
+            if self.memory_tier is not None:
+                tier = shared_tier(self.memory_tier, self.place.root.url, self.timeout_s)
+                self.tier_view = tier.memory_view(self.place.folder, self.timeout_s)
+            if self.tier_view is not None:
+                self.place = dataclasses.replace(self.place, root=self.tier_view)
         self.load_id = str(uuid.uuid4())
         self.storage_data: dict[MetadataIndex, Any] = {}
 

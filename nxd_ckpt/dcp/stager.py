@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import gc
 import threading
-import time
 import weakref
 from concurrent.futures import Future
 from typing import Any
@@ -32,9 +31,10 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from nxd_ckpt.device.backend import SnapshotBudget, nbytes, resolve_snapshot_budget
 from nxd_ckpt.device.kept_budget import KeptSnapshotBudget, device_tensors
 from nxd_ckpt.device.transfer import run_on_transfer_thread
-from nxd_ckpt.errors import CheckpointError, CheckpointTimeoutError
+from nxd_ckpt.errors import CheckpointError
 from nxd_ckpt.options import resolve_budget
-from nxd_ckpt.ranks.deadlines import resolve_timeout
+from nxd_ckpt.ranks.coordinator import world_rank
+from nxd_ckpt.ranks.deadlines import Deadline, resolve_timeout
 from nxd_ckpt.save.staging import StagedState, StagingPool
 from nxd_ckpt.tree import children, iter_tensors, map_leaves, map_tensors
 
@@ -161,9 +161,10 @@ class Stager(AsyncStager):
         self._raise_earlier()
         local = map_tensors(state_dict, _local)
         size = sum(nbytes(t) for t in {id(t): t for _, t in iter_tensors(local)}.values())
-        self._wait_for_room(size)
+        deadline = Deadline(self.timeout_s, world_rank())
+        self._wait_for_room(size, deadline)
         budget = self._snapshot_budget(local)
-        staged = self.pool.stage([local], timeout=self.timeout_s, device_budget=budget)
+        staged = self.pool.stage([local], timeout=self.timeout_s, device_budget=budget, rank=deadline.rank)
         lease = _Lease(self, staged, size)
         with self._cond:
             self._leases.add(lease)
@@ -189,9 +190,10 @@ class Stager(AsyncStager):
             return None
         return self._kept.agree(self._kept.proposal(self.device_snapshot_budget, on_device))
 
-    def _wait_for_room(self, size: int) -> None:
-        """Wait until the saves in flight leave room for ``size`` bytes more (fewer than ``MAX_IN_FLIGHT`` saves,
-        within the host budget); CheckpointError for a state the budget can never hold."""
+    def _wait_for_room(self, size: int, deadline: Deadline) -> None:
+        """Wait (under ``deadline``, whose error names this rank) until the saves in flight leave room for ``size``
+        bytes more (fewer than ``MAX_IN_FLIGHT`` saves, within the host budget); CheckpointError for a state the
+        budget can never hold."""
         limit = self.host_memory_budget
         if limit is not None and size > limit:
             raise CheckpointError(
@@ -204,21 +206,20 @@ class Stager(AsyncStager):
             held = sum(lease.nbytes for lease in self._leases)
             return len(self._leases) < MAX_IN_FLIGHT and (limit is None or held + size <= limit)
 
-        deadline = time.monotonic() + self.timeout_s
         with self._cond:
             if room():
                 return
         gc.collect()  # a staged state dict kept only by a reference cycle (a failed upload's traceback)
         with self._cond:
-            if self._cond.wait_for(room, max(0.0, deadline - time.monotonic())):
-                return
             held = sum(lease.nbytes for lease in self._leases)
-        raise CheckpointTimeoutError(
-            f"the staged copies of {len(self._leases)} earlier async saves ({held} bytes) were still held after "
-            f"{self.timeout_s} s: their uploads have not finished, or something keeps their staged state dicts "
-            "(an upload future's exception holds them); wait for upload_completion before the next save, or drop "
-            "the failed futures"
-        )
+            deadline.wait(
+                self._cond,
+                room,
+                "staging an async DCP save",
+                f"the staged copies of {len(self._leases)} earlier async saves ({held} bytes), still held: their "
+                "uploads have not finished, or something keeps their staged state dicts (an upload future's "
+                "exception holds them); wait for upload_completion before the next save, or drop the failed futures",
+            )
 
     def _returned(self, lease: _Lease) -> None:
         with self._cond:

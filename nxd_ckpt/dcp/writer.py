@@ -10,7 +10,11 @@ with ``_StorageInfo`` records), so DCP's own ``FileSystemReader`` reads them. Wh
   + directory fsync) and commits (``place.CheckpointPlace.commit``): a save killed at any moment leaves the
   previous checkpoint in the folder loadable, and saving into a folder that holds one replaces it only at the
   commit;
-- every storage call runs under the library's deadline (``watchdog``: a stalled call raises instead of hanging).
+- every storage call runs under the library's deadline (``watchdog``: a stalled call raises instead of hanging);
+- with ``memory_tier=`` every save goes to node memory and peer nodes' memory (``tier``), and every
+  ``durable_every``-th save also to the folder: each rank's files are written into its node's share and
+  replicated, the coordinator's (with ``.metadata``) last, in ``finish``, so a copy counts only once every rank's
+  files are there.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import dataclasses
 import io
 import os
 import pickle
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,14 +38,28 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from nxd_ckpt.dcp.place import CheckpointPlace
+from nxd_ckpt.dcp.checkin import WrittenCheckIn
+from nxd_ckpt.dcp.place import METADATA, CheckpointPlace
 from nxd_ckpt.errors import CheckpointError
 from nxd_ckpt.format.integrity import ChecksummingStorage
 from nxd_ckpt.ranks.deadlines import resolve_timeout
 from nxd_ckpt.storage import Storage
+from nxd_ckpt.tier.memory import MemoryTier
+from nxd_ckpt.tier.runtime import TierSave
+from nxd_ckpt.tier.shared import SharedTier, shared_tier
 from nxd_ckpt.watchdog import StorageMonitor, run_watched
 
 T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class _TierPlan:
+    """The coordinator's decisions on a save through the memory tier, the same for every rank: the save's time
+    (its copies' identity in the tier) and whether it also goes to the folder (every ``durable_every``-th)."""
+
+    created_at: float
+    durable: bool
+    world_size: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +68,10 @@ class _RankFiles:
 
     rank: int
     prefix: str
+    tier: _TierPlan | None = None
+    save_key: str = ""
+    """The save's id on the store (the same on every rank: the coordinator's), for ``checkin``."""
+    world_size: int = 1
 
 
 class StorageWriter(_DcpStorageWriter):
@@ -62,15 +85,32 @@ class StorageWriter(_DcpStorageWriter):
         path: the checkpoint folder (``checkpoint_id``); its parent holds the hidden staging directory.
         thread_count: files (and threads) per rank.
         timeout: seconds for each phase's storage calls (default ``NXD_CKPT_TIMEOUT_S``).
+        memory_tier: save to node memory and peer nodes (``nxd_ckpt.MemoryTier``), the folder every
+            ``durable_every``-th save. Collective the first time in a process (every rank builds its writer at
+            the same point: the node's file server starts and the addresses are exchanged).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, thread_count: int = 1, timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        thread_count: int = 1,
+        timeout: float | None = None,
+        memory_tier: MemoryTier | None = None,
+    ) -> None:
         super().__init__()
         if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count must be a positive int, got {thread_count!r}")
+        if memory_tier is not None and not isinstance(memory_tier, MemoryTier):
+            raise TypeError(f"memory_tier must be a nxd_ckpt.MemoryTier, got {type(memory_tier).__name__}")
         self.thread_count = thread_count
         self.timeout_s = resolve_timeout(timeout)
+        self.memory_tier = memory_tier
+        self.tier: SharedTier | None = None
         self._rank = 0
+        self._is_coordinator = False
+        self._durable = True
+        self._tier_save: TierSave | None = None
         self.reset(path)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -78,6 +118,8 @@ class StorageWriter(_DcpStorageWriter):
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
             self.place = CheckpointPlace.of(self.path)
+            if self.memory_tier is not None:
+                self.tier = shared_tier(self.memory_tier, self.place.root.url, self.timeout_s)
         self.save_id = str(uuid.uuid4())
 
     @property
@@ -95,6 +137,7 @@ class StorageWriter(_DcpStorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Refuses rank-local saves (``use_collectives=False``): they have no single commit."""
+        self._is_coordinator = is_coordinator
         if kwargs.get("use_collectives", True) is False:
             raise CheckpointError(
                 "nxd_ckpt.dcp.StorageWriter commits one checkpoint for all ranks; dcp.save(..., "
@@ -105,18 +148,33 @@ class StorageWriter(_DcpStorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Coordinator, before any rank writes: settle an interrupted save, empty the staging directory, and give
-        each rank its files' prefix (DCP's ``__<rank>_``)."""
-        self._watched("preparing", lambda place: place.begin())
-        return [dataclasses.replace(p, storage_data=_RankFiles(i, f"__{i}_")) for i, p in enumerate(plans)]
+        """Coordinator, before any rank writes: settle an interrupted save, empty the staging directory (unless
+        the save goes to the memory tier only), and give each rank its files' prefix (DCP's ``__<rank>_``)."""
+        tier = None
+        if self.tier is not None:
+            tier = _TierPlan(time.time(), self.tier.runtime.count_save(), len(plans))
+        if tier is None or tier.durable:
+            self._watched("preparing", lambda place, _: place.begin())
+        key, world = uuid.uuid4().hex, len(plans)
+        return [
+            dataclasses.replace(p, storage_data=_RankFiles(i, f"__{i}_", tier, key, world)) for i, p in enumerate(plans)
+        ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """This rank's files, durable, and its manifest, before the future is returned (already done)."""
+        """This rank's files, durable, and its manifest, before the future is returned (already done); the
+        coordinator then waits, under the deadline, until every rank's ``write_data`` has ended (``checkin``)."""
         files: _RankFiles = plan.storage_data
         self._rank = files.rank
-        results = self._watched(
-            f"writing rank {files.rank}'s files of", lambda place: self._write_rank(place, plan, planner)
-        )
+        check_in = WrittenCheckIn(files.save_key, files.rank, files.world_size)
+        try:
+            results = self._watched(
+                f"writing rank {files.rank}'s files of",
+                lambda place, monitor: self._write_rank(place, monitor, plan, planner),
+            )
+        finally:
+            check_in.check_in()
+        if self._is_coordinator:
+            check_in.wait_for_all(f"DCP checkpoint {self.path}", self.timeout_s)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -130,33 +188,79 @@ class StorageWriter(_DcpStorageWriter):
         for info in metadata.storage_data.values():
             needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
         data = pickle.dumps(metadata)
-        self._watched("committing", lambda place: place.commit(data, len(results), self._rank, needed))
+        tier, self._tier_save = self._tier_save, None
+        if tier is None or self._durable:
+            self._watched("committing", lambda place, _: place.commit(data, len(results), self._rank, needed))
+        if tier is not None:
+            self._watched("committing to the memory tier", lambda place, _: _seal_tier(tier, place.folder, data))
 
-    def _watched(self, what: str, fn: Callable[[CheckpointPlace], T]) -> T:
-        """``fn(place)`` on a helper thread, every storage call of ``place`` under this writer's deadline (a stalled
-        or overdue call raises here, naming the file)."""
+    def _watched(self, what: str, fn: Callable[[CheckpointPlace, StorageMonitor], T]) -> T:
+        """``fn(place, monitor)`` on a helper thread, every storage call of ``place`` (and of the memory tier's
+        copies) under this writer's deadline (a stalled or overdue call raises here, naming the file)."""
         monitor = StorageMonitor(f"{what} DCP checkpoint {self.path}", self.timeout_s, url=self.place.root.url)
-        return run_watched(lambda: fn(self.place.watched(monitor)), monitor, name="nxd_ckpt_dcp")
+        return run_watched(lambda: fn(self.place.watched(monitor), monitor), monitor, name="nxd_ckpt_dcp")
 
-    def _write_rank(self, place: CheckpointPlace, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
-        """Write this rank's items into ``thread_count`` files, make them durable, then write the manifest."""
+    def _write_rank(
+        self, place: CheckpointPlace, monitor: StorageMonitor, plan: SavePlan, planner: SavePlanner
+    ) -> list[WriteResult]:
+        """This rank's items into the folder (``_write_files``), or through the memory tier (``_write_tier``)."""
         files: _RankFiles = plan.storage_data
-        storage = ChecksummingStorage(place.staged(), place.folder, files.rank)
+        self._durable = files.tier is None or files.tier.durable
+        if files.tier is None:
+            storage = ChecksummingStorage(place.staged(), place.folder, files.rank)
+            with storage.durability_batch():
+                results = self._write_files(storage, place.folder, plan, planner)
+            storage.write_manifest()
+            return results
+        return self._write_tier(place, monitor, plan, planner)
+
+    def _write_tier(
+        self, place: CheckpointPlace, monitor: StorageMonitor, plan: SavePlan, planner: SavePlanner
+    ) -> list[WriteResult]:
+        """This rank's files into its node's memory, copied to the folder on a durable save; then (every rank but
+        the coordinator, which does it in ``finish`` after ``.metadata``) its marker and the peers' copies."""
+        files: _RankFiles = plan.storage_data
+        assert self.tier is not None and files.tier is not None
+        tier = self.tier.runtime.begin_save(place.folder, files.tier.created_at, files.tier.world_size, monitor)
+        tier.begin()
+        results = self._write_files(tier.storage, place.folder, plan, planner)
+        if files.tier.durable:
+            durable = ChecksummingStorage(place.staged(), place.folder, files.rank)
+            with durable.durability_batch():
+                tier.copy_to(durable)
+            durable.write_manifest()
+        if self._is_coordinator:
+            self._tier_save = tier
+        else:
+            tier.seal()
+            tier.replicate()
+        return results
+
+    def _write_files(self, storage: Storage, folder: str, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        """Write this rank's items into ``thread_count`` files of ``storage``."""
+        files: _RankFiles = plan.storage_data
         buckets = [b for b in _split(plan.items, self.thread_count) if b]
         names = [f"{files.prefix}{i}{DEFAULT_SUFFIX}" for i in range(len(buckets))]
 
         def write(named: tuple[str, list[WriteItem]]) -> list[WriteResult]:
-            return _write_file(storage, place.folder, named[0], named[1], planner)
+            return _write_file(storage, folder, named[0], named[1], planner)
 
         pairs = list(zip(names, buckets, strict=True))
-        with storage.durability_batch():
-            if len(pairs) <= 1:
-                results = [write(p) for p in pairs]
-            else:
-                with ThreadPoolExecutor(len(pairs), thread_name_prefix="nxd_dcp_write") as pool:
-                    results = list(pool.map(write, pairs))
-        storage.write_manifest()
+        if len(pairs) <= 1:
+            results = [write(p) for p in pairs]
+        else:
+            with ThreadPoolExecutor(len(pairs), thread_name_prefix="nxd_dcp_write") as pool:
+                results = list(pool.map(write, pairs))
         return [r for file_results in results for r in file_results]
+
+
+def _seal_tier(tier: TierSave, folder: str, metadata: bytes) -> None:
+    """The coordinator's part of a save in the memory tier: ``.metadata`` into its node's share, then its manifest
+    and marker (the copy of the whole save counts from now: every other rank sealed before ``finish``), then the
+    peers' copies."""
+    tier.storage.write_bytes(f"{folder}/{METADATA}", metadata)
+    tier.seal()
+    tier.replicate()
 
 
 def _split(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:

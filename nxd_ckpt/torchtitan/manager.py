@@ -36,8 +36,10 @@ from nxd_ckpt.dcp.place import METADATA
 from nxd_ckpt.errors import FormatError, IntegrityError
 from nxd_ckpt.ranks.coordinator import new_gloo_group, world_rank
 from nxd_ckpt.storage import storage_for
-from nxd_ckpt.torchtitan.staging import ASYNC_MODES, check_budgets, make_stager
-from nxd_ckpt.torchtitan.steps import StepFolders
+from nxd_ckpt.tier.memory import MemoryTier
+from nxd_ckpt.tier.shared import close_runtimes, shared_tier
+from nxd_ckpt.torchtitan.staging import ASYNC_MODES, check_budgets, make_stager, wait_for_staging
+from nxd_ckpt.torchtitan.steps import StepFolders, parse_step
 
 logger = logging.getLogger("nxd_ckpt")
 
@@ -54,7 +56,7 @@ class CheckpointManager(BaseCheckpointManager):
         """TorchTitan's checkpoint fields and its DCP manager's ``async_mode``, plus nxd_ckpt's below."""
 
         async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
-        """Synchronous saves, async saves (blocking copy to CPU), or async saves staged on a thread."""
+        """Synchronous saves, or async saves (both async values stage through ``nxd_ckpt.dcp.Stager``)."""
 
         fallback_to_verified: bool = False
         """Resuming from the newest step: when it is damaged, load the newest intact one (with a warning)."""
@@ -66,10 +68,16 @@ class CheckpointManager(BaseCheckpointManager):
         """Deadline of each storage phase of a save, in seconds (None: ``NXD_CKPT_TIMEOUT_S``)."""
 
         host_memory_budget: int | str | None = None
-        """Host memory for staging (needs ``nxd_ckpt.dcp.Stager``: must stay None until it is merged)."""
+        """Host memory the staged copies of async saves may hold (bytes or a size; None:
+        ``NXD_CKPT_HOST_MEMORY_BUDGET``, else no limit)."""
 
         device_snapshot_budget: int | str | None = None
-        """Device memory for snapshots (needs ``nxd_ckpt.dcp.Stager``: must stay None until it is merged)."""
+        """Device memory for the snapshot of device state (bytes, a size or ``"auto"``; None:
+        ``NXD_CKPT_DEVICE_SNAPSHOT_BUDGET``)."""
+
+        memory_tier: MemoryTier | None = None
+        """Save to node memory and peer nodes' memory, to ``folder`` every ``durable_every``-th save (the last
+        step always); loads take the newest complete copy across the tiers."""
 
         def __post_init__(self) -> None:
             BaseCheckpointManager.Config.__post_init__(self)
@@ -87,6 +95,10 @@ class CheckpointManager(BaseCheckpointManager):
             if self.files_per_rank < 1:
                 raise ValueError(f"checkpoint.files_per_rank must be an int >= 1, got {self.files_per_rank!r}")
             check_budgets(self.host_memory_budget, self.device_snapshot_budget)
+            if self.memory_tier is not None and not isinstance(self.memory_tier, MemoryTier):
+                raise ValueError(
+                    f"checkpoint.memory_tier must be a nxd_ckpt.MemoryTier, got {type(self.memory_tier).__name__}"
+                )
 
     def __init__(
         self,
@@ -106,6 +118,8 @@ class CheckpointManager(BaseCheckpointManager):
         self.save_future: Future | None = None
         self.staging_future: Future | None = None
         self._closed = False
+        self.last_reader: StorageReader | None = None
+        """The reader of the last load (its ``tier_view``: where it read from)."""
         if not self.enable:
             return
         self.config = config
@@ -125,7 +139,9 @@ class CheckpointManager(BaseCheckpointManager):
         self.export_dtype = TORCH_DTYPE_MAP[config.export_dtype]
         self.async_mode = config.async_mode
         self.pg = new_gloo_group() if self.async_mode != "disabled" else None
-        self.stager = make_stager(self.async_mode)
+        self.stager = make_stager(
+            self.async_mode, config.host_memory_budget, config.device_snapshot_budget, config.timeout_s
+        )
         keeps = config.keep_latest_k > 0 and world_rank() == 0
         self._purger = ThreadPoolExecutor(1, thread_name_prefix="nxd_titan_purge") if keeps else None
         self._purges: list[Future] = []
@@ -164,15 +180,19 @@ class CheckpointManager(BaseCheckpointManager):
             return True
         return last_step or curr_step % self.interval == 0
 
-    def _writer(self, step: int) -> StorageWriter:
-        """The library's DCP writer for ``step``'s folder (one per save: DCP resets it per checkpoint)."""
+    def _writer(self, step: int, durable: bool = False) -> StorageWriter:
+        """The library's DCP writer for ``step``'s folder (one per save: DCP resets it per checkpoint), through
+        the memory tier if there is one (not for a ``durable`` save: the last step)."""
         return StorageWriter(
-            self.steps.path(step), thread_count=self.config.files_per_rank, timeout=self.config.timeout_s
+            self.steps.path(step),
+            thread_count=self.config.files_per_rank,
+            timeout=self.config.timeout_s,
+            memory_tier=None if durable else self.config.memory_tier,
         )
 
     def _save_async(self, curr_step: int) -> None:
-        """Start an async save: returns once staged (``async``) or once staging started (``async_with_pinned_mem``:
-        ``maybe_wait_for_staging`` waits for it); the write runs on a thread."""
+        """Start an async save through ``nxd_ckpt.dcp.Stager``: returns once the state is snapshotted (training may
+        change it at once); ``maybe_wait_for_staging`` waits for the host copies, the write runs on a thread."""
         result = dcp.async_save(
             self._flattened(self.states),
             storage_writer=self._writer(curr_step),
@@ -197,7 +217,7 @@ class CheckpointManager(BaseCheckpointManager):
             logger.info("saving a model-only checkpoint in %s at the last step, step %d", self.export_dtype, curr_step)
         else:
             states = self._flattened(self.states)
-        dcp.save(states, storage_writer=self._writer(curr_step))
+        dcp.save(states, storage_writer=self._writer(curr_step, durable=True))
 
     def _purge(self) -> None:
         """Rank 0: retention (``keep_latest_k``) on a background thread, once a save is committed."""
@@ -211,7 +231,7 @@ class CheckpointManager(BaseCheckpointManager):
         """Wait until the last async save's staging is done (training may then change the state)."""
         future, self.staging_future = self.staging_future, None
         if future is not None:
-            future.result()
+            wait_for_staging(future, self.config.timeout_s, world_rank())
 
     def _wait_for_saving(self) -> None:
         """Wait until the last async save is committed (its error raised here, once), then run retention."""
@@ -235,6 +255,8 @@ class CheckpointManager(BaseCheckpointManager):
                 self._purger.shutdown(wait=True)
                 for future in self._purges:
                     _log_purge_error(future)
+            if self.config.memory_tier is not None:
+                close_runtimes(self.steps.storage.url)
 
     # ------------------------------------------------------------------------------------------------ loading
     @torch.no_grad()
@@ -243,6 +265,9 @@ class CheckpointManager(BaseCheckpointManager):
         checkpoint was loaded."""
         has_folder = self.steps.exists()
         complete = self.steps.complete_steps() if has_folder else []
+        in_memory = self._newest_in_memory()
+        if in_memory is not None:
+            has_folder, complete = True, sorted({*complete, in_memory})
         if step != -1:
             if not has_folder:
                 raise FileNotFoundError(
@@ -259,6 +284,14 @@ class CheckpointManager(BaseCheckpointManager):
             self._load_newest(complete)
             return True
         return self._initial_load()
+
+    def _newest_in_memory(self) -> int | None:
+        """(Collective.) The newest step the memory tier holds a complete copy of, None without a tier or copy."""
+        if self.config.memory_tier is None:
+            return None
+        tier = shared_tier(self.config.memory_tier, self.steps.storage.url, self.config.timeout_s)
+        choice, _ = tier.newest()
+        return parse_step(choice.tag) if choice is not None else None
 
     def _load_newest(self, complete: list[int]) -> None:
         """The newest complete step; with ``fallback_to_verified`` a damaged one is skipped (a warning) for the
@@ -283,7 +316,7 @@ class CheckpointManager(BaseCheckpointManager):
     def _load_step(self, step: int) -> None:
         """One step of this folder, verified; model only for step 0 (a seed checkpoint), as TorchTitan does."""
         logger.info("loading the checkpoint %s", self.steps.path(step))
-        self._verified_load(self._states_to_load(model_only=step == 0), self.steps.path(step))
+        self._verified_load(self._states_to_load(model_only=step == 0), self.steps.path(step), self.config.memory_tier)
 
     def _initial_load(self) -> bool:
         """No checkpoint in the folder: ``initial_load_path`` (model only unless ``initial_load_model_only`` is
@@ -301,11 +334,14 @@ class CheckpointManager(BaseCheckpointManager):
         self._verified_load(self._states_to_load(model_only=self.config.initial_load_model_only), path)
         return True
 
-    def _verified_load(self, states: dict[str, Any], path: str) -> None:
-        """``dcp.load`` through ``nxd_ckpt.dcp.StorageReader``; a damaged checkpoint raises IntegrityError naming
-        what is wrong, on every rank (DCP gathers each rank's failure)."""
+    def _verified_load(self, states: dict[str, Any], path: str, memory_tier: MemoryTier | None = None) -> None:
+        """``dcp.load`` through ``nxd_ckpt.dcp.StorageReader`` (from the memory tier's copy where it holds one);
+        a damaged checkpoint raises IntegrityError naming what is wrong, on every rank (DCP gathers each rank's
+        failure)."""
         try:
-            dcp.load(states, storage_reader=StorageReader(path))
+            reader = StorageReader(path, memory_tier=memory_tier, timeout=self.config.timeout_s)
+            self.last_reader = reader
+            dcp.load(states, storage_reader=reader)
         except (Exception, CheckpointException) as e:
             damage = _damage(e)
             if damage is None:

@@ -10,6 +10,7 @@ import logging
 import os
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -29,7 +30,8 @@ from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
-from nxd_ckpt.errors import IntegrityError
+from nxd_ckpt.dcp import Stager
+from nxd_ckpt.errors import CheckpointError, CheckpointTimeoutError, IntegrityError
 from nxd_ckpt.testing.multiprocess import run_on_ranks
 from nxd_ckpt.torchtitan import CheckpointManager
 
@@ -177,10 +179,28 @@ def _run_then_resume(base: str, saver: Any, loader: Any, saved_at: int = 3, tota
     _assert_same(resumed.snapshot(), first_after.snapshot())
 
 
+@pytest.fixture
+def stage_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the saves staged through ``nxd_ckpt.dcp.Stager`` (each entry: the stager's ``id``)."""
+    calls: list[int] = []
+    real = Stager.stage
+
+    def counted(self: Stager, state_dict: Any) -> Any:
+        calls.append(id(self))
+        return real(self, state_dict)
+
+    monkeypatch.setattr(Stager, "stage", counted)
+    return calls
+
+
 @pytest.mark.parametrize("async_mode", ["disabled", "async", "async_with_pinned_mem"])
-def test_resume_is_bit_exact(tmp_path, async_mode):
+def test_resume_is_bit_exact(tmp_path, async_mode, stage_calls):
     config = _ours(interval=3, async_mode=async_mode)
     _run_then_resume(str(tmp_path / "job"), config, config)
+    # the saving job saved step 3, the uninterrupted one steps 3 and 6, the resumed one step 6: each async save
+    # was staged by its manager's one Stager (reused across saves)
+    assert len(stage_calls) == (0 if async_mode == "disabled" else 4)
+    assert len(set(stage_calls)) == (0 if async_mode == "disabled" else 3)
     names = _steps(tmp_path / "job")
     assert names == ["step-3", "step-6"]
     files = sorted(os.listdir(tmp_path / "job" / "ckpt" / "step-3"))
@@ -303,8 +323,31 @@ def test_the_config_refuses_last_save_in_hf_and_unsupported_fields():
         CheckpointManager.Config(enable=True, last_save_in_hf=True)
     with pytest.raises(ValueError, match="Invalid async_mode"):
         CheckpointManager.Config(enable=True, async_mode="sometimes")
-    with pytest.raises(ValueError, match="needs nxd_ckpt.dcp.Stager"):
-        CheckpointManager.Config(enable=True, host_memory_budget="1GiB")
+    with pytest.raises(ValueError, match="host_memory_budget='lots' is not a size"):
+        CheckpointManager.Config(enable=True, host_memory_budget="lots")
+    with pytest.raises(ValueError, match="device_snapshot_budget"):
+        CheckpointManager.Config(enable=True, device_snapshot_budget=-1)
+
+
+def test_the_host_memory_budget_is_honoured_and_maybe_wait_for_staging_waits_for_the_stager(tmp_path, stage_calls):
+    """Within the budget async saves stage through the Stager and resume bit-exactly; a rank whose state exceeds
+    ``host_memory_budget`` is refused by the save, and the previous step stays."""
+    rig = _Rig(_ours(interval=2, async_mode="async", host_memory_budget="1MiB"), str(tmp_path), seed=0)
+    assert rig.checkpointer.stager.host_memory_budget == 1 << 20
+    rig.train(2)
+    assert rig.checkpointer.staging_future is not None and len(stage_calls) == 1
+    rig.checkpointer.maybe_wait_for_staging()
+    assert rig.checkpointer.staging_future is None
+    rig.checkpointer.maybe_wait_for_saving()
+    at_two = rig.snapshot()
+    rig.checkpointer.close()
+    tight = _Rig(_ours(interval=2, async_mode="async_with_pinned_mem", host_memory_budget=1024), str(tmp_path), seed=0)
+    with pytest.raises(CheckpointError, match="more than host_memory_budget=1024"):
+        tight.train(2)
+    tight.checkpointer.close()
+    resumed = _Rig(_ours(), str(tmp_path), seed=1)
+    assert resumed.checkpointer.load()
+    _assert_same(resumed.snapshot(), at_two)
 
 
 def test_it_is_a_checkpoint_config_the_trainer_builds():
@@ -364,3 +407,12 @@ def test_two_ranks_save_async_and_resume_with_either_manager(tmp_path):
         "__1_0.distcp",
         "nxd_ckpt",
     ]
+
+
+def test_a_staging_that_never_ends_raises_at_maybe_wait_for_staging_naming_the_rank(tmp_path):
+    """``maybe_wait_for_staging`` waits under the deadline (``timeout_s``), not forever."""
+    rig = _Rig(_ours(interval=2, async_mode="async", timeout_s=0.2), str(tmp_path), seed=0)
+    rig.checkpointer.staging_future = Future()  # host copies that never arrive
+    with pytest.raises(CheckpointTimeoutError, match=r"staging an async TorchTitan checkpoint on rank 0: waited 0.2 s"):
+        rig.checkpointer.maybe_wait_for_staging()
+    rig.checkpointer.close()

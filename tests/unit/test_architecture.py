@@ -131,7 +131,7 @@ LAYERS = [
     {"options", "rank_state"},
     {"save", "load"},
     {"manager", "tools", "testing", "dcp"},
-    {"api", "cli", "lightning", "compat", "torchtitan"},
+    {"api", "cli", "lightning", "torchtitan", "compat"},
 ]
 """Dependencies point down: a module imports only from its own layer or lower ones (the folders' order)."""
 
