@@ -5,6 +5,7 @@ DefaultStager failed on the second on torch 2.11), the host memory budget holds,
 from __future__ import annotations
 
 import gc
+import time
 import warnings
 
 import pytest
@@ -66,6 +67,16 @@ def _assert_same(got: dict, want: dict) -> None:
     assert got["train_state"] == want["train_state"]
 
 
+def _wait_released(stager: Stager, timeout_s: float = 30.0) -> None:
+    """Until the staged copies are back in the pool: DCP's upload thread drops the staged state dict a moment after
+    ``upload_completion`` resolves (on a busy machine, after the test's next line)."""
+    deadline = time.monotonic() + timeout_s
+    while stager._leases:
+        assert time.monotonic() < deadline, f"the staged copies were not given back within {timeout_s} s"
+        gc.collect()
+        time.sleep(0.01)
+
+
 def test_three_async_saves_through_one_stager_keep_what_was_staged(tmp_path):
     """A training step right after each async_save returns changes nothing saved; stock DCP loads each bit-exactly;
     the second and third saves copy into the first's buffers (nothing allocated)."""
@@ -79,6 +90,7 @@ def test_three_async_saves_through_one_stager_keep_what_was_staged(tmp_path):
         response.upload_completion.result(timeout=60)
         assert response.staging_completion.done()
         _assert_same(_load_stock(str(tmp_path / f"step-{n}")), want)
+        _wait_released(stager)
     assert allocated[0] > 0 and allocated[1:] == [0, 0], allocated
     stager.close()
 
