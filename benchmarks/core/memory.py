@@ -110,3 +110,32 @@ class CpuTime:
         t = os.times()
         self.used_s = (t.user - self._times.user) + (t.system - self._times.system)
         self.machine_idle_s = _machine_idle_s() - self._idle
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (/proc/self/statm)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class ResidentPeak:
+    """Samples this process's resident memory on a thread (every 2 ms) while active; ``peak`` is the largest
+    seen (against a base taken by the caller, e.g. before any checkpointing: what a pool holds counts)."""
+
+    def __init__(self) -> None:
+        self.peak = resident_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, resident_bytes())
+
+    def __enter__(self) -> ResidentPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, resident_bytes())
