@@ -188,7 +188,8 @@ def worker(total_bytes: int, hidden: int, repeats: int, root: str, out: str) -> 
 def run(args: argparse.Namespace, report: Report) -> int:
     """Spawn the ranks and report the medians and ratios."""
     with tempfile.TemporaryDirectory(prefix="nxd_bench_async_", dir=args.dir) as root:
-        kwargs = {"total_bytes": int(args.total_gib * GIB), "hidden": args.hidden, "repeats": args.repeats, "root": root}
+        kwargs = {"total_bytes": int(args.total_gib * GIB), "hidden": args.hidden, "repeats": args.repeats}
+        kwargs["root"] = root
         result = report.data["async"] = on_ranks(worker, args.ranks, kwargs)
     report.say(f"== async section: {result['total_state_gib']:.2f} GiB state on {result['ranks']} ranks ==")
     report.say(f"bytes saved per rank: {result['saved_bytes_per_rank']}")
