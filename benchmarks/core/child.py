@@ -30,7 +30,8 @@ def in_child(
     with tempfile.TemporaryDirectory(prefix="nxd_bench_child_") as scratch:
         out = os.path.join(scratch, "result.json")
         command = [sys.executable, "-m", "benchmarks.core.child", target, json.dumps(kwargs), out]
-        done = subprocess.run(command, env=child_env, cwd=REPO, timeout=timeout, check=False,
+        # cwd: not this repository, whose nxd_ckpt would come first on the path of ``python -m``
+        done = subprocess.run(command, env=child_env, cwd=scratch, timeout=timeout, check=False,
                               capture_output=quiet, text=True)  # fmt: skip
         if done.returncode != 0 or not os.path.exists(out):
             tail = (done.stderr or "")[-2000:] if quiet else "(its output is above)"

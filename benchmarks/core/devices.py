@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+GIB = 1 << 30
+
 
 def pick_device(choice: str) -> str:
     """``cuda`` or ``xla``; a clear error (exit 2) when the asked-for device is not available here."""

@@ -53,3 +53,15 @@ def on_ranks(
             raise RuntimeError(f"{fn.__module__}.{fn.__qualname__}: rank 0 wrote no result (write_result)")
         with open(out) as f:
             return json.load(f)
+
+
+def single_rank_group() -> None:
+    """A 1-rank gloo group on a store this process serves on 127.0.0.1 (port 0: the kernel picks it), as a
+    one-process training script has."""
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=300)
+    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
