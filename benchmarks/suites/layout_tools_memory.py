@@ -38,7 +38,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
 def tool_child(case: str, src_dir: str, tag: str, out: str, alloc: str) -> dict[str, float]:
     """In a fresh process: one tool's run, its peak resident memory above the resident memory after the imports."""
     # imported before the baseline: code, not data
-    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.checkpoint
     import torch.distributed.checkpoint.default_planner  # noqa: F401
 
     import nxd_ckpt as nxd
