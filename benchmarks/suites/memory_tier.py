@@ -20,6 +20,7 @@ plus each rank's ZeRO-1 shard of AdamW state, --total-mib in all. In one run, on
              slow the timed loads).
   blocked, one process   the same comparison in the parent process alone (a quarter of the state, replicas=0):
              the training thread's own cost of the tier, without 4 ranks competing for the 2 cores.
+``NXD_BENCH_PROFILE=<dir>`` writes a cProfile of rank 0's timed restores from memory and from the peer.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import socket
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -98,6 +99,27 @@ def socket_copy_s(coord: Any, read: list[torch.Tensor], peer: int, receiver: boo
     return max(coord.all_gather_object(elapsed, phase="benchmark: socket baseline"))
 
 
+def profiler(rank: int, label: str) -> contextlib.AbstractContextManager:
+    """cProfile of rank 0's timed memory and peer restores into the directory ``NXD_BENCH_PROFILE`` names (one
+    file per restore), else nothing."""
+    directory = os.environ.get("NXD_BENCH_PROFILE")
+    if not directory or rank != 0 or label not in ("memory", "peer"):
+        return contextlib.nullcontext()
+    import cProfile
+
+    @contextlib.contextmanager
+    def run() -> Iterator[None]:
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            yield
+        finally:
+            prof.disable()
+            prof.dump_stats(os.path.join(directory, f"{label}_{time.time_ns()}.prof"))
+
+    return run()
+
+
 class Recovery:
     """One rank's restores of the newest tag into touched targets, and their baselines and figures."""
 
@@ -143,7 +165,7 @@ class Recovery:
         self.coord.barrier()
         with peak or contextlib.nullcontext():
             start = time.perf_counter()
-            with CpuTime() as cpu:
+            with profiler(self.rank, label) if peak is None else contextlib.nullcontext(), CpuTime() as cpu:
                 manager.load(self.ckpt, model=self.target_model, optimizer=self.target_opt, memory_tier=self.tier)
             elapsed = self.slowest(time.perf_counter() - start)
         if peak is None and label != "warmup":
