@@ -48,6 +48,7 @@ class Device:
             self.device = torch.device(torch_xla.device())
 
     def name(self) -> str:
+        """The device in words, for the report."""
         if self.kind == "cuda":
             return f"{torch.cuda.get_device_name(self.device)} (CUDA {torch.version.cuda})"
         import torch_xla.runtime as xr
@@ -55,6 +56,7 @@ class Device:
         return f"XLA {xr.device_type()} device {self.device} (PJRT_DEVICE={os.environ.get('PJRT_DEVICE')})"
 
     def versions(self) -> str:
+        """torch's version (and torch_xla's)."""
         text = f"torch {torch.__version__}"
         if self.kind == "xla":
             text += f", torch_xla {self.xla.__version__}"
@@ -68,6 +70,7 @@ class Device:
             self.xla.sync(wait=True)
 
     def on_device(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors of ``tensors`` that live on this device."""
         return [t for t in tensors if t.device.type == self.device.type]
 
     def host_copies(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -151,6 +154,7 @@ class Device:
         return filler, available - take
 
     def drop_floor_buffers(self) -> None:
+        """Free the pinned buffers of the copy floor."""
         self._pinned = None
 
     def compiles(self) -> int:
@@ -165,6 +169,7 @@ class Device:
     # memory
 
     def mem_start(self) -> int | None:
+        """Reset the device's peak-memory counter; the bytes allocated now (None where there is no allocator)."""
         if self.kind != "cuda":
             return None
         torch.cuda.synchronize(self.device)
@@ -243,6 +248,7 @@ class Training:
         self.x = torch.randn(2, 16, hidden, generator=torch.Generator().manual_seed(seed)).to(dev.device)
 
     def steps(self, n: int) -> None:
+        """``n`` optimizer steps, launched back to back, then the device synced."""
         for _ in range(n):
             self.launch_step()
         self.dev.sync()
@@ -281,6 +287,7 @@ class Training:
         self.dev.sync()
 
     def state_dicts(self) -> dict[str, Any]:
+        """The model's and the optimizer's state dicts, as torch.save and DCP save them."""
         return {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
 
 

@@ -27,6 +27,7 @@ class _Clock:
         self._lock = threading.Lock()
 
     def reset(self) -> None:
+        """Forget every mark (before the next operation)."""
         for lst in (*self.arrive, *self.leave, *self.woke, *self.cpu):
             lst.clear()
         self.commit.clear()
@@ -37,6 +38,7 @@ class _Clock:
         return self.world_steps + len({seq for seq, _ in self.commit})
 
     def mark(self, seq: int, rank: int, event: str) -> None:
+        """When ``rank`` reached ``event`` of commit ``seq``."""
         with self._lock:
             self.commit.setdefault((seq, rank), {})[event] = time.perf_counter()
 
@@ -111,6 +113,7 @@ class TimedCoordinator(ThreadCoordinator):
 
 
 def _timed_leave(name: str) -> Callable[..., Any]:
+    """``ThreadCoordinator.<name>`` that also records when the rank leaves the step."""
     real = getattr(ThreadCoordinator, name)
 
     def method(self: TimedCoordinator, *args: Any, **kwargs: Any) -> Any:

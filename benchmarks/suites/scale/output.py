@@ -47,6 +47,7 @@ HEADERS = {
 
 
 def print_header() -> None:
+    """The header line of the rows."""
     print(" | ".join(HEADERS.get(k, k) for k, _ in COLUMNS), flush=True)
 
 
@@ -56,6 +57,7 @@ def print_row(row: dict[str, Any]) -> None:
 
 
 def print_requests(rows: list[dict[str, Any]]) -> None:
+    """The requests of each operation by kind, and its busiest key prefix."""
     print("\nrequests by kind (per operation):")
     for row in rows:
         print(f"  {row['op']:<10} {row['ranks']:>5} ranks: {row['requests']}  busiest prefix {row['busiest_prefix']}")

@@ -134,6 +134,7 @@ def _run_world(
     n: int, layers: int, elems: int, ops: list[str], root: str, num_workers: int, release_s: float, clock: _Clock,
     store: Any,
 ) -> list[dict[str, Any]]:  # fmt: skip
+    """``run_world``'s body, on the store process it started: the first save, then each operation of ``ops``."""
     start = time.perf_counter()
     world = World(n, os.path.join(root, f"w{n}"), layers, elems, clock, store)
     print(f"  {n} ranks: world set up in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
