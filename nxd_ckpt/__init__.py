@@ -145,7 +145,7 @@ def _import_api_with_torch() -> None:
     """A training script that imported torch before nxd_ckpt gets the API (and everything a save or a load
     imports) now, at its own imports, rather than inside its first ``save_checkpoint`` call: that import is the
     one cost of a process's first save besides new staging memory (0.07-0.12 s with bytecode caches, 0.3-0.5 s
-    without; ``scripts/bench_first_save.py``). Without torch loaded (the command line) the names stay lazy, and
+    without; ``python -m benchmarks first_save``). Without torch loaded (the command line) the names stay lazy, and
     a failing import is left for the first use to raise, as before."""
     import contextlib
     import sys

@@ -151,7 +151,7 @@ def run_pending_step(tensors: Sequence[torch.Tensor], *, wait: bool = False) -> 
     same graph (already compiled by the steps before), executed once, after which the user's sync has nothing left
     to run. No step is marked (the device RNG seed and step closures advance at the user's sync, as without the
     save). Syncing only the state's tensors, as NxD's save does, cuts another graph: the step ran 2.4x its own
-    device time in ``scripts/bench_device.py``'s probe, against 1.03x this way (docs/async.md)."""
+    device time in ``python -m benchmarks device``'s probe, against 1.03x this way (docs/async.md)."""
     xla_tensors = [t for t in tensors if is_xla(t)]
     if not xla_tensors or not pending(xla_tensors):
         return False

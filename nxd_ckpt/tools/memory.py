@@ -3,7 +3,7 @@
 The tools allocate and free one whole tensor after another, of varying sizes. glibc serves blocks below its
 dynamic mmap threshold (which grows up to 32 MiB) from heaps it keeps after ``free``, so freed tensors of one
 size are not reused for the next size and the peak grows past two tensors. With large blocks always mmap-ed,
-each freed tensor goes back to the system at once; measured by ``scripts/bench_layout_tools_memory.py``.
+each freed tensor goes back to the system at once; measured by ``python -m benchmarks layout_tools_memory``.
 """
 
 from __future__ import annotations

@@ -1,39 +1,30 @@
-"""The scale benchmark runs end to end on a small world and its figures hang together (not its speed)."""
+"""The scale suite runs end to end on a small world and its figures hang together (not its speed)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
-from pathlib import Path
 from unittest import mock
 
 import pytest
 
+from benchmarks.cli import main
+from benchmarks.suites.scale.store import store_release_s
+
 pytestmark = pytest.mark.device_independent  # a simulation of many ranks, no device: runs once, in the CPU lane
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_scale.py"
 
-
-@pytest.fixture(scope="module")
-def bench_scale():
-    spec = importlib.util.spec_from_file_location("bench_scale", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_scale"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("bench_scale", None)
-
-
-def test_a_small_world_reports_every_figure_of_each_operation(bench_scale, tmp_path, capsys):
-    out = tmp_path / "rows.json"
+def test_a_small_world_reports_every_figure_of_each_operation(tmp_path, capsys):
+    out = tmp_path / "report.json"
     switch_interval = sys.getswitchinterval()
-    with mock.patch.dict(os.environ):  # the benchmark sets its simulation's knobs in the environment
-        assert bench_scale.main(["--ranks", "8", "--ops", "save", "load", "latest", "--dir", str(tmp_path),
-                                 "--json", str(out)]) == 0  # fmt: skip
+    with mock.patch.dict(os.environ):  # the suite sets its simulation's knobs in the environment
+        assert main(["scale", "--ranks", "8", "--sections", "save,load,latest", "--dir", str(tmp_path),
+                     "--json", str(out), "--ignore-load"]) == 0  # fmt: skip
     assert sys.getswitchinterval() == switch_interval
-    rows = {row["op"]: row for row in json.loads(out.read_text())["rows"]}
+    report = json.loads(out.read_text())
+    assert report["suite"] == "scale" and "load_start" in report["meta"]
+    rows = {row["op"]: row for row in report["data"]["rows"]}
     assert set(rows) == {"first save", "save", "load", "latest"}
     save = rows["save"]
     assert save["files"] > 0 and save["requests"]["PUT"] == save["files"]
@@ -50,5 +41,5 @@ def test_a_small_world_reports_every_figure_of_each_operation(bench_scale, tmp_p
     assert printed.count("\n") > 5 and "proj s" in printed  # every row printed as it was measured
 
 
-def test_the_store_release_is_timed_with_real_waiting_connections(bench_scale):
-    assert 0 < bench_scale.store_release_s(16, rounds=1) < 30
+def test_the_store_release_is_timed_with_real_waiting_connections():
+    assert 0 < store_release_s(16, rounds=1) < 30

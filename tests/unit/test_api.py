@@ -163,7 +163,7 @@ def test_reads_a_checkpoint_written_the_nxd_way(tmp_path):
 def test_the_first_async_save_of_a_process_imports_no_module_of_nxd_ckpt(tmp_path):
     """A script that imports torch, then nxd_ckpt, has the API and every module a save needs from its imports on:
     its first save_checkpoint call pays for no import (the lazy API import was 0.07 s of a fresh process's first
-    save with bytecode caches, 0.3-0.5 s without; scripts/bench_first_save.py). Fresh process: this one has
+    save with bytecode caches, 0.3-0.5 s without; python -m benchmarks first_save). Fresh process: this one has
     imported everything long ago."""
     code = """
 import sys

@@ -3,7 +3,7 @@
 ``device.snapshot.take`` takes on-device copies under one sync on the training thread; a second thread then
 fetches them while the training thread keeps tracing, executing (with buffer donation) and syncing. This checks
 the two things that could go wrong: the snapshot must hold exactly the values at snapshot time, and training
-must be bit-identical to a run that never took snapshots. (The measurement is scripts/bench_xla_transfer.py.)
+must be bit-identical to a run that never took snapshots. (The measurement is python -m benchmarks xla_transfer.)
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Measurements more than one suite reports, each made in one place."""

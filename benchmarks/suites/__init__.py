@@ -1,0 +1,1 @@
+"""One package or module per suite; ``benchmarks.cli.SUITES`` names them."""
