@@ -19,7 +19,7 @@ from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.save import commit
 from nxd_ckpt.save.barrier import CommitBarrier
 from nxd_ckpt.save.commit import CommitTarget
-from nxd_ckpt.save.pipeline import prepare_tag
+from nxd_ckpt.save.commit import prepare_tag
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.threadworld import ThreadWorld
 from nxd_ckpt.watchdog import StorageMonitor

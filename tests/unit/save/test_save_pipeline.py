@@ -19,7 +19,7 @@ from nxd_ckpt.options import save_options
 from nxd_ckpt.ranks.coordinator import Coordinator
 from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.save import budget, plan
-from nxd_ckpt.save import pipeline as save_pipeline
+from nxd_ckpt.save import capture as save_capture
 from nxd_ckpt.save.context import SaveContext, SaveOutcome, SaveServices, SaveTimer
 from nxd_ckpt.save.pipeline import SavePipeline
 from nxd_ckpt.save.report import SaveReport
@@ -81,7 +81,7 @@ def _note_steps(monkeypatch: pytest.MonkeyPatch, events: dict[int, list[str]], w
     for step in ("begin", "mark_tag", "plan", "hand_off", *(["write"] if write else [])):
         _note(monkeypatch, SavePipeline, step, events, by_pipeline)
     _note(monkeypatch, SavePipeline, "stage", events, by_pipeline, done="staged")
-    _note(monkeypatch, save_pipeline, "capture", events, lambda coord, *a, **k: coord.rank)
+    _note(monkeypatch, save_capture, "capture", events, lambda coord, *a, **k: coord.rank)
     if write:
         _note(monkeypatch, SaveContext, "barrier", events, lambda ctx: ctx.coordinator.rank)
 
