@@ -182,8 +182,14 @@ class Attempt:
     """A ``TierView`` (a Storage) of a tier's copy, or the checkpoint directory."""
     options: LoadOptions
     step: str
-    where: str = "durable"
-    """Where this rank's state comes from ("memory", "peer", "durable"), for the ``RestoreReport``."""
+
+    @property
+    def where(self) -> str:
+        """Where this rank's state came from ("memory", "peer", "durable"), for the ``RestoreReport``: known once
+        the load read it (a tier view counts the bytes it fetched from other nodes)."""
+        if self.step == "durable":
+            return "durable"
+        return "peer" if self.source.bytes_remote else "memory"
 
 
 class TierLoad:
@@ -239,7 +245,7 @@ class TierLoad:
                 if not all(ready):
                     return
             assert view is not None
-            yield Attempt(view, options, step, "peer" if view.bytes_remote else "memory")
+            yield Attempt(view, options, step)
             if self.restore is not None:
                 return
 
