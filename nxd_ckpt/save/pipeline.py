@@ -1,8 +1,8 @@
 """The steps of one save, in the order the data takes them: begin → plan → stage → write → commit → retention.
 
 ``SavePipeline.run`` composes them and does nothing else: each step is a module of ``save/`` (or ``tier/``,
-``format/``) testable alone (``testing.threadworld`` runs
-the whole pipeline in one process with one thread per rank).
+``format/``) testable alone (``testing.threadworld`` runs the whole pipeline in one process with one thread per
+rank).
 
   begin      every rank's layout is checked; the per-rank state (data loaders, RNG) and the model's state dict
              are captured as they are at the call (``capture``; the per-rank state gathered to rank 0 in "gather"

@@ -3,8 +3,9 @@ per-restore steps (writing a rank's share, replicating it, copying it to durable
 
 Set-up (``TierRuntime``) happens on the training thread, at the first save or load through the tier: rank 0
 makes the job's token, every rank starts its file server and the addresses are exchanged (two small steps of
-``nxd_ckpt.ranks``). After that a save's tier work runs on the writer thread with no collective: files go to the
-node's memory directory, then straight to the peers' file servers (``transport.py``); the save's store-based
+``nxd_ckpt.ranks``). After that a save's tier work is one call on the writer thread with no collective
+(``TierSave.write``): files go to the node's memory directory, then straight to the peers' file servers
+(``transport.py``), then, every ``durable_every``-th save, to the checkpoint directory; the save's store-based
 commit (``save/commit.py``) tells every rank whether the save succeeded everywhere.
 """
 
