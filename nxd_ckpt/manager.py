@@ -25,20 +25,20 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from nxd_ckpt import adapters
+from nxd_ckpt import adapters, knobs
 from nxd_ckpt.device.backend import resolve_snapshot_budget
 from nxd_ckpt.device.kept_budget import KeptSnapshotBudget, device_tensors
 from nxd_ckpt.format import layout, retention, tags
 from nxd_ckpt.format.metadata import FORMAT_VERSION
-from nxd_ckpt.load.pipeline import LoadPipeline, LoadServices
+from nxd_ckpt.load.pipeline import AsyncResume, LoadPipeline, LoadServices
 from nxd_ckpt.load.report import RestoreReport
+from nxd_ckpt.log import format_bytes
 from nxd_ckpt.options import LoadOptions, SaveOptions, load_options, resolve_budget, save_options
 from nxd_ckpt.parallel_state import current_topology
 from nxd_ckpt.ranks.coordinator import Coordinator, group_identity
 from nxd_ckpt.ranks.deadlines import Deadline
 from nxd_ckpt.ranks.topology import Topology
-from nxd_ckpt.save import pipeline as save_pipeline
-from nxd_ckpt.save import staging
+from nxd_ckpt.save import capture, plan, staging
 from nxd_ckpt.save.context import SaveOutcome, SaveServices, SaveTimer
 from nxd_ckpt.save.pipeline import SavePipeline
 from nxd_ckpt.save.report import SaveReport
@@ -269,23 +269,37 @@ class CheckpointManager:
         else ``NXD_CKPT_DEVICE_SNAPSHOT_BUDGET``), the one earlier saves agreed on once they have."""
         return self._prepare(model, optimizer, use_xser=use_xser, host_buffers=True, budget=device_snapshot_budget)
 
-    def _prepare_after_resume(self, model: Any, optimizer: Any, *, use_xser: bool) -> int:
-        """Step 6 of a load (a resume of an async-saved tag): ``prepare_async_save``, without host buffers when a
-        host memory budget is set: those saves stage in pieces and would not use them, and a whole copy of the
-        state held from the load on would break the budget."""
+    def _prepare_after_resume(self, resumed: AsyncResume, model: Any, optimizer: Any) -> None:
+        """After a load that resumed an async-saved tag into ``model`` and ``optimizer`` (its step 6):
+        ``prepare_async_save`` of them, so the first async save after the resume blocks like the later ones,
+        without host buffers when a host memory budget is set (those saves stage in pieces and would not use
+        them, and a whole copy of the state held from the load on would break the budget). A failure leaves the
+        loaded state as it is: it is logged, and the first save pays as without the step
+        (``NXD_CKPT_PREPARE_ON_RESUME=0``: no step)."""
+        if not knobs.prepare_on_resume():
+            return
         budgeted = resolve_budget(self.host_memory_budget) is not None
-        return self._prepare(model, optimizer, use_xser=use_xser, host_buffers=not budgeted)
+        start = time.perf_counter()
+        try:
+            reserved = self._prepare(model, optimizer, use_xser=resumed.use_xser, host_buffers=not budgeted)
+        except Exception as e:  # the load itself succeeded; the next save prepares itself
+            logger.warning(
+                "the load of %r succeeded, but preparing the next async save failed (%s: %s); the first async save "
+                "will pay its one-time costs itself (NXD_CKPT_PREPARE_ON_RESUME=0 skips this step)",
+                resumed.tag, type(e).__name__, e,
+            )  # fmt: skip
+            return
+        logger.debug("prepared the next async save after the resume: %s of host buffers in %.3f s",
+                     format_bytes(reserved), time.perf_counter() - start)  # fmt: skip
 
     def _prepare(
         self, model: Any, optimizer: Any, *, use_xser: bool, host_buffers: bool, budget: int | str | None = None
     ) -> int:
-        trees = []
-        if model is not None:
-            trees.append(adapters.model_state(model))
-        if optimizer is not None:
-            trees.append(adapters.optimizer_state(optimizer))
+        model_state = adapters.model_state(model) if model is not None else None
+        optimizer_state = adapters.optimizer_state(optimizer) if optimizer is not None else None
+        trees = [t for t in (model_state, optimizer_state) if t is not None]
         zero1 = optimizer is not None and adapters.is_zero1_optimizer(optimizer)
-        planned = save_pipeline.planned_tensors(self.topology(), model, optimizer, use_xser=use_xser, zero1=zero1)
+        planned = plan.planned_tensors(self.topology(), model_state, optimizer, use_xser=use_xser, zero1=zero1)
         asked = resolve_snapshot_budget(budget if budget is not None else self.device_snapshot_budget)
         state = device_tensors(trees)
         device_budget = self._device_budget.for_warm_up(asked, state) if state else None
@@ -307,7 +321,7 @@ class CheckpointManager:
         if options.device_snapshot_budget is None and self.device_snapshot_budget is not None:
             options = options.replace(device_snapshot_budget=self.device_snapshot_budget)
         ran_pending_step = adapters.run_pending_step(options.model, options.optimizer)
-        save_pipeline.refuse_unsavable(options)
+        model_state = capture.model_state(options)  # built once per save; meta tensors refused on every rank
         waited = self._settle_saves(Deadline(options.timeout_s, self.coordinator().rank))
         earlier_failures = self._background_failures()
         coord = self.coordinator()
@@ -320,7 +334,7 @@ class CheckpointManager:
             ran_pending_step=ran_pending_step,
         )
         with coord.deadline(options.timeout_s):
-            outcome = SavePipeline(self._save_services(coord, timer)).run(options, report)
+            outcome = SavePipeline(self._save_services(coord, timer, model_state)).run(options, report)
         self._record(outcome)
         error = outcome.error
         del outcome
@@ -361,9 +375,13 @@ class CheckpointManager:
         if options.memory_tier is None and self.memory_tier is not None:
             options = options.replace(memory_tier=self.memory_tier)
         self._settle_background()
-        return LoadPipeline(self._load_services(self.coordinator())).run(options)
+        pipeline = LoadPipeline(self._load_services(self.coordinator()))
+        result = pipeline.run(options)
+        if pipeline.resumed is not None:
+            self._prepare_after_resume(pipeline.resumed, options.model, options.optimizer)
+        return result
 
-    def _save_services(self, coord: Coordinator, timer: SaveTimer) -> SaveServices:
+    def _save_services(self, coord: Coordinator, timer: SaveTimer, model_state: Any = None) -> SaveServices:
         return SaveServices(
             coordinator=coord,
             session=self._session,
@@ -376,6 +394,7 @@ class CheckpointManager:
             tier_runtime=self._tier,
             pending_deletions=tuple(f for f in self._retention_jobs if not f.done()),
             device_budget=self._device_budget,
+            model_state=model_state,
         )
 
     def _load_services(self, coord: Coordinator) -> LoadServices:
@@ -385,5 +404,4 @@ class CheckpointManager:
             storage_for=self._storage_for,
             tier_runtime=self._tier,
             on_restore=self._set_restore,
-            prepare_saves=self._prepare_after_resume,
         )

@@ -8,7 +8,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from nxd_ckpt.format import layout, tags
+from nxd_ckpt.format import layout, resave, tags
 from nxd_ckpt.format.manifests import manifest_paths
 from nxd_ckpt.storage import Storage
 
@@ -86,4 +86,4 @@ def to_prune(folders: Sequence[DcpFolder], keep: int) -> list[str]:
 
 def delete_folder(storage: Storage, name: str) -> None:
     """Delete one checkpoint folder, ``.metadata`` first: a partial deletion never looks like a checkpoint."""
-    tags.delete_copy(storage, name, layout.DCP_METADATA_FILE)
+    resave.delete_copy(storage, name, layout.DCP_METADATA_FILE)

@@ -1,11 +1,13 @@
-"""Sharding records read off NxD's marks on a live model's parameters, or off a user's name patterns (a spec)."""
+"""Sharding records read off NxD's marks on a live model's parameters, or off a user's name patterns (a spec);
+a save's record, shared by each stage's first rank and merged on rank 0 (``share_for_save``, ``merge_shares``)."""
 
 from __future__ import annotations
 
 import fnmatch
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from nxd_ckpt.errors import ReshardError
 from nxd_ckpt.format.sharding import ShardingRecord, TensorSharding
@@ -15,6 +17,8 @@ if TYPE_CHECKING:
     import torch
 else:
     torch = lazy_module("torch")  # loaded on first use, like format/sharding.py's
+
+logger = logging.getLogger("nxd_ckpt")
 
 KV_MODULE_PARAMS = ("weight_k", "weight_v", "bias_k", "bias_v", "weight_qkv", "bias_qkv")
 """Parameters of NxD's ``GQAQKVColumnParallelLinear`` that hold K/V heads (replicated when kv_size_multiplier > 1)."""
@@ -191,3 +195,40 @@ def record_for_save(model: Any, state: Any, optimizer: Any, tp: int, pp_stage: i
     if tp == 1:
         return ShardingRecord({n: TensorSharding(tuple(state[n].shape), pp_stage=pp_stage) for n in names})
     return ShardingRecord()
+
+
+# --------------------------------------------------------------------------------------------- a save's record
+ShardingShare: TypeAlias = "ShardingRecord | str | None"
+"""What one rank contributes to a save's sharding record: its stage's record, the error that kept it from one (as
+text), or None (ranks other than each stage's first replica of TP rank 0)."""
+
+
+def share_for_save(
+    model: Any, state: Any, optimizer: Any, *, rank: int, tp_rank: int, replica_rank: int, tp: int, pp_stage: int
+) -> ShardingShare:
+    """This rank's share of a save's sharding record: each stage's first replica of TP rank 0 describes its stage
+    (``record_for_save``). Never raises: a save must not fail (or leave the others waiting) over the record."""
+    if tp_rank != 0 or replica_rank != 0:
+        return None
+    try:
+        return record_for_save(model, state, optimizer, tp, pp_stage)
+    except Exception as e:
+        return f"rank {rank}: {e}"
+
+
+def merge_shares(shares: Iterable[ShardingShare]) -> ShardingRecord | None:
+    """Rank 0: how every model tensor of every PP stage is sharded, from every rank's share. None, with a
+    warning, when it cannot be recorded (the checkpoint is then still saved, only not re-shardable without a
+    sharding spec)."""
+    shares = list(shares)
+    problems = [g for g in shares if isinstance(g, str)]
+    try:
+        if problems:
+            raise ValueError("; ".join(problems))
+        merged = ShardingRecord.merge(g for g in shares if isinstance(g, ShardingRecord))
+        return merged if merged.tensors else None  # e.g. a dict at TP > 1: nothing known, nothing recorded
+    except Exception as e:
+        logger.warning(
+            "the sharding of the model could not be recorded (%s): loads at another layout will need sharding=", e
+        )
+        return None

@@ -1,21 +1,23 @@
 """Which tag a load reads, agreed on by every rank: the named one or the latest complete one (``resolve``);
 around a whole load, the memory tier's copies (``TierLoad``: this node, then peers, then the checkpoint
 directory) or, with ``fallback_to_verified``, the newest tag that passes verification everywhere
-(``newest_verified``).
+(``NewestVerified``).
 
-Where a candidate (a tier's copy, an older tag) is tried, every rank reports its ``Outcome`` and all take the
-same decision (``settle``): each rank loaded it, or some rank found it damaged and all move on to the next one.
+These decide which candidate comes next; the load's pipeline loads each (``attempts``) and reports how it went
+(their ``settle``): no call goes back from here into the pipeline. Where a candidate (a tier's copy, an older
+tag) is tried, every rank reports its ``Outcome`` and all take the same decision (``settle``): each rank loaded
+it, or some rank found it damaged and all move on to the next one.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from nxd_ckpt.errors import FormatError, IntegrityError, RemoteRankError
-from nxd_ckpt.format import integrity, tags
+from nxd_ckpt.format import integrity, resave, tags
 from nxd_ckpt.format.describe import TagDescription, describe
 from nxd_ckpt.load.read_plan import changes_layout, files_read
 from nxd_ckpt.load.report import RestoreReport
@@ -42,7 +44,7 @@ def resolve(
     receives the whole index, with the description."""
 
     def resolve() -> tuple[tuple[str, TagDescription, integrity.IndexShare | None], list[Any] | None]:
-        tags.recover_resaves(storage, finish_only=True)  # a crash mid-swap: the complete copy gets its name
+        resave.recover_resaves(storage, finish_only=True)  # a crash mid-swap: the complete copy gets its name
         resolved = tags.resolve_tag(storage, tag)
         info = describe(storage, resolved)
         if not verify:
@@ -107,81 +109,108 @@ def damage_reason(outcomes: list[Outcome]) -> str:
     return reasons[0] if reasons else "a file failed verification on another rank"
 
 
-def attempt(load: Callable[[], Any]) -> tuple[Any, Exception | None]:
-    """Run one candidate's load; its result, or the error that stopped it."""
-    try:
-        return load(), None
-    except Exception as e:
-        return None, e
-
-
 # ----------------------------------------------------------------------------------------------- fallback
-def newest_verified(
-    coord: Coordinator, storage: Storage, options: LoadOptions, load: Callable[[LoadOptions], Any]
-) -> Any:
-    """Auto-latest load that skips, newest first, complete tags failing verification (logged as WARNING);
-    ``load(options)`` loads ``options.tag`` of ``storage``.
+class NewestVerified:
+    """An auto-latest load that skips, newest first, complete tags failing verification (logged as WARNING).
 
-    A tag is skipped when any rank found one of its files damaged or missing (FormatError, which includes
-    IntegrityError); every other error is raised. All ranks agree on each attempt's outcome."""
-    options = options.replace(verify=True, fallback_to_verified=False)  # one verified load per candidate
+    The load's pipeline tries each of ``attempts()`` (the options of one candidate tag, verified) and tells
+    ``settle`` how it went; a tag is skipped when any rank found one of its files damaged or missing
+    (FormatError, which includes IntegrityError); every other error is raised. All ranks agree on each
+    attempt's outcome. Past the last candidate, ``attempts`` raises IntegrityError naming every failure."""
 
-    def newest_first() -> list[str]:
-        tags.recover_resaves(storage, finish_only=True)
-        return [t.name for t in reversed(tags.list_tags(storage))]
+    def __init__(self, coord: Coordinator, storage: Storage, options: LoadOptions) -> None:
+        self.coord = coord
+        self.storage = storage
+        self.options = options.replace(verify=True, fallback_to_verified=False)  # one verified load per candidate
+        self.failures: list[str] = []
 
-    with coord.deadline(options.timeout_s):
-        candidates = coord.master_computes(newest_first, f"listing the checkpoints in {storage.url}")
-    if not candidates:
-        tags.resolve_tag(storage, None)  # raises CheckpointNotFoundError, naming incomplete tags
-    failures: list[str] = []
-    for candidate in candidates:
-        result, error = attempt(lambda c=candidate: load(options.replace(tag=c)))
-        with coord.deadline(options.timeout_s):
+    def attempts(self) -> Iterator[LoadOptions]:
+        """The options of each candidate, newest first (listed by rank 0, told to all)."""
+        coord, storage = self.coord, self.storage
+
+        def newest_first() -> list[str]:
+            resave.recover_resaves(storage, finish_only=True)
+            return [t.name for t in reversed(tags.list_tags(storage))]
+
+        with coord.deadline(self.options.timeout_s):
+            names = coord.master_computes(newest_first, f"listing the checkpoints in {storage.url}")
+        if not names:
+            tags.resolve_tag(storage, None)  # raises CheckpointNotFoundError, naming incomplete tags
+        for name in names:
+            yield self.options.replace(tag=name)
+        raise IntegrityError(
+            f"no complete checkpoint in {storage.url} passes verification: " + " | ".join(self.failures)
+        )
+
+    def settle(self, tagged: LoadOptions, error: Exception | None) -> bool:
+        """Every rank's outcome of loading ``tagged.tag``: True once every rank loaded it; False (logged, recorded)
+        when some rank found it damaged; raises any other failure, on every rank."""
+        coord, candidate = self.coord, tagged.tag
+        with coord.deadline(self.options.timeout_s):
             outcomes = settle(coord, Outcome.of(error, coord.rank), error, f"agreeing whether {candidate!r} loaded")
         if error is None and all(o.verdict is None for o in outcomes):
-            if failures and coord.rank == 0:
-                logger.warning("loaded %s from %s after skipping damaged checkpoints", candidate, storage.url)
-            return result
-        failures.append(f"{candidate}: {damage_reason(outcomes)}")
+            if self.failures and coord.rank == 0:
+                logger.warning("loaded %s from %s after skipping damaged checkpoints", candidate, self.storage.url)
+            return True
+        reason = damage_reason(outcomes)
+        self.failures.append(f"{candidate}: {reason}")
         if coord.rank == 0:
-            reason = damage_reason(outcomes)
             logger.warning(
                 "CHECKPOINT %s IN %s FAILED VERIFICATION AND IS SKIPPED: %s; falling back to the previous "
                 "complete checkpoint",
                 candidate,
-                storage.url,
+                self.storage.url,
                 reason,
             )
-    raise IntegrityError(f"no complete checkpoint in {storage.url} passes verification: " + " | ".join(failures))
+        return False
 
 
 # ----------------------------------------------------------------------------------------------- memory tier
 def newest_durable(storage: Storage) -> tuple[str, float] | None:
     """Rank 0: the newest complete tag in the checkpoint directory and its time, or None."""
-    tags.recover_resaves(storage, finish_only=True)
+    resave.recover_resaves(storage, finish_only=True)
     listed = tags.list_tags(storage)
     return (listed[-1].name, listed[-1].order_time) if listed else None
 
 
 @dataclass(frozen=True)
+class Attempt:
+    """One source a load through the memory tier tries: this node's copy, other nodes' copies, or the checkpoint
+    directory (``step``: "local", "peer" or "durable")."""
+
+    source: Any
+    """A ``TierView`` (a Storage) of a tier's copy, or the checkpoint directory."""
+    options: LoadOptions
+    step: str
+
+    @property
+    def where(self) -> str:
+        """Where this rank's state came from ("memory", "peer", "durable"), for the ``RestoreReport``: known once
+        the load read it (a tier view counts the bytes it fetched from other nodes)."""
+        if self.step == "durable":
+            return "durable"
+        return "peer" if self.source.bytes_remote else "memory"
+
+
 class TierLoad:
     """A load through the memory tier, on one rank: this node's memory, else copies fetched from other nodes,
-    else the checkpoint directory (``storage``)."""
+    else the checkpoint directory (``storage``). The load's pipeline tries each of ``attempts`` and tells
+    ``settle`` how it went; once one is settled, ``restore`` says where every rank's state came from."""
 
-    coord: Coordinator
-    storage: Storage
-    topo: Topology
-    runtime: TierRuntime
-    """The memory tier's run-time state for ``storage`` (set up by every rank before)."""
-    load: Callable[[Any, LoadOptions], Any]
-    """One load from a checkpoint directory or a tier view (a Storage), at ``topo``."""
-    on_restore: Callable[[RestoreReport], None]
-    """Hears where each rank's state came from (the manager's ``last_restore``)."""
+    def __init__(self, coord: Coordinator, storage: Storage, topo: Topology, runtime: TierRuntime) -> None:
+        self.coord = coord
+        self.storage = storage
+        self.topo = topo
+        self.runtime = runtime
+        """The memory tier's run-time state for ``storage`` (set up by every rank before)."""
+        self.restore: RestoreReport | None = None
+        self.failures: list[str] = []
+        self._damaged = False
 
-    def run(self, options: LoadOptions) -> Any:
-        """The newest complete checkpoint across tiers (or ``options.tag``). Every rank takes the same decision;
-        a copy that fails verification anywhere sends every rank to the next tier (logged on rank 0)."""
+    def attempts(self, options: LoadOptions) -> Iterator[Attempt]:
+        """The newest complete checkpoint across tiers (or ``options.tag``): the tier's copies when they are as
+        new as the directory's, then the directory. Every rank takes the same decision; a copy that fails
+        verification anywhere sends every rank to the next tier (logged on rank 0)."""
         coord, storage = self.coord, self.storage
         with coord.deadline(options.timeout_s):
             reports, durable = coord.gather_and_master_computes(
@@ -190,55 +219,62 @@ class TierLoad:
                 f"memory tier: what each node holds; listing the checkpoints in {storage.url}",
             )
             choice = choose_memory_tag(reports, options.tag)
-        failures: list[str] = []
         if choice is not None and (durable is None or choice.created_at >= durable[1] or durable[0] == choice.tag):
             # a tier copy counts only verified: every file read is checked against its manifest
-            verified = options.replace(fallback_to_verified=False, verify=True)
-            restored = self.from_copies(choice, reports, verified, failures)
-            if restored is not None:
-                return restored[0]
+            verified = options.replace(fallback_to_verified=False, verify=True, tag=choice.tag)
+            yield from self.copies(choice, reports, verified)
+            if self.restore is not None:
+                return
         elif choice is None and coord.rank == 0:
             logger.info("no complete checkpoint%s in the memory tier; loading from %s",
                         f" {options.tag!r}" if options.tag else "", storage.url)  # fmt: skip
-        result = self.load(options.checkpoint_dir, options)
-        restore = RestoreReport(options.tag or tags.latest_tag(storage) or "", ["durable"] * coord.world_size)
-        self.on_restore(restore)
-        if coord.rank == 0:
-            logger.info("restored %s from %s (durable)%s", restore.tag, storage.url,
-                        " after: " + " | ".join(failures) if failures else "")  # fmt: skip
-        return result
+        yield Attempt(options.checkpoint_dir, options, "durable")
 
-    def from_copies(
-        self, choice: MemoryChoice, reports: list[Report], options: LoadOptions, failures: list[str]
-    ) -> tuple[Any] | None:
-        """This node's copy, then (ranks that found damage) other nodes' copies; ``(result,)`` once every rank
-        loaded, None (with ``failures`` told why) when the durable directory must serve."""
+    def copies(self, choice: MemoryChoice, reports: list[Report], options: LoadOptions) -> Iterator[Attempt]:
+        """This node's copy, then (ranks that found damage) other nodes' copies; none once every rank loaded one,
+        or once some rank has no other copy (the durable directory must serve)."""
         coord, runtime = self.coord, self.runtime
         view: TierView | None = runtime.view(choice, reports, prefer_remote=False)
-        damaged = False
         for step in ("local", "peer"):
             if step == "peer":
                 # Ranks that found damage read every share from another node's copy; the others keep theirs.
-                if damaged:
+                if self._damaged:
                     view = runtime.view(choice, reports, prefer_remote=True)
                 with coord.deadline(options.timeout_s):
                     ready = coord.all_gather_object(view is not None, phase="memory tier: other copies")
                 if not all(ready):
-                    return None
+                    return
             assert view is not None
-            result, error = attempt(lambda v=view: self.load(v, options.replace(tag=choice.tag)))
-            outcome = Outcome.of(error, coord.rank, "peer" if view.bytes_remote else "memory")
-            damaged = outcome.found_here
-            with coord.deadline(options.timeout_s):
-                outcomes = settle(coord, outcome, error, f"memory tier: agreeing whether {choice.tag!r} loaded")
-            if error is None and all(o.verdict is None for o in outcomes):
-                restore = RestoreReport(choice.tag, [o.where for o in outcomes])
-                self.on_restore(restore)
-                if coord.rank == 0:
-                    logger.info("restored %s from the memory tier (%s)", choice.tag, restore.summary())
-                return (result,)
-            failures.append(f"{step} copy: {damage_reason(outcomes)}")
+            yield Attempt(view, options, step)
+            if self.restore is not None:
+                return
+
+    def settle(self, attempt: Attempt, error: Exception | None) -> bool:
+        """Every rank's outcome of ``attempt``: True once every rank loaded it (``restore`` says from where);
+        False (logged) when a tier's copy was damaged somewhere; raises any other failure, and the checkpoint
+        directory's."""
+        coord = self.coord
+        if attempt.step == "durable":
+            if error is not None:
+                raise error
+            tag = attempt.options.tag or tags.latest_tag(self.storage) or ""
+            self.restore = RestoreReport(tag, ["durable"] * coord.world_size)
             if coord.rank == 0:
-                logger.warning("the %s copy of checkpoint %s in the memory tier failed verification (%s); trying "
-                               "the next tier", step, choice.tag, damage_reason(outcomes))  # fmt: skip
-        return None
+                logger.info("restored %s from %s (durable)%s", tag, self.storage.url,
+                            " after: " + " | ".join(self.failures) if self.failures else "")  # fmt: skip
+            return True
+        tag = attempt.options.tag
+        outcome = Outcome.of(error, coord.rank, attempt.where)
+        self._damaged = outcome.found_here
+        with coord.deadline(attempt.options.timeout_s):
+            outcomes = settle(coord, outcome, error, f"memory tier: agreeing whether {tag!r} loaded")
+        if error is None and all(o.verdict is None for o in outcomes):
+            self.restore = RestoreReport(tag or "", [o.where for o in outcomes])
+            if coord.rank == 0:
+                logger.info("restored %s from the memory tier (%s)", tag, self.restore.summary())
+            return True
+        self.failures.append(f"{attempt.step} copy: {damage_reason(outcomes)}")
+        if coord.rank == 0:
+            logger.warning("the %s copy of checkpoint %s in the memory tier failed verification (%s); trying "
+                           "the next tier", attempt.step, tag, damage_reason(outcomes))  # fmt: skip
+        return False

@@ -19,10 +19,10 @@
   5. restore     per-rank state (data loaders, RNG) last: nothing after it may draw random numbers.
 
 After the load, on each rank, no collective:
-  6. prepare     a resume of a tag saved with ``async_save=True`` into its model and optimizer ends with the
-                 manager's ``prepare_async_save`` of them (``use_xser`` as the tag was saved), so the first async
-                 save after the resume blocks like the later ones: its host buffers are reserved and its device
-                 snapshot's graph compiled here, before training goes on (``NXD_CKPT_PREPARE_ON_RESUME=0``: not).
+  6. report      a resume of a tag saved with ``async_save=True`` into its model and optimizer is reported
+                 (``LoadPipeline.resumed``: an ``AsyncResume``); the manager then prepares the next async save
+                 (``prepare_async_save`` of them, ``use_xser`` as the tag was saved), so the first async save
+                 after the resume blocks like the later ones. The load itself calls nothing of the save's.
 
 The per-process state the steps need (coordinator, topology, storage, the tier run-time) belongs to the manager
 and is lent through ``LoadServices``.
@@ -36,8 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nxd_ckpt import knobs, xla
 from nxd_ckpt import rank_state as rank_states
+from nxd_ckpt import xla
 from nxd_ckpt.format import integrity
 from nxd_ckpt.format.describe import TagDescription
 from nxd_ckpt.load import candidates
@@ -68,8 +68,16 @@ class LoadServices:
     """The memory tier's run-time state for a checkpoint directory (set up collectively on first use)."""
     on_restore: Callable[[RestoreReport], None]
     """Where a load through the memory tier found its checkpoint (the manager's ``last_restore``)."""
-    prepare_saves: Callable[..., int] | None = None
-    """``prepare_async_save(model, optimizer, use_xser=)`` of the manager (step 6); None: no step 6."""
+
+
+@dataclass(frozen=True)
+class AsyncResume:
+    """Step 6: a load resumed a tag saved with ``async_save=True`` into the model and optimizer it holds, so the
+    next async save of them can be prepared (by the manager)."""
+
+    tag: str
+    use_xser: bool
+    """As the tag was saved: with DP replicas a rank snapshots only its share of the files, which depends on it."""
 
 
 class LoadPipeline:
@@ -80,6 +88,8 @@ class LoadPipeline:
         self.coord = services.coordinator
         self.loaded: TagDescription | None = None
         """The description of the tag the last successful ``load_tag`` read (the one step 6 looks at)."""
+        self.resumed: AsyncResume | None = None
+        """Set by ``run`` when the load resumed an async-saved tag into its model and optimizer (step 6)."""
 
     def run(self, options: LoadOptions) -> Any:
         """Load ``options`` on this rank (every rank calls it); returns the saved user content."""
@@ -87,32 +97,44 @@ class LoadPipeline:
             result = self.from_tiers(options, options.memory_tier)
         else:
             result = self.from_directory(options.checkpoint_dir, options)
-        self.prepare_next_save(options)
+        self.resumed = self.async_resume(options)
         return result
 
     def from_tiers(self, options: LoadOptions, tier: MemoryTier) -> Any:
-        """Step 0, memory tier: every rank agrees on the layout and sets up the tier, then ``TierLoad`` tries
-        the tier's copies before the checkpoint directory."""
+        """Step 0, memory tier: every rank agrees on the layout and sets up the tier, then tries the tier's
+        copies before the checkpoint directory, in the order ``candidates.TierLoad`` gives them."""
         coord, storage = self.coord, self.services.storage_for(options.checkpoint_dir)
         with coord.deadline(options.timeout_s):
             topo = coord.run_all(self.services.topology, "reading the parallel layout")
             runtime = self.services.tier_runtime(tier, storage.url, topo)
-
-        def load(source: Any, options: LoadOptions) -> Any:
-            return self.from_directory(source, options, topo)
-
-        return candidates.TierLoad(coord, storage, topo, runtime, load, self.services.on_restore).run(options)
+        tier_load = candidates.TierLoad(coord, storage, topo, runtime)
+        for attempt in tier_load.attempts(options):
+            result, error = self.attempt(attempt.source, attempt.options, topo)
+            if tier_load.settle(attempt, error):
+                assert tier_load.restore is not None
+                self.services.on_restore(tier_load.restore)
+                return result
+        raise AssertionError("unreachable: the checkpoint directory, tried last, settles or raises")
 
     def from_directory(self, source: Any, options: LoadOptions, topo: Topology | None = None) -> Any:
         """A load from one checkpoint directory (or one memory-tier view, a Storage); ``topo``: the layout when
-        the caller has already agreed on it. Step 0 with ``fallback_to_verified``: the newest verified tag."""
+        the caller has already agreed on it. Step 0 with ``fallback_to_verified``: the newest verified tag, in the
+        order ``candidates.NewestVerified`` gives them."""
         if options.fallback_to_verified and options.tag is None:
-            storage = self.services.storage_for(source)
-            return candidates.newest_verified(
-                self.coord, storage, options, lambda tagged: self.from_directory(source, tagged)
-            )
+            fallback = candidates.NewestVerified(self.coord, self.services.storage_for(source), options)
+            for tagged in fallback.attempts():  # raises once every candidate failed verification
+                result, error = self.attempt(source, tagged)
+                if fallback.settle(tagged, error):
+                    return result
         with self.coord.deadline(options.timeout_s):
             return self.load_tag(source, options.tag, options, topo)
+
+    def attempt(self, source: Any, options: LoadOptions, topo: Topology | None = None) -> tuple[Any, Exception | None]:
+        """One candidate's load: its result, or the error that stopped it (for the candidates to settle)."""
+        try:
+            return self.from_directory(source, options, topo), None
+        except Exception as e:
+            return None, e
 
     def load_tag(self, source: Any, tag: str | None, options: LoadOptions, topo: Topology | None = None) -> Any:
         """Steps 1 to 5 (resolve → plan → prepare → read → restore), for one tag of one directory."""
@@ -149,27 +171,14 @@ class LoadPipeline:
         self.loaded = info
         return result
 
-    def prepare_next_save(self, options: LoadOptions) -> None:
-        """Step 6: after a resume of a tag saved asynchronously, ``prepare_async_save`` of what the load restored,
-        when that is what the tag holds of the model and optimizer (a save of both would not use a preparation
-        of one). A failure here leaves the loaded state as it is: it is logged, and the first save pays as
-        without the step."""
+    def async_resume(self, options: LoadOptions) -> AsyncResume | None:
+        """Step 6: the load resumed a tag saved asynchronously, and restored what the tag holds of the model and
+        optimizer (a save of both would not use a preparation of one); else None."""
         meta = self.loaded.metadata if self.loaded is not None else None
-        if self.services.prepare_saves is None or meta is None or not meta.saved_async:
-            return
+        if meta is None or not meta.saved_async:
+            return None
         given = (("model", options.model), ("optimizer", options.optimizer))
         restored = {name for name, target in given if target is not None}
-        if not restored or restored != {"model", "optimizer"} & set(meta.items) or not knobs.prepare_on_resume():
-            return
-        start = time.perf_counter()
-        try:
-            reserved = self.services.prepare_saves(options.model, options.optimizer, use_xser=meta.xser)
-        except Exception as e:  # the load itself succeeded; the next save prepares itself
-            logger.warning(
-                "the load of %r succeeded, but preparing the next async save failed (%s: %s); the first async save "
-                "will pay its one-time costs itself (NXD_CKPT_PREPARE_ON_RESUME=0 skips this step)",
-                meta.tag, type(e).__name__, e,
-            )  # fmt: skip
-            return
-        logger.debug("prepared the next async save after the resume: %s of host buffers in %.3f s",
-                     format_bytes(reserved), time.perf_counter() - start)  # fmt: skip
+        if not restored or restored != {"model", "optimizer"} & set(meta.items):
+            return None
+        return AsyncResume(meta.tag, bool(meta.xser))

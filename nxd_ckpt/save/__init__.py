@@ -1,2 +1,4 @@
-"""The save pipeline's steps: ``plan`` (who writes which tensor, decided once), ``staging`` (host copies),
-``writer`` (the background thread) and ``commit`` (arrive, ``done``, under deadlines). ``manager`` composes them."""
+"""The save pipeline's steps, one module each: ``capture`` (the state read at the call, the model's state dict
+built once), ``plan`` (who writes which tensor, decided once), ``stage`` (the staging strategies, over ``staging``
+and ``budget``), ``write`` (this rank's files), ``writer`` (the background thread) and ``commit`` (a tag's atomic
+commit, begin to ``done``, over ``barrier``). ``pipeline`` composes them; ``manager`` runs it."""

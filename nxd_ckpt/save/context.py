@@ -14,10 +14,11 @@ from typing import Any
 from nxd_ckpt.device.kept_budget import KeptSnapshotBudget
 from nxd_ckpt.device.transfer import DeviceTransfer
 from nxd_ckpt.format import integrity
+from nxd_ckpt.format.sharding_marks import ShardingShare
 from nxd_ckpt.options import SaveOptions
 from nxd_ckpt.ranks.coordinator import Coordinator
 from nxd_ckpt.ranks.topology import Topology
-from nxd_ckpt.save import budget, plan, staging
+from nxd_ckpt.save import budget, commit, plan, staging
 from nxd_ckpt.save.barrier import CommitBarrier
 from nxd_ckpt.save.commit import CommitTarget
 from nxd_ckpt.save.writer import AsyncWriter
@@ -70,6 +71,9 @@ class SaveServices:
     """Deletions still running on the writer thread (retention, Lightning's removals): a save does not wait for
     them, except rank 0 before it touches a tag of the same name (``prepare_tag``)."""
     device_budget: KeptSnapshotBudget = field(default_factory=KeptSnapshotBudget)
+    model_state: Any = None
+    """The model's state dict, built once per save by the manager before any collective (``capture.model_state``,
+    which also refuses meta tensors); None: the save builds it."""
     """The device snapshot budget kept from save to save (the manager's): each save proposes it, agrees on it."""
 
 
@@ -91,11 +95,30 @@ class SaveOutcome:
 
 @dataclass(frozen=True)
 class Captured:
-    """What ``begin`` read from the live objects, as it was at the call: the model's state dict and this rank's
-    per-rank state files (path, host state; copies for async saves)."""
+    """What ``begin`` read from the live objects, as it was at the call (``capture.capture``): the model's state
+    dict, this rank's per-rank state files (path, host state; copies for async saves), and what the save's first
+    world-wide step needs of them."""
 
     model: Any
     rank_files: list[tuple[str, Any]]
+    sharding_share: ShardingShare = None
+    """This rank's share of the sharding record (``sharding_marks.share_for_save``)."""
+    zero1: bool = False
+    """The optimizer's state is sharded ZeRO-1 (told, or recognised)."""
+    budget_proposal: int | None = None
+    """An async save's proposal of a device snapshot budget (``capture.budget_proposal``)."""
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where one save goes, as ``begin`` learns it before the save's first world-wide step: the checkpoint
+    directory, the job's layout (checked on every rank), the memory tier's run-time (if the save goes through
+    it) and whether the save reaches the checkpoint directory (a tier-only save does not)."""
+
+    storage: Storage
+    topology: Topology
+    runtime: TierRuntime | None = None
+    durable: bool = True
 
 
 @dataclass(frozen=True)
@@ -126,8 +149,9 @@ class SaveContext:
         return self.commit.monitor
 
     def barrier(self) -> CommitBarrier:
+        """This save's commit barrier (``commit.open_barrier``)."""
         coord = self.coordinator
-        return CommitBarrier(
+        return commit.open_barrier(
             coord.store, self.session, self.seq, coord.rank, coord.world_size, self.options.timeout_s, self.tag
         )
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from nxd_ckpt import statefile
+from nxd_ckpt import adapters, statefile, tree
 from nxd_ckpt.format import layout
 from nxd_ckpt.ranks.topology import Topology
 
@@ -120,3 +120,26 @@ def tensors_of_write(write: StateWrite, rank: int) -> list[torch.Tensor]:
 def tensors_to_write(writes: Sequence[StateWrite], rank: int) -> list[torch.Tensor]:
     """The tensors this rank's writers will read for all of ``writes``, in order (staging copies only these)."""
     return [t for w in writes for t in tensors_of_write(w, rank)]
+
+
+def optimizer_tree(optimizer: Any) -> Any:
+    """The optimizer's state as a save plans it (NxD's containers), or None."""
+    return tree.nxd_containers(adapters.optimizer_state(optimizer)) if optimizer is not None else None
+
+
+def planned_tensors(
+    topo: Topology, model_state: Any, optimizer: Any, *, use_xser: bool, zero1: bool
+) -> list[torch.Tensor]:
+    """The tensors an async save of the model's state dict ``model_state`` and ``optimizer`` with these options
+    stages on this rank (its share of
+    xser files among DP replicas, nothing of a plain file another replica writes), by the save's own plan (what
+    ``prepare_async_save`` prepares for)."""
+    writes = plan_save(
+        topo,
+        "planned",
+        model=model_state,
+        optimizer=optimizer_tree(optimizer),
+        zero1=zero1,
+        use_xser=use_xser,
+    )
+    return tensors_to_write(writes, topo.rank)

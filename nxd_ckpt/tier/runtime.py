@@ -3,8 +3,9 @@ per-restore steps (writing a rank's share, replicating it, copying it to durable
 
 Set-up (``TierRuntime``) happens on the training thread, at the first save or load through the tier: rank 0
 makes the job's token, every rank starts its file server and the addresses are exchanged (two small steps of
-``nxd_ckpt.ranks``). After that a save's tier work runs on the writer thread with no collective: files go to the
-node's memory directory, then straight to the peers' file servers (``transport.py``); the save's store-based
+``nxd_ckpt.ranks``). After that a save's tier work is one call on the writer thread with no collective
+(``TierSave.write``): files go to the node's memory directory, then straight to the peers' file servers
+(``transport.py``), then, every ``durable_every``-th save, to the checkpoint directory; the save's store-based
 commit (``save/commit.py``) tells every rank whether the save succeeded everywhere.
 """
 
@@ -14,12 +15,14 @@ import contextlib
 import logging
 import os
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from nxd_ckpt.format import integrity, layout
+from nxd_ckpt.format.metadata import TagMetadata, write_metadata
 from nxd_ckpt.ranks.coordinator import Coordinator
 from nxd_ckpt.ranks.deadlines import stall_limit_s
-from nxd_ckpt.storage import LocalStorage
+from nxd_ckpt.storage import LocalStorage, Storage
 from nxd_ckpt.tier.memory import (
     Marker,
     MemoryChoice,
@@ -135,6 +138,32 @@ class TierSave:
         self.monitor = monitor
         self.storage = integrity.ChecksummingStorage(WatchedStorage(self.share, monitor), tag, runtime.rank)
         """Where the save's writers write this rank's files (in node memory), recording their checksums."""
+
+    def write(
+        self,
+        write_files: Callable[[Storage], list[str]],
+        metadata: TagMetadata | None,
+        durable: integrity.ChecksummingStorage | None,
+        on_sealed: Callable[[], None] | None = None,
+    ) -> list[str]:
+        """This rank's part of a save through the tier, as one call: old tags evicted (``begin``), the files
+        written into node memory (``write_files`` over this rank's share), rank 0's ``metadata`` (a restore from
+        memory needs it; durable storage gets it at ``done``), the copy sealed, ``on_sealed`` (the state is in
+        node memory: its staging buffers can be reused), the peers' copies, then, for a ``durable`` save, the
+        checkpoint directory's copy with its directories synced and its manifest. Returns the paths written."""
+        self.begin()
+        written = write_files(self.storage)
+        if metadata is not None:
+            write_metadata(self.storage, metadata)
+        self.seal()
+        if on_sealed is not None:
+            on_sealed()
+        self.replicate()
+        if durable is not None:
+            self.copy_to(durable)
+            durable.sync_dirs({p.rsplit("/", 1)[0] for p in written})
+            durable.write_manifest()
+        return written
 
     def begin(self) -> None:
         """Evict old tags (the node's first local rank), and drop this rank's marker of an older save of the tag."""

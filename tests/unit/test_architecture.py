@@ -262,3 +262,33 @@ def test_no_module_imports_a_deprecated_alias():
         f"{m} -> {d} (use {DEPRECATED_ALIASES[d]})" for m in graph for d in graph[m] if d in DEPRECATED_ALIASES
     )
     assert users == [], "modules importing a deprecated alias:\n" + "\n".join(users)
+
+
+MAX_SAVE_PIPELINE_IMPORTS = 12
+"""``save/pipeline.py`` composes the steps of a save and does nothing else: each step is a module of its own."""
+
+
+def test_the_save_pipeline_only_composes():
+    """The save pipeline imports at most 12 of the package's modules (27 when it still held the re-save protocol,
+    the commit's target, the sharding share, the staging strategies and the memory tier's steps)."""
+    imported = sorted(_graph()[f"{PACKAGE}.save.pipeline"])
+    assert len(imported) <= MAX_SAVE_PIPELINE_IMPORTS, f"save/pipeline.py imports {len(imported)}: {imported}"
+
+
+def test_the_load_calls_nothing_of_the_save():
+    """A load reports what it resumed and the manager prepares the next save: no module of ``load/`` imports one of
+    ``save/`` (an edge the import graph would show), and ``load/candidates.py`` takes no callable (a call back into
+    the load's pipeline, an edge it would not)."""
+    graph = _graph()
+    edges = sorted(f"{m} -> {d}" for m in graph if m.startswith(f"{PACKAGE}.load.") for d in graph[m] if ".save." in d)
+    assert edges == []
+    with open(_modules()[f"{PACKAGE}.load.candidates"]) as f:
+        tree = ast.parse(f.read())
+    callables = [
+        f"{node.name}({arg.arg})"
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for arg in [*node.args.args, *node.args.kwonlyargs]
+        if arg.annotation is not None and "Callable" in ast.unparse(arg.annotation)
+    ]
+    assert callables == [], "load/candidates.py takes callbacks: " + ", ".join(callables)

@@ -18,8 +18,7 @@ from nxd_ckpt.load.read_plan import check_layout
 from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.save import commit
 from nxd_ckpt.save.barrier import CommitBarrier
-from nxd_ckpt.save.commit import CommitTarget
-from nxd_ckpt.save.pipeline import prepare_tag
+from nxd_ckpt.save.commit import CommitTarget, prepare_tag
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.threadworld import ThreadWorld
 from nxd_ckpt.watchdog import StorageMonitor
@@ -56,6 +55,31 @@ def test_prepare_tag_writes_in_place_over_a_bare_done(tmp_path):
 def test_prepare_tag_leaves_the_directory_alone_for_a_memory_only_save(tmp_path):
     _, resave = prepare_tag(LocalStorage(str(tmp_path)), "t", durable=False)
     assert not resave and os.listdir(tmp_path) == []
+
+
+def test_a_resave_is_written_beside_the_complete_tag_and_swapped_in_by_the_commit(tmp_path):
+    """One owner, begin to end: ``prepare_tag`` begins the re-save, ``open_target`` writes it under the tag's names
+    into the hidden directory (the old copy untouched), ``commit`` gives it the tag's name with ``done`` last."""
+    storage = LocalStorage(str(tmp_path))
+    storage.write_bytes(layout.tag_path("t", layout.CHECKPOINT_MARKER), b"1")
+    storage.write_bytes(layout.model_file("t", 0, 0), b"old")
+    storage.write_bytes(layout.tag_path("t", layout.DONE_MARKER), b"1")
+    created_at, resaved = prepare_tag(storage, "t", durable=True)
+    target = commit.open_target(
+        storage, "t", rank=0, world_size=1, created_at=created_at, resaved=resaved, durable=True, timeout_s=60.0,
+        topology=Topology(rank=0), zero1=False, use_xser=False, items=("model",), saved_async=False, sharding=None,
+    )  # fmt: skip
+    target.storage.write_bytes(layout.model_file("t", 0, 0), b"new")
+    target.storage.write_manifest()
+    assert storage.read_bytes(layout.model_file("t", 0, 0)) == b"old"  # still the loadable copy
+    assert (tmp_path / layout.resave_dir("t")).is_dir()
+    commit.commit(CommitBarrier(None, "s", 1, 0, 1, 60.0, "t"), target, 0, None)
+    assert storage.read_bytes(layout.model_file("t", 0, 0)) == b"new"
+    assert (
+        storage.exists(layout.tag_path("t", layout.DONE_MARKER))
+        and read_metadata(storage, "t").created_at == created_at
+    )
+    assert not (tmp_path / layout.resave_dir("t")).exists()
 
 
 # --------------------------------------------------------------------------------------------- commit

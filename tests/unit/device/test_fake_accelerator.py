@@ -128,25 +128,25 @@ def test_a_budgeted_save_whose_write_fails_frees_the_transfer_thread_for_the_nex
     """The write fails at once: the save reports it, and the copies it had not brought yet do not keep the
     process's transfer thread, so the next budgeted save completes and holds its call's state."""
     from nxd_ckpt.errors import AsyncSaveError
-    from nxd_ckpt.save import pipeline
+    from nxd_ckpt.save import write
     from nxd_ckpt.testing import native_state
 
     device = _fake()
     model, opt = native_state.training(device, WIDTH)
     native_state.steps(model, opt, 1, seed=1)
     budget = native_state.state_bytes(device, WIDTH) // 2
-    real_write_files = pipeline.write_files
+    real_write_files = write.write_files
 
     def failing(*args, **kwargs):
         raise OSError("disk full (injected)")
 
     with native_state.patched() as monkeypatch:
-        monkeypatch.setattr(pipeline, "write_files", failing)
+        monkeypatch.setattr(write, "write_files", failing)
         failed = nxd.save_checkpoint(str(tmp_path), "step_1", model=model, optimizer=opt, async_save=True,
                                      host_memory_budget=budget)  # fmt: skip
         with pytest.raises(Exception, match="disk full"):
             failed.wait()
-        monkeypatch.setattr(pipeline, "write_files", real_write_files)
+        monkeypatch.setattr(write, "write_files", real_write_files)
     with pytest.raises(AsyncSaveError, match="disk full"):  # the failure again, raised once by the next save
         nxd.save_checkpoint(str(tmp_path), "step_2", model=model, optimizer=opt, async_save=True,
                             host_memory_budget=budget)  # fmt: skip

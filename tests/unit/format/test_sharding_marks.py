@@ -89,3 +89,31 @@ def test_record_from_a_describing_model_uses_each_parameters_own_partitions() ->
     s = sh.record_from_model(lin, None).tensors["weight"]
     assert s == TensorSharding((16, 2), 0, 2, 4) and s.problem(4) is None
     assert sh.rebase(s, (6, 2), 2) == TensorSharding((12, 2), 0, 2, 2)
+
+
+def _share(model: object, state: dict, **where: int) -> sh.ShardingShare:
+    place = {"rank": 0, "tp_rank": 0, "replica_rank": 0, "tp": 1, "pp_stage": 0} | where
+    return sh.share_for_save(model, state, None, **place)
+
+
+def test_a_saves_shares_come_from_each_stages_first_replica_of_tp_rank_0_and_merge_on_rank_0() -> None:
+    state = {"w": torch.ones(2, 3)}
+    assert _share(None, state, tp_rank=1) is None and _share(None, state, replica_rank=1) is None
+    stage0, stage1 = _share(None, state), _share(None, {"v": torch.ones(5)}, pp_stage=1)
+    merged = sh.merge_shares([stage0, None, stage1])
+    assert merged is not None and sorted(merged.tensors) == ["v", "w"]
+    assert merged.tensors["v"].pp_stage == 1 and merged.tensors["w"].shape == (2, 3)
+
+
+def test_a_share_that_cannot_be_read_is_a_message_and_the_merge_records_nothing(caplog) -> None:
+    class Unreadable(torch.nn.Linear):
+        def named_parameters(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+            raise RuntimeError("no parameters")
+
+    model = Unreadable(2, 2)
+    share = sh.share_for_save(model, {"weight": torch.ones(2, 2)}, None, rank=3, tp_rank=0, replica_rank=0, tp=2,
+                              pp_stage=0)  # fmt: skip
+    assert isinstance(share, str) and share.startswith("rank 3: ")
+    with caplog.at_level("WARNING", logger="nxd_ckpt"):
+        assert sh.merge_shares([share, _share(None, {"w": torch.ones(2)})]) is None
+    assert "could not be recorded" in caplog.text and "sharding=" in caplog.text

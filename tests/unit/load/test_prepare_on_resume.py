@@ -132,3 +132,33 @@ def test_a_tag_of_one_item_resumed_into_that_item_is_prepared(tmp_path, items):
     manager.load(str(tmp_path), **{k: fresh[k] for k in items})
     assert manager._staging_pool.held_bytes > 0
     manager.finalize()
+
+
+def _load_pipeline(tmp_path, **keywords):
+    """A load pipeline run alone (no manager), over a fresh model and optimizer; the pipeline afterwards."""
+    from nxd_ckpt.load.pipeline import LoadPipeline, LoadServices
+    from nxd_ckpt.options import load_options
+    from nxd_ckpt.ranks.coordinator import Coordinator
+    from nxd_ckpt.ranks.topology import Topology
+
+    services = LoadServices(
+        coordinator=Coordinator(),
+        topology=lambda: Topology(rank=0),
+        storage_for=lambda d: LocalStorage(str(d)),
+        tier_runtime=lambda *a: pytest.fail("no memory tier in this load"),
+        on_restore=lambda report: None,
+    )
+    model, opt, _ = make_training(seed=9, device="cpu")
+    pipeline = LoadPipeline(services)
+    pipeline.run(load_options(str(tmp_path), model=model, optimizer=opt, **keywords))
+    return pipeline
+
+
+def test_the_load_reports_an_async_resume_and_prepares_nothing_itself(tmp_path):
+    """Step 6 is the manager's: the load pipeline only says which tag it resumed and how it was encoded."""
+    from nxd_ckpt.load.pipeline import AsyncResume
+
+    _saved(tmp_path / "a", async_save=True, use_xser=True)
+    _saved(tmp_path / "s")
+    assert _load_pipeline(tmp_path / "a").resumed == AsyncResume("step_2", use_xser=True)
+    assert _load_pipeline(tmp_path / "s").resumed is None

@@ -19,7 +19,7 @@ from nxd_ckpt.options import save_options
 from nxd_ckpt.ranks.coordinator import Coordinator
 from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.save import budget, plan
-from nxd_ckpt.save import pipeline as save_pipeline
+from nxd_ckpt.save import capture as save_capture
 from nxd_ckpt.save.context import SaveContext, SaveOutcome, SaveServices, SaveTimer
 from nxd_ckpt.save.pipeline import SavePipeline
 from nxd_ckpt.save.report import SaveReport
@@ -81,7 +81,7 @@ def _note_steps(monkeypatch: pytest.MonkeyPatch, events: dict[int, list[str]], w
     for step in ("begin", "mark_tag", "plan", "hand_off", *(["write"] if write else [])):
         _note(monkeypatch, SavePipeline, step, events, by_pipeline)
     _note(monkeypatch, SavePipeline, "stage", events, by_pipeline, done="staged")
-    _note(monkeypatch, save_pipeline, "capture", events, lambda coord, *a, **k: coord.rank)
+    _note(monkeypatch, save_capture, "capture", events, lambda coord, *a, **k: coord.rank)
     if write:
         _note(monkeypatch, SaveContext, "barrier", events, lambda ctx: ctx.coordinator.rank)
 
@@ -222,3 +222,38 @@ def test_an_async_failure_under_warn_is_the_jobs_result(tmp_path):
     services.writer.close()
     assert failure is not None and failure.startswith("bad: ") and "cannot pickle this" in failure
     assert report.error is not None and not (tmp_path / "bad" / "done").exists()
+
+
+class _CountingModel(torch.nn.Module):
+    """A model that counts the calls of its ``state_dict``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 4)
+        self.state_dict_calls = 0
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        self.state_dict_calls += 1
+        return super().state_dict(*args, **kwargs)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_builds_the_models_state_dict_once(tmp_path, async_save):
+    """The manager builds it (refusing meta tensors before any collective) and the pipeline writes that one."""
+    manager = CheckpointManager(topology=Topology(rank=0))
+    model = _CountingModel()
+    manager.save(tmp_path, "t", model=model, async_save=async_save).wait()
+    manager.finalize()
+    assert model.state_dict_calls == 1 and (tmp_path / "t" / "done").exists()
+
+
+def test_a_model_without_data_is_refused_before_the_save_begins(tmp_path, monkeypatch):
+    """Meta tensors fail the save in the manager, under any ``on_save_error``: no collective, no file."""
+    events: dict[int, list[str]] = {0: []}
+    _note_steps(monkeypatch, events, write=False)
+    manager = CheckpointManager(topology=Topology(rank=0))
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 4)
+    with pytest.raises(Exception, match="meta"):
+        manager.save(tmp_path, "t", model=model, on_save_error="warn")
+    assert events[0] == [] and not (tmp_path / "t").exists()

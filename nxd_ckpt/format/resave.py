@@ -1,0 +1,246 @@
+"""Re-saving a tag: the new checkpoint written beside the complete old one, then swapped in; and the recovery of a
+swap a crash interrupted. The commit (``save/commit.py``) begins and ends a re-save through this module; loads
+finish a swap a crash left half done (``recover_resaves``).
+
+Saving to a tag that already holds a complete checkpoint writes the new one beside it, in the hidden directory
+``layout.resave_dir(tag)``, through ``ResaveStorage`` (so every writer still names files by the tag). Rank 0 commits
+it there (``done`` included) and then swaps it in: on storage that can rename directories (a POSIX filesystem),
+tag -> ``layout.replaced_dir(tag)``, resave_dir -> tag, sync, delete the old copy; elsewhere (S3) the old tag is
+deleted (``done`` first) and the new files are copied to its name (``done`` last). At every moment one complete
+copy exists: the old tag until the new one is complete, then the new one under either name. A crash in the
+middle is finished by ``recover_resaves`` (rank 0, before every save and load): a complete re-save is swapped
+in, an incomplete one is dropped, and an old copy whose replacement never arrived goes back to its name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable
+from typing import Any, BinaryIO
+
+from nxd_ckpt.errors import CheckpointError, FormatError
+from nxd_ckpt.format import layout
+from nxd_ckpt.format.metadata import TagMetadata, read_metadata
+from nxd_ckpt.storage import Storage
+from nxd_ckpt.storage.base import DelegatingStorage
+
+logger = logging.getLogger("nxd_ckpt")
+
+
+class ResaveStorage(DelegatingStorage):
+    """The storage of a re-save: paths under ``tag/`` go to ``layout.resave_dir(tag)/``; the rest pass through."""
+
+    def __init__(self, inner: Storage, tag: str, staging: str | None = None) -> None:
+        super().__init__(inner)
+        self.tag = layout.validate_tag(tag)
+        self.staging = layout.resave_dir(tag) if staging is None else staging
+
+    def _map(self, path: str) -> str:
+        if path == self.tag or path.startswith(self.tag + "/"):
+            return self.staging + path[len(self.tag) :]
+        return path
+
+    def _unmap(self, path: str) -> str:
+        if path == self.staging or path.startswith(self.staging + "/"):
+            return self.tag + path[len(self.staging) :]
+        return path
+
+    def local_path(self, path: str) -> str | None:
+        return self.inner.local_path(self._map(path))
+
+    def write_from_local_file(self, path: str, local_file: str) -> None:
+        self.inner.write_from_local_file(self._map(path), local_file)
+
+    def open_sequential(self, path: str, direct: bool = False) -> contextlib.AbstractContextManager[BinaryIO]:
+        return self.inner.open_sequential(self._map(path), direct)
+
+    def open_write(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        return self.inner.open_write(self._map(path))
+
+    def write_bytes(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        self.inner.write_bytes(self._map(path), data)
+
+    def open_read(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        return self.inner.open_read(self._map(path))
+
+    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        return self.inner.read_bytes(self._map(path), offset, length)
+
+    def read_buffer(self, path: str, allocate: Any = None) -> Any:
+        return self.inner.read_buffer(self._map(path), allocate)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(self._map(path))
+
+    def list_dir(self, path: str = "") -> list[str]:
+        return self.inner.list_dir(self._map(path))
+
+    def size(self, path: str) -> int:
+        return self.inner.size(self._map(path))
+
+    def mtime(self, path: str) -> float:
+        return self.inner.mtime(self._map(path))
+
+    def delete(self, path: str) -> None:
+        self.inner.delete(self._map(path))
+
+    def delete_tree(self, path: str) -> None:
+        self.inner.delete_tree(self._map(path))
+
+    def sync_dirs(self, paths: Iterable[str]) -> None:
+        self.inner.sync_dirs({self._map(p) for p in paths})
+
+    def walk_files(self, path: str = "") -> list[str]:
+        return [self._unmap(p) for p in self.inner.walk_files(self._map(path))]
+
+
+def begin_resave(storage: Storage, tag: str) -> None:
+    """Rank 0: start writing a re-save of the complete ``tag`` beside it (a leftover attempt is dropped)."""
+    staging = layout.resave_dir(tag)
+    storage.delete_tree(staging)
+    storage.write_bytes(f"{staging}/{layout.CHECKPOINT_MARKER}", b"1")
+
+
+def swap_in_resave(storage: Storage, tag: str) -> None:
+    """Rank 0, after the re-save of ``tag`` is complete (with a durable ``done``) in its hidden directory:
+    give it the tag's name. Also finishes a swap a crash interrupted."""
+    staging, old = layout.resave_dir(tag), layout.replaced_dir(tag)
+    if not storage.exists(f"{staging}/{layout.DONE_MARKER}"):
+        raise CheckpointError(f"{storage.url}/{staging} is not complete; refusing to swap it in as {tag!r}")
+    _carry_foreign_files(storage, tag, staging)
+    if storage.renames_dirs:
+        # Exchanged: the hidden directory holds the old copy (older by its creation time, which is how recovery
+        # tells the two apart if a crash comes before the deletion). Two renames: between them the tag is missing
+        # (a load or save finishes the swap).
+        replace_dir(storage, staging, tag, old)
+        return
+    # No directory rename (object stores): the complete copy in ``staging`` is what a crash from here keeps.
+    storage.delete(layout.tag_path(tag, layout.DONE_MARKER))
+    storage.delete_tree(tag)
+    files = [p for p in storage.walk_files(staging) if p != f"{staging}/{layout.DONE_MARKER}"]
+    for path in files:
+        storage.write_bytes(tag + path[len(staging) :], storage.read_bytes(path))
+    storage.sync_dirs({tag + p[len(staging) :].rsplit("/", 1)[0] for p in files} | {tag, ""})
+    storage.write_bytes(layout.tag_path(tag, layout.DONE_MARKER), b"1")
+    storage.sync_dirs([tag])
+    delete_copy(storage, staging)
+
+
+def _carry_foreign_files(storage: Storage, tag: str, staging: str) -> None:
+    """Files others keep in the tag folder itself (optimum-neuron's ``mp_metadata_pp_rank_*.json``, which its
+    PEFT save writes before saving and its async save right after) go with the re-saved copy unless it has its own."""
+    owned = set(layout.TAG_TOP_LEVEL_FILES)
+    for path in storage.walk_files(tag):
+        name = path[len(tag) + 1 :]
+        if "/" in name or name in owned or storage.exists(f"{staging}/{name}"):
+            continue
+        storage.write_bytes(f"{staging}/{name}", storage.read_bytes(path))
+        storage.sync_dirs([staging])
+
+
+def _is_older_copy(storage: Storage, directory: str, tag: str) -> bool:
+    """Whether the complete checkpoint in ``directory`` is older than the complete ``tag`` (so it is the old copy
+    an exchange put there, not a re-save waiting to be swapped in)."""
+    if not storage.exists(layout.tag_path(tag, layout.DONE_MARKER)):
+        return False
+    try:
+        hidden = _metadata_at(storage, directory)
+        current = read_metadata(storage, tag)
+    except FormatError:
+        return False
+    if hidden is None or current is None or hidden.created_at is None or current.created_at is None:
+        return False
+    return hidden.created_at <= current.created_at
+
+
+def _metadata_at(storage: Storage, directory: str) -> TagMetadata | None:
+    """The metadata of a hidden copy of a tag (its folder is not a tag name); FormatError if damaged."""
+    path = f"{directory}/{layout.METADATA_FILE}"
+    if not storage.exists(path):
+        return None
+    return TagMetadata.from_json(storage.read_bytes(path), f"{storage.url}/{path}")
+
+
+def replace_dir(storage: Storage, new: str, target: str, old: str, marker: str = layout.DONE_MARKER) -> None:
+    """Give the complete copy in directory ``new`` the name ``target`` (storage that ``renames_dirs``), durably,
+    then delete the copy it replaced (``marker`` first). One atomic exchange where the filesystem has it (the old
+    copy then sits at ``new`` until deleted); else two renames through ``old``, between which ``target`` is missing.
+    """
+    if storage.list_dir(target) and storage.exchange_dirs(new, target):
+        storage.sync_dirs([""])
+        delete_copy(storage, new, marker)
+        return
+    if storage.list_dir(target):
+        delete_copy(storage, old, marker)  # a replaced copy left by an earlier interrupted swap
+        storage.rename_dir(target, old)
+    storage.rename_dir(new, target)
+    storage.sync_dirs([""])  # the swap is durable before the old copy goes
+    delete_copy(storage, old, marker)
+
+
+def delete_copy(storage: Storage, directory: str, marker: str = layout.DONE_MARKER) -> None:
+    """Delete a hidden copy of a checkpoint: its ``marker`` first, so a partial deletion never looks complete."""
+    if not storage.list_dir(directory):
+        return
+    storage.delete(f"{directory}/{marker}")
+    storage.sync_dirs([directory])
+    storage.delete_tree(directory)
+
+
+def recover_resaves(storage: Storage, finish_only: bool = False) -> list[str]:
+    """Rank 0: finish or undo re-saves a crash interrupted (see above); return the tags touched.
+
+    ``finish_only`` (loads): only swap in complete re-saves and put back an old copy whose tag is missing;
+    leave unfinished re-saves alone (another job may be writing one right now)."""
+    touched = []
+    for name in storage.list_dir(""):
+        for prefix in (layout.RESAVE_PREFIX, layout.REPLACED_PREFIX):
+            if not name.startswith(prefix):
+                continue
+            tag = name[len(prefix) :]
+            try:
+                layout.validate_tag(tag)
+            except ValueError:
+                continue
+            if tag not in touched:
+                _recover_resave(storage, tag, finish_only)
+                touched.append(tag)
+    return touched
+
+
+def _recover_resave(storage: Storage, tag: str, finish_only: bool) -> None:
+    staging, old = layout.resave_dir(tag), layout.replaced_dir(tag)
+    if storage.exists(f"{staging}/{layout.DONE_MARKER}") and not _is_older_copy(storage, staging, tag):
+        logger.warning("finishing the interrupted re-save of checkpoint %s in %s", tag, storage.url)
+        swap_in_resave(storage, tag)
+        return
+    if storage.exists(f"{staging}/{layout.DONE_MARKER}"):  # the old copy an exchange left: delete it
+        if not finish_only:
+            delete_copy(storage, staging)
+        return
+    if finish_only:
+        if not storage.list_dir(tag) and storage.exists(f"{old}/{layout.DONE_MARKER}"):
+            _restore(storage, tag, old)
+        return
+    if storage.list_dir(staging):
+        logger.warning("dropping the unfinished re-save of checkpoint %s in %s (the old one stays)", tag, storage.url)
+        storage.delete_tree(staging)
+    if not storage.list_dir(old):
+        return
+    if storage.exists(layout.tag_path(tag, layout.DONE_MARKER)) or not storage.exists(f"{old}/{layout.DONE_MARKER}"):
+        delete_copy(storage, old)
+        return
+    _restore(storage, tag, old)
+
+
+def _restore(storage: Storage, tag: str, old: str) -> None:
+    """Give the old copy of ``tag`` its name back (its replacement never became complete)."""
+    logger.warning("restoring checkpoint %s in %s from its copy %s", tag, storage.url, old)
+    if storage.list_dir(tag):
+        storage.delete_tree(tag)
+    if storage.renames_dirs:
+        storage.rename_dir(old, tag)
+        storage.sync_dirs([""])
+    else:  # pragma: no cover - object stores never create the replaced copy
+        raise CheckpointError(f"cannot restore {storage.url}/{tag} from {old}: the storage cannot rename")
