@@ -14,14 +14,17 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the test harness, harness/
 
 
 def _rank(rank: int, world: int, port: int, steps: int, out: mp.Queue) -> None:
     import torch.distributed as tdist
 
+    from harness import rendezvous
     from nxd_ckpt.ranks.coordinator import Coordinator
-    from nxd_ckpt.testing import rendezvous
 
     rendezvous.init_process_group(port, rank, world)
     coord = Coordinator()
@@ -63,7 +66,7 @@ def main() -> None:
     os.environ.setdefault("NXD_CKPT_TIMEOUT_S", "120")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    from nxd_ckpt.testing import rendezvous
+    from harness import rendezvous
 
     store = rendezvous.serve_store()  # the ranks meet here (port 0 bound by this process, handed to them)
     port = int(store.port)

@@ -377,7 +377,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--durable-dir", default=None, help="where the checkpoint directory goes (default: a temp dir)")
     args = parser.parse_args()
-    from nxd_ckpt.testing.multiprocess import run_on_ranks
+    from harness.multiprocess import run_on_ranks
 
     bench = __import__("bench_memory_tier")  # by module name, as the spawned ranks import it
 

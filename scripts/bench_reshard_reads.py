@@ -2,7 +2,7 @@
 
     python scripts/bench_reshard_reads.py --d 512
 
-Two spawned gloo ranks save ``nxd_ckpt.testing.tp_layers.TPModel`` (fused column-parallel, row-parallel and
+Two spawned gloo ranks save ``harness.tp_layers.TPModel`` (fused column-parallel, row-parallel and
 replicated tensors, hidden size ``--d``) at TP=1, plain and xser, then load it at TP=2 through a read-counting
 storage. Prints per encoding: the bytes of the model state rank 0 holds at TP=2 (needed), the bytes it read
 from the model files, and the bytes saved; the ratios read/needed (1.0 is the floor) and read/saved.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 
 import torch.distributed as dist
@@ -20,8 +21,10 @@ import torch.distributed as dist
 import nxd_ckpt as nxd
 from nxd_ckpt.parallel_state import current_topology
 from nxd_ckpt.testing.counting import ReadCountingStorage
-from nxd_ckpt.testing.multiprocess import run_on_ranks
-from nxd_ckpt.testing.tp_layers import TPModel
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the test harness, harness/
+from harness.multiprocess import run_on_ranks
+from harness.tp_layers import TPModel
 
 
 def _tp_group(tp: int) -> object:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import statistics
 import sys
 import time
@@ -27,7 +28,9 @@ from benchlib import S3_BUCKET, S3_TITLE, apply_loopback_s3_env
 
 import nxd_ckpt as nxd
 from nxd_ckpt.storage.s3 import S3Storage
-from nxd_ckpt.testing.s3server import MotoServer
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the test harness, harness/
+from harness.s3server import MotoServer
 
 
 def _synthetic_model(size_mb: int) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ Reported per operation and world size (a row each):
   requests take at S3's per-prefix rates (3,500 PUT/POST/DELETE, 5,500 GET/HEAD per second per partitioned
   prefix), for the busiest prefix and for the whole tag under one prefix (a new bucket, not yet partitioned).
 
-``--processes P`` also runs the save on P real gloo processes (``testing.multiprocess``) to check the store
+``--processes P`` also runs the save on P real gloo processes (``harness.multiprocess``) to check the store
 figures against real torch.distributed.
 
     python scripts/bench_scale.py --quick              # 16..256 ranks: a smoke run (minutes)
@@ -404,7 +404,7 @@ def _run_world(
 
 # --------------------------------------------------------------------------------------------- processes
 def process_rank(layers: int, elems: int, directory: str, out_dir: str) -> None:
-    """One rank of ``--processes``: a real gloo rank (``testing.multiprocess``) saving twice; its store operations
+    """One rank of ``--processes``: a real gloo rank (``harness.multiprocess``) saving twice; its store operations
     of the second save (counted by wrapping the store the coordinator uses) go to ``out_dir/<rank>.json``."""
     import torch.distributed as dist
 
@@ -438,7 +438,7 @@ def process_rank(layers: int, elems: int, directory: str, out_dir: str) -> None:
 
 def run_processes(n: int, layers: int, elems: int, root: str) -> dict[str, Any]:
     """The save on ``n`` spawned gloo ranks (32 per simulated node): store operations per rank, save time."""
-    from nxd_ckpt.testing.multiprocess import run_on_ranks
+    from harness.multiprocess import run_on_ranks
 
     out_dir = tempfile.mkdtemp(dir=root)
     kwargs = {"layers": layers, "elems": elems, "directory": os.path.join(root, f"p{n}"), "out_dir": out_dir}

@@ -54,6 +54,8 @@ from benchlib import (
     tensors_of,
 )
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the test harness, harness/
+
 GIB = 1 << 30
 BLOCK = 64 << 20
 
@@ -587,7 +589,7 @@ def _ensure_server(rank: int) -> None:
 
     import boto3
 
-    from nxd_ckpt.testing.s3server import MotoServer
+    from harness.s3server import MotoServer
 
     endpoint = [None]
     if rank == 0:
@@ -642,7 +644,7 @@ import benchmark_memory_sections  # noqa: E402 - host memory, first async save, 
 def _worker(rank: int, args: argparse.Namespace, port: int, root: str, out_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.ranks))
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(args.ranks))
-    from nxd_ckpt.testing import rendezvous
+    from harness import rendezvous
 
     rendezvous.init_process_group(port, rank, args.ranks)
     total = int(args.size_gb * GIB)
@@ -812,7 +814,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
     root = tempfile.mkdtemp(prefix="nxd_bench_", dir=args.dir)
     out_path = os.path.join(root, "results.json")
-    from nxd_ckpt.testing import rendezvous
+    from harness import rendezvous
 
     store = rendezvous.serve_store()  # the ranks meet here: port 0 bound by this process, handed to them
     port = int(store.port)

@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -33,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the test harness, harness/
 
 GIB = 1 << 30
 
@@ -238,7 +241,7 @@ def bench_async_section(root: str, total_bytes: int, repeats: int) -> dict:
 
 def _rank_main(rank: int, world: int, port: int, root: str, total_bytes: int, repeats: int, out: str) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    from nxd_ckpt.testing import rendezvous
+    from harness import rendezvous
 
     rendezvous.init_process_group(port, rank, world)
     try:
@@ -263,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     root = tempfile.mkdtemp(prefix="nxd_bench_async_", dir=args.dir)
     out = os.path.join(root, "result.json")
-    from nxd_ckpt.testing import rendezvous
+    from harness import rendezvous
 
     store = rendezvous.serve_store()  # the ranks meet here: port 0 bound by this process, handed to them
     port = int(store.port)
