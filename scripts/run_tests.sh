@@ -34,8 +34,8 @@ for lane in $lanes; do
   fi
   if [ "$lane" = cpu ]; then
     echo "[lint] ruff check + ruff format --check"
-    "$py" -m ruff check nxd_ckpt tests scripts benchmarks
-    "$py" -m ruff format --check nxd_ckpt tests scripts benchmarks
+    "$py" -m ruff check nxd_ckpt harness benchmarks tests scripts
+    "$py" -m ruff format --check nxd_ckpt harness benchmarks tests scripts
   fi
   if [ "$lane" = xla ]; then
     # Model/optimizer state of the shared fixtures (testing.fakes.make_training) lives on the XLA CPU device;

@@ -44,7 +44,7 @@ def on_ranks(
 ) -> Any:
     """Run ``fn(**kwargs, out=PATH)`` on ``world`` spawned gloo ranks and return the JSON rank 0 wrote to PATH
     (``write_result``)."""
-    from nxd_ckpt.testing.multiprocess import run_on_ranks
+    from harness.multiprocess import run_on_ranks
 
     with tempfile.TemporaryDirectory(prefix="nxd_bench_ranks_") as scratch:
         out = os.path.join(scratch, "result.json")

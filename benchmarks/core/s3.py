@@ -11,7 +11,7 @@ S3_BUCKET = "nxd-ckpt-bench"
 
 def apply_loopback_s3_env(endpoint_url: str) -> None:
     """Point this process's AWS environment at the loopback moto server at ``endpoint_url``."""
-    from nxd_ckpt.testing.s3server import loopback_aws_environ
+    from harness.s3server import loopback_aws_environ
 
     for key, value in loopback_aws_environ(endpoint_url).items():
         if value is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -20,6 +21,8 @@ from benchmarks.core.report import Report
 
 TITLE = __doc__.splitlines()[0]
 SECTIONS = {"steps": "master_computes, run_all and a store barrier against the bare collectives (mean per step)"}
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the test harness, harness/
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:

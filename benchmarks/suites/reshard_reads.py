@@ -2,7 +2,7 @@
 
     python -m benchmarks reshard_reads --d 512
 
-Two spawned gloo ranks save ``nxd_ckpt.testing.tp_layers.TPModel`` (fused column-parallel, row-parallel and
+Two spawned gloo ranks save ``harness.tp_layers.TPModel`` (fused column-parallel, row-parallel and
 replicated tensors, hidden size ``--d``) at TP=1, plain and xser, then load it at TP=2 through a read-counting
 storage. Prints per encoding: the bytes of the model state rank 0 holds at TP=2 (needed), the bytes it read
 from the model files, and the bytes saved; the ratios read/needed (1.0 is the floor) and read/saved.
@@ -45,8 +45,8 @@ def _tp_group(tp: int) -> object:
 def measure(root: str, encoding: str, d: int, out: str) -> None:
     """One rank: save at TP=1, load at TP=2 through the counting storage; rank 0 writes its bytes."""
     import nxd_ckpt as nxd
+    from harness.tp_layers import TPModel
     from nxd_ckpt.testing.counting import ReadCountingStorage
-    from nxd_ckpt.testing.tp_layers import TPModel
 
     model = TPModel(d=d, hidden=d, n_layers=2, tp_group=_tp_group(1), seed=0)
     ckpt = os.path.join(root, "ckpt")

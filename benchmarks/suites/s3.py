@@ -75,8 +75,8 @@ def s3_loopback_section(size_mb: int = 256, repeats: int = 3) -> list[tuple[str,
     """Rows ``(label, median seconds, GB/s)`` for raw boto3 and nxd_ckpt save/load to a loopback moto server."""
     import boto3
 
+    from harness.s3server import MotoServer
     from nxd_ckpt.storage.s3 import S3Storage
-    from nxd_ckpt.testing.s3server import MotoServer
 
     model = synthetic_model(size_mb)
     nbytes = sum(t.numel() * t.element_size() for t in model.values())

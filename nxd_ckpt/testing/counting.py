@@ -1,5 +1,6 @@
 """Instrumentation for tests and the scale benchmark: local storage counting the bytes a load really reads, a
-c10d store client counting the operations a rank makes, and the graphs torch_xla compiled."""
+c10d store client counting the operations a rank makes (``ThreadWorld(count=True)``), and storage counting the S3
+requests each call would make."""
 
 from __future__ import annotations
 
@@ -243,37 +244,3 @@ class RequestCountingStorage(DelegatingStorage):
     def rename_dir(self, src: str, dst: str) -> None:
         self._add("RENAME", f"{src}/x")
         super().rename_dir(src, dst)
-
-
-class GatedStorage(LocalStorage):
-    """Local storage whose model-file writes wait for ``gate``: a save still being written, for as long as a test
-    needs (the wait gives up after ``timeout_s``, failing the write instead of hanging the test)."""
-
-    def __init__(self, root: str, gate: threading.Event, timeout_s: float = 60.0) -> None:
-        super().__init__(root)
-        self.gate = gate
-        self.timeout_s = timeout_s
-
-    @contextlib.contextmanager
-    def open_write(self, path: str) -> Iterator[BinaryIO]:
-        if "/model/" in path and not self.gate.wait(self.timeout_s):
-            raise TimeoutError(f"GatedStorage: the gate of {path} stayed closed for {self.timeout_s} s")
-        with super().open_write(path) as f:
-            yield f
-
-
-def xla_graph_compiles() -> int:
-    """Graphs torch_xla compiled so far in this process (its ``CompileTime`` metric's count)."""
-    return _xla_metric_count("CompileTime")
-
-
-def xla_graph_executions() -> int:
-    """Graphs torch_xla ran so far in this process (its ``ExecuteTime`` metric's count)."""
-    return _xla_metric_count("ExecuteTime")
-
-
-def _xla_metric_count(name: str) -> int:
-    import torch_xla.debug.metrics as met
-
-    data = met.metric_data(name)
-    return int(data[0]) if data else 0

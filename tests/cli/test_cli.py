@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
+from harness.multiprocess import run_on_ranks
 from nxd_ckpt.cli import main
 from nxd_ckpt.testing.fakes import TinyMLP, make_training, train_steps
-from nxd_ckpt.testing.multiprocess import run_on_ranks
 
 pytestmark = pytest.mark.device_independent  # the command reads and writes host files: runs once, in the CPU lane
 
@@ -81,7 +81,7 @@ def _save_parallel(out: str) -> None:
     """On 2 ranks: a TP=2 checkpoint, a PP=2 one, then a DP=2 ZeRO-1 one."""
     import torch.distributed as dist
 
-    from nxd_ckpt.testing.zero1_adamw import Zero1AdamW
+    from harness.zero1_adamw import Zero1AdamW
 
     nxd.initialize_model_parallel(tensor_model_parallel_size=2)
     torch.manual_seed(dist.get_rank())

@@ -1,6 +1,6 @@
 """Native accelerator state (CUDA): async saves snapshot on the device and copy to pinned host buffers on a side
 stream beside training; loads stream through pinned buffers onto the live tensors. Skipped without a GPU; run on a
-GPU machine with ``python -m pytest tests/cuda``. The same scenarios (``testing.native_state``) run on the fake
+GPU machine with ``python -m pytest tests/cuda``. The same scenarios (``harness.native_state``) run on the fake
 accelerator in every lane that can register one (tests/unit/device/test_fake_accelerator.py)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nxd_ckpt.testing import native_state
+from harness import native_state
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nxd_ckpt.testing.multiprocess import run_with_ranks
+from harness.multiprocess import run_with_ranks
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 def test_saves_and_a_load_of_state_on_gpu_1_open_no_context_on_gpu_0(tmp_path):
     """As a launcher's rank on GPU 1: ``set_device(1)`` on the training thread, a pooled async save, one under a
     host memory budget, a load into the live tensors, then no primary context on GPU 0."""
-    from nxd_ckpt.testing import native_state
+    from harness import native_state
 
     assert not torch._C._cuda_hasPrimaryContext(0), "GPU 0 had a context before the test"
     torch.cuda.set_device(1)

@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 import nxd_ckpt as nxd
+from harness.gated_storage import GatedStorage
+from harness.multiprocess import run_with_ranks
 from nxd_ckpt.storage import LocalStorage
-from nxd_ckpt.testing.counting import GatedStorage
 from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_steps
-from nxd_ckpt.testing.multiprocess import run_with_ranks
 from nxd_ckpt.tree import map_tensors
 
 

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 import nxd_ckpt as nxd
+from harness import fake_nxd
+from harness.multiprocess import run_with_ranks
 from nxd_ckpt import statefile
 from nxd_ckpt.storage import storage_for
-from nxd_ckpt.testing import fake_nxd
-from nxd_ckpt.testing.multiprocess import run_with_ranks
 
 CP_GROUPS = {  # written out from NxD's row-major [PP, DP, CP, TP] grid (CP stride TP, DP stride CP*TP)
     "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],

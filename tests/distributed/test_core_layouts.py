@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 import nxd_ckpt as nxd
+from harness.multiprocess import run_with_ranks
 from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_steps
-from nxd_ckpt.testing.multiprocess import run_with_ranks
 
 
 def _expected_files(tp: int, pp: int, dp: int) -> set[str]:

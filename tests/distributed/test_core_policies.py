@@ -10,9 +10,9 @@ import pytest
 import torch.distributed as dist
 
 import nxd_ckpt as nxd
+from harness.multiprocess import run_with_ranks
 from nxd_ckpt.ranks.coordinator import Coordinator
 from nxd_ckpt.testing.fakes import TinyMLP, make_training
-from nxd_ckpt.testing.multiprocess import run_with_ranks
 
 
 class _Unpicklable:

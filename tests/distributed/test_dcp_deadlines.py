@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from harness.multiprocess import run_on_ranks
 from nxd_ckpt.dcp import StorageReader, StorageWriter
-from nxd_ckpt.testing.multiprocess import run_on_ranks
 
 pytestmark = pytest.mark.device_independent  # CPU state over gloo: runs once, in the CPU lane
 

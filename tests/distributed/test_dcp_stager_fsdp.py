@@ -13,8 +13,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from harness.multiprocess import run_on_ranks
 from nxd_ckpt.dcp import Stager, StorageWriter
-from nxd_ckpt.testing.multiprocess import run_on_ranks
 
 pytestmark = pytest.mark.device_independent  # CPU DTensors over gloo: runs once, in the CPU lane
 

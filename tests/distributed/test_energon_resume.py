@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import nxd_ckpt as nxd
-from nxd_ckpt.testing.multiprocess import run_on_ranks
+from harness.multiprocess import run_on_ranks
 
 pytestmark = pytest.mark.device_independent  # the data loader's state: runs once, in the CPU lane
 

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler
 
 import nxd_ckpt as nxd
+from harness.multiprocess import run_on_ranks
 from nxd_ckpt.testing.fakes import lane_device, make_training
-from nxd_ckpt.testing.multiprocess import run_on_ranks
 
 StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
 

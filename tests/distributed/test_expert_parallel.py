@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 
 import nxd_ckpt as nxd
+from harness import fake_nxd
+from harness.multiprocess import run_with_ranks
 from nxd_ckpt import statefile
 from nxd_ckpt.errors import FormatError
 from nxd_ckpt.storage import storage_for
-from nxd_ckpt.testing import fake_nxd
-from nxd_ckpt.testing.multiprocess import run_with_ranks
 from nxd_ckpt.tools.convert_zero1 import convert_zero1
 
 pytestmark = pytest.mark.usefixtures("xser_file_per_tensor")  # NxD-style tensor files for every tensor

@@ -10,8 +10,8 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from nxd_ckpt.testing import rendezvous
-from nxd_ckpt.testing.multiprocess import harness_pid, run_on_ranks, run_with_ranks
+from harness import rendezvous
+from harness.multiprocess import harness_pid, run_on_ranks, run_with_ranks
 
 pytestmark = pytest.mark.device_independent
 

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
+from harness.multiprocess import run_on_ranks
 from nxd_ckpt import cli
 from nxd_ckpt.format.describe import describe
 from nxd_ckpt.storage import storage_for
-from nxd_ckpt.testing.multiprocess import run_on_ranks
 
 pl = pytest.importorskip("pytorch_lightning")
 
@@ -211,9 +211,9 @@ def test_lightning_xla_resumes_exactly(tmp_path):
 def _xla_single_rank_snapshot_ahead(tmp: str) -> None:
     import torch_xla
 
+    from harness.xla_metrics import xla_graph_compiles
     from nxd_ckpt.device import snapshot
     from nxd_ckpt.lightning import NxdCheckpointIO, NxdXLAStrategy
-    from nxd_ckpt.testing.counting import xla_graph_compiles
 
     torch_xla.device()
     taken: list[int] = []

@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 
 import nxd_ckpt as nxd
+from harness.multiprocess import run_on_ranks
 from nxd_ckpt.format import layout
 from nxd_ckpt.manager import CheckpointManager
 from nxd_ckpt.testing.counting import ReadCountingStorage
 from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_steps
-from nxd_ckpt.testing.multiprocess import run_on_ranks
 from nxd_ckpt.tree import map_tensors
 
 STEPS = 5

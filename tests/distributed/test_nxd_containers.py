@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import nxd_ckpt as nxd
-from nxd_ckpt.testing.multiprocess import run_with_ranks
+from harness.multiprocess import run_with_ranks
 from nxd_ckpt.tools.convert_zero1 import convert_zero1
 
 SHAPES = {0: (5, 3), 1: (4,)}

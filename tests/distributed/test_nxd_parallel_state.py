@@ -1,6 +1,6 @@
 """Under NxD's parallel state, files carry NxD's coordinates: trn1's non-contiguous TP=4 groups and trn2's ring.
 
-The parallel state is a fake NxD ``parallel_state`` module (``nxd_ckpt.testing.fake_nxd``) holding group lists
+The parallel state is a fake NxD ``parallel_state`` module (``harness.fake_nxd``) holding group lists
 written out literally from NxD's layouts; each rank's coordinates are asked of that module, never of nxd_ckpt.
 Each rank holds the TP shard its NxD TP rank owns; after a save, ``tp_rank_XX`` must hold shard XX and
 ``optim/dp_rank_DD_tp_rank_XX`` the ZeRO-1 state of the rank whose NxD coordinates are (DD, XX); a load must
@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 import nxd_ckpt as nxd
+from harness import fake_nxd
+from harness.multiprocess import run_with_ranks
 from nxd_ckpt import statefile
 from nxd_ckpt.storage import storage_for
-from nxd_ckpt.testing import fake_nxd
-from nxd_ckpt.testing.multiprocess import run_with_ranks
 
 pytestmark = pytest.mark.device_independent  # NxD's rank groups: runs once, in the CPU lane
 

@@ -1,6 +1,6 @@
 """Load at another TP/PP/DP layout than the save, on real gloo ranks, bit-exact against the unsharded reference.
 
-The model (nxd_ckpt.testing.tp_layers) has NxD-marked column-parallel layers with a fused gate/up weight
+The model (harness.tp_layers) has NxD-marked column-parallel layers with a fused gate/up weight
 (stride 2), row-parallel layers and replicated LayerNorms; its optimizer state comes from two AdamW steps on
 synthetic gradients that are the same global tensors at every layout. The reference is the same model and
 optimizer built whole in one process: after the load, every rank's parameters and optimizer state must equal
@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 
 import nxd_ckpt as nxd
+from harness.multiprocess import run_on_ranks
+from harness.tp_layers import TPModel, nxd_local_weight
+from harness.zero1_adamw import Zero1AdamW
 from nxd_ckpt.load import zero1
 from nxd_ckpt.parallel_state import current_topology
 from nxd_ckpt.testing.counting import ReadCountingStorage
-from nxd_ckpt.testing.multiprocess import run_on_ranks
-from nxd_ckpt.testing.tp_layers import TPModel, nxd_local_weight
-from nxd_ckpt.testing.zero1_adamw import Zero1AdamW
 
 pytestmark = pytest.mark.usefixtures("xser_file_per_tensor")  # the byte counts look at individual tensor files
 
@@ -193,7 +193,7 @@ class _GQA(torch.nn.Module):
 
     def __init__(self, tp: int) -> None:
         super().__init__()
-        from nxd_ckpt.testing.tp_layers import set_nxd_attributes
+        from harness.tp_layers import set_nxd_attributes
 
         self.kv_size_multiplier = 2
         self.output_sizes = [4, 1]
@@ -285,7 +285,7 @@ def _train_tp2_resume_tp1(root: str) -> None:
     ckpt = os.path.join(root, "ckpt")
     nxd.save_checkpoint(ckpt, "step_3", model=model, optimizer=opt, use_xser=True)
     # the state at the moment of saving, merged whole by NxD's rule (independent of nxd_ckpt's arithmetic)
-    from nxd_ckpt.testing.tp_layers import nxd_full_weight
+    from harness.tp_layers import nxd_full_weight
 
     def whole(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         if not getattr(p, "tensor_model_parallel", False):

@@ -30,9 +30,9 @@ from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
+from harness.multiprocess import run_on_ranks
 from nxd_ckpt.dcp import Stager
 from nxd_ckpt.errors import CheckpointError, CheckpointTimeoutError, IntegrityError
-from nxd_ckpt.testing.multiprocess import run_on_ranks
 from nxd_ckpt.torchtitan import CheckpointManager
 
 pytestmark = pytest.mark.device_independent  # CPU state over gloo: runs once, in the CPU lane

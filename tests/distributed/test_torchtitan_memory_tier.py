@@ -19,8 +19,8 @@ pytest.importorskip(
 )
 
 import nxd_ckpt as nxd
-from nxd_ckpt.testing.multiprocess import run_on_ranks
-from nxd_ckpt.testing.titan_job import TitanJob, assert_same_state
+from harness.multiprocess import run_on_ranks
+from harness.titan_job import TitanJob, assert_same_state
 from nxd_ckpt.torchtitan import CheckpointManager
 
 pytestmark = pytest.mark.device_independent  # CPU state over gloo: runs once, in the CPU lane

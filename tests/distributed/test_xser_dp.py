@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import nxd_ckpt as nxd
+from harness.multiprocess import run_with_ranks
 from nxd_ckpt import statefile
 from nxd_ckpt.errors import FormatError
 from nxd_ckpt.ranks import replicas
@@ -19,7 +20,6 @@ from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.counting import ReadCountingStorage
 from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_steps
-from nxd_ckpt.testing.multiprocess import run_with_ranks
 
 
 def _big_model() -> dict:

@@ -2,7 +2,7 @@
 
 The DP=2 job loads the original checkpoint (re-sharded online by load_checkpoint), its offline conversion to
 DP=2 and its conversion to full states, plain and xser, and must see the same losses as the DP=4 job that never
-stopped. The optimizer is a real sharded AdamW (nxd_ckpt.testing.zero1_adamw): each rank holds only its chunk
+stopped. The optimizer is a real sharded AdamW (harness.zero1_adamw): each rank holds only its chunk
 of the moments.
 """
 
@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 import nxd_ckpt as nxd
+from harness.multiprocess import run_on_ranks
+from harness.zero1_adamw import Zero1AdamW
 from nxd_ckpt.testing.fakes import TinyMLP
-from nxd_ckpt.testing.multiprocess import run_on_ranks
-from nxd_ckpt.testing.zero1_adamw import Zero1AdamW
 from nxd_ckpt.tools.convert_zero1 import convert_zero1
 
 pytestmark = pytest.mark.usefixtures("xser_file_per_tensor")  # these tests look at individual tensor files

@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 
-from nxd_ckpt.testing.dcp_crash import loaded_version, run_dcp_save
+from harness.dcp_crash import loaded_version, run_dcp_save
 
 pytestmark = [pytest.mark.device_independent, pytest.mark.slow]
 

@@ -17,12 +17,12 @@ from typing import Any, BinaryIO
 import pytest
 
 import nxd_ckpt as nxd
+from harness.multiprocess import run_with_ranks
 from nxd_ckpt.errors import CheckpointTimeoutError, StorageStallError
 from nxd_ckpt.format import layout
 from nxd_ckpt.ranks import coordinator as dist
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.fakes import make_training
-from nxd_ckpt.testing.multiprocess import run_with_ranks
 
 pytestmark = pytest.mark.device_independent  # deadlines of the ranks' coordination: runs once, in the CPU lane
 

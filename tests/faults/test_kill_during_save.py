@@ -12,9 +12,9 @@ import random
 import pytest
 
 import nxd_ckpt as nxd
+from harness.crashloop import CrashLoop, model_state, optimizer_state, step_of
 from nxd_ckpt.format import tags
 from nxd_ckpt.storage import LocalStorage
-from nxd_ckpt.testing.crashloop import CrashLoop, model_state, optimizer_state, step_of
 from nxd_ckpt.testing.fakes import assert_state_equal
 
 pytestmark = pytest.mark.device_independent

@@ -1,5 +1,5 @@
 """Power loss during saves: a FUSE layer journals every fsync, and each cut point rebuilds what a power cut there
-leaves (only fsynced file data, only directory entries whose directory was fsynced; see testing/powerloss.py).
+leaves (only fsynced file data, only directory entries whose directory was fsynced; see harness/powerloss.py).
 
 After every cut: each tag that has ``done`` verifies and loads bit-exactly (model, optimizer, user content) as one
 of the versions saved under that name, the newest one loads through ``load_checkpoint`` without a tag, and every
@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
+from harness.multiprocess import run_on_ranks
+from harness.powerloss import MARK_PREFIX, CrashJournal, fuse_unavailable_reason, mounted
 from nxd_ckpt.format import tags
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.fakes import assert_state_equal
-from nxd_ckpt.testing.multiprocess import run_on_ranks
-from nxd_ckpt.testing.powerloss import MARK_PREFIX, CrashJournal, fuse_unavailable_reason, mounted
 from nxd_ckpt.tools.convert_zero1 import convert_zero1
 
 _REASON = fuse_unavailable_reason()

@@ -14,8 +14,8 @@ import shutil
 import pytest
 
 import nxd_ckpt as nxd
+from harness.crashloop import model_state, optimizer_state, read_mutation_log, run_resave
 from nxd_ckpt.format import layout
-from nxd_ckpt.testing.crashloop import model_state, optimizer_state, read_mutation_log, run_resave
 from nxd_ckpt.testing.fakes import assert_state_equal
 
 pytestmark = pytest.mark.device_independent

@@ -7,9 +7,9 @@ import shutil
 import pytest
 
 import nxd_ckpt as nxd
+from harness.crashloop import model_state, optimizer_state, run_retention
 from nxd_ckpt.format import tags
 from nxd_ckpt.storage import LocalStorage
-from nxd_ckpt.testing.crashloop import model_state, optimizer_state, run_retention
 from nxd_ckpt.testing.fakes import assert_state_equal
 
 pytestmark = pytest.mark.device_independent

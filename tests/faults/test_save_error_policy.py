@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
+from harness.multiprocess import run_with_ranks
 from nxd_ckpt.ranks import coordinator as dist
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.fakes import TinyMLP, make_training, train_steps
-from nxd_ckpt.testing.multiprocess import run_with_ranks
 
 pytestmark = pytest.mark.device_independent  # what a failed save leaves: runs once, in the CPU lane
 

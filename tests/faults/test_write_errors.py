@@ -14,11 +14,11 @@ import pytest
 import torch.distributed as dist
 
 import nxd_ckpt as nxd
+from harness.crashloop import model_state, optimizer_state
+from harness.multiprocess import run_with_ranks
 from nxd_ckpt.format import layout
 from nxd_ckpt.storage import LocalStorage
-from nxd_ckpt.testing.crashloop import model_state, optimizer_state
 from nxd_ckpt.testing.fakes import assert_state_equal
-from nxd_ckpt.testing.multiprocess import run_with_ranks
 
 pytestmark = pytest.mark.device_independent
 

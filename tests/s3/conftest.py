@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from nxd_ckpt.testing.s3server import MotoServer, loopback_aws_environ
+from harness.s3server import MotoServer, loopback_aws_environ
 
 BUCKET = "nxd-ckpt-test"
 

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 import nxd_ckpt as nxd
+from harness.multiprocess import run_with_ranks
+from harness.s3server import ThrottlingProxy
 from nxd_ckpt.storage.s3 import ENDPOINT_ENV, S3Storage
 from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_steps
-from nxd_ckpt.testing.multiprocess import run_with_ranks
-from nxd_ckpt.testing.s3server import ThrottlingProxy
 
 pytestmark = [pytest.mark.s3, pytest.mark.usefixtures("xser_file_per_tensor")]  # tests count tensor files
 
@@ -177,9 +177,9 @@ def test_a_denied_upload_fails_the_save_and_keeps_the_previous_checkpoint(
 @pytest.mark.device_independent  # storage behaviour: runs once, in the CPU lane
 def test_resave_of_a_complete_tag_on_s3(s3_url):
     """No directory rename on S3: the re-save is written beside the tag, then copied over it ('done' last)."""
+    from harness.crashloop import model_state, optimizer_state
     from nxd_ckpt.format import layout
     from nxd_ckpt.storage import storage_for
-    from nxd_ckpt.testing.crashloop import model_state, optimizer_state
 
     for version in (1, 2):
         nxd.save_checkpoint(

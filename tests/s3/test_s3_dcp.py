@@ -17,8 +17,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import nxd_ckpt.dcp
+from harness.titan_job import TitanJob, assert_same_state
 from nxd_ckpt.storage.s3 import S3Storage
-from nxd_ckpt.testing.titan_job import TitanJob, assert_same_state
 
 pytestmark = [pytest.mark.s3, pytest.mark.device_independent]
 

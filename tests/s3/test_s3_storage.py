@@ -9,10 +9,10 @@ import socket
 
 import pytest
 
+from harness.s3server import ThrottlingProxy, refusing_port
 from nxd_ckpt.errors import StorageError
 from nxd_ckpt.storage import storage_for
 from nxd_ckpt.storage.s3 import ENDPOINT_ENV, MIB, S3Storage, parse_s3_url
-from nxd_ckpt.testing.s3server import ThrottlingProxy, refusing_port
 
 pytestmark = [pytest.mark.s3, pytest.mark.device_independent]
 
@@ -232,7 +232,7 @@ def _listening_inodes(port: int) -> set[str]:
 
 def test_the_server_process_binds_its_own_port_and_reports_it(s3_server):
     """MotoServer's port is one its own process bound (port 0) and listens on, not one chosen by the parent."""
-    from nxd_ckpt.testing.s3server import MotoServer
+    from harness.s3server import MotoServer
 
     with MotoServer() as other:
         assert other.port not in (0, s3_server.port)

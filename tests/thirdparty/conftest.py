@@ -1,4 +1,4 @@
-"""Fixtures for running the pinned third-party code (nxd_ckpt.testing.thirdparty) against nxd_ckpt."""
+"""Fixtures for running the pinned third-party code (harness.thirdparty) against nxd_ckpt."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 import nxd_ckpt as nxd
-from nxd_ckpt.testing import thirdparty
+from harness import thirdparty
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -60,7 +60,7 @@ def nxd_compat(nxd_real):
 @pytest.fixture
 def nlp_checkpoint_io(nxd_compat):
     """NxDT 2.26's real ``NLPCheckpointIO`` class (stubs: NeMo, NxDT's utils package helpers; see
-    nxd_ckpt.testing.thirdparty)."""
+    harness.thirdparty)."""
     reason = thirdparty.missing(thirdparty.NXDT)
     if reason:
         pytest.skip(reason)
@@ -77,7 +77,7 @@ def optimum_real(nxd_compat):
     """optimum-neuron's pinned ``modeling_utils`` (``save_pretrained``), ``checkpointing`` (consolidation) and
     ``peft_model``, loaded from ../shared/thirdparty over the installed optimum-neuron package, which provides the
     modules that are not pinned (its model classes, ``TrainingNeuronConfig``, the transformation specs). Stubs: the
-    Neuron SDK and NKI kernels only (nxd_ckpt.testing.thirdparty)."""
+    Neuron SDK and NKI kernels only (harness.thirdparty)."""
     import importlib
     import importlib.util
     import os

@@ -1,5 +1,5 @@
 """nxd_ckpt judged by NxD 2.29's real checkpoint code (../shared/thirdparty; stubs: Neuron SDK modules only, see
-nxd_ckpt.testing.thirdparty): NxD saves and nxd_ckpt loads and the other way round (plain, xser, async, one
+harness.thirdparty): NxD saves and nxd_ckpt loads and the other way round (plain, xser, async, one
 directory holding both), and every ZeRO-1 converter chain between NxD's ``convert_zero_checkpoints`` and
 ``nxd-ckpt convert-zero1`` (NxD's flags), compared tensor by tensor as NxD's own readers see the files."""
 
@@ -118,7 +118,7 @@ def _nxd_convert(*runs: tuple[str, str, tuple[str, ...]]) -> None:
     its own (as users run it; one process for the runs, whose start, importing torch_xla, is most of their cost)."""
     code = (
         "import json, sys\n"
-        "from nxd_ckpt.testing import thirdparty\n"
+        "from harness import thirdparty\n"
         "thirdparty.install_neuron_stubs()\n"
         "thirdparty.add_to_path(thirdparty.NXD)\n"
         "from neuronx_distributed.optimizer.convert_zero_checkpoints import main\n"

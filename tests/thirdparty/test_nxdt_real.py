@@ -1,6 +1,6 @@
 """NxDT 2.26's real Lightning ``NLPCheckpointIO`` running unchanged on nxd_ckpt through ``nxd_ckpt.compat.install()``
 (with NxD 2.29's real modules patched; stubs: Neuron SDK, NeMo and NxDT's utils package helpers, see
-nxd_ckpt.testing.thirdparty). Its save strips ``-vN``, splits Lightning's dict into model, optimizer and user
+harness.thirdparty). Its save strips ``-vN``, splits Lightning's dict into model, optimizer and user
 content; its ``remove_checkpoint`` calls ``g_iostate.submit_remove`` while async saves are in flight; its load
 fills empty dicts; the tags are complete NxD tags that NxD's own load reads and ``nxd-ckpt verify`` passes."""
 

@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch import nn
 
 import nxd_ckpt as nxd
+from harness.multiprocess import run_on_ranks, run_with_ranks
 from nxd_ckpt.cli import main
 from nxd_ckpt.errors import CheckpointError, IntegrityError
-from nxd_ckpt.testing.multiprocess import run_on_ranks, run_with_ranks
 
 # name -> (shape, partition dim or None, stride, dtype, pp stage)
 SPEC = {
@@ -526,8 +526,8 @@ def test_zero1_saved_through_dcp_as_nxd_does_converts_and_loads(tmp_path):
     so on stock torch its code runs only where the DP group is ranks 0..DP-1: TP = PP = 1.)"""
     import torch.distributed.checkpoint as dcp
 
+    from harness.zero1_adamw import Zero1AdamW
     from nxd_ckpt.testing.fakes import assert_state_equal
-    from nxd_ckpt.testing.zero1_adamw import Zero1AdamW
     from nxd_ckpt.tools.reshard import reshard
     from nxd_ckpt.tools.zero1_dcp import param_order_of
 

@@ -1,4 +1,5 @@
-"""The package's shape: no import circles (static import graph, function-level imports included)."""
+"""The package's shape: no import circles, dependencies down the layers (static import graph, function-level
+imports included), the only modules that import torch_xla, and a test file in tests/unit for every module."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def _imports(module: str, path: str, known: set[str]) -> set[str]:
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith(PACKAGE)}
+            found |= {a.name for a in node.names if a.name == PACKAGE or a.name.startswith(PACKAGE + ".")}
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 target = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
@@ -51,8 +52,10 @@ def _graph() -> dict[str, set[str]]:
     mods = _modules()
     known = set(mods)
     graph = {m: _imports(m, p, known) for m, p in mods.items()}
-    # importing a.b runs a/__init__ first: not an edge of our own making, so packages' own __init__ are skipped
-    return {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()}
+    # importing a.b runs a/__init__ first: not an edge of our own making, so packages' own __init__ are skipped;
+    # the facade, ``nxd_ckpt`` itself, is imported only when a module names it (``import nxd_ckpt``, or a name
+    # ``from nxd_ckpt import`` that is no module): an edge to the facade's layer
+    return {m: {d for d in deps if d == PACKAGE or not m.startswith(d + ".")} for m, deps in graph.items()}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -98,8 +101,9 @@ def test_the_graph_sees_imports():
 
 
 def test_no_import_circles():
-    """Modules import each other one way only (a function-level import does not hide a circle)."""
-    graph = {m: d for m, d in _graph().items() if m != PACKAGE}  # the package's facade imports the public API
+    """Modules import each other one way only (a function-level import does not hide a circle). The facade, which
+    resolves the public API lazily, is left out: a module importing it is an upward import unless in its layer."""
+    graph = {m: d - {PACKAGE} for m, d in _graph().items() if m != PACKAGE}
     assert _cycles(graph) == []
 
 
@@ -112,8 +116,8 @@ def test_no_circles_between_units():
             continue
         unit = module.split(".")[1]
         units.setdefault(unit, set())
-        for dep in deps:
-            if dep != PACKAGE and dep.split(".")[1] != unit:
+        for dep in deps - {PACKAGE}:
+            if dep.split(".")[1] != unit:
                 units[unit].add(dep.split(".")[1])
                 units.setdefault(dep.split(".")[1], set())
     assert _cycles(units) == []
@@ -131,12 +135,17 @@ LAYERS = [
     {"options", "rank_state"},
     {"save", "load"},
     {"manager", "tools", "testing", "dcp"},
-    {"api", "cli", "lightning", "torchtitan", "compat"},
+    {"api", "cli", "lightning", "compat", "torchtitan"},
 ]
 """Dependencies point down: a module imports only from its own layer or lower ones (the folders' order)."""
+FACADE_LAYER = len(LAYERS) - 1
+"""``nxd_ckpt`` itself (``import nxd_ckpt``, ``from nxd_ckpt import save_checkpoint``) stands for the whole public
+API, so importing it is importing from the top layer."""
 
 
 def _layer(module: str) -> int:
+    if module == PACKAGE:
+        return FACADE_LAYER
     top = module.split(".")[1]
     for i, names in enumerate(LAYERS):
         if top in names:
@@ -146,13 +155,7 @@ def _layer(module: str) -> int:
 
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     """``module -> dependency`` for every import of a module from a higher layer than its own."""
-    return sorted(
-        f"{m} -> {d}"
-        for m, deps in graph.items()
-        if m != PACKAGE
-        for d in deps
-        if d != PACKAGE and _layer(d) > _layer(m)
-    )
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() if m != PACKAGE for d in deps if _layer(d) > _layer(m))
 
 
 def test_dependencies_point_down_the_layers():
@@ -164,6 +167,17 @@ def test_an_upward_import_is_found():
     """statefile (layer 3) importing save.plan (layer 5), as it did before the redesign, is named."""
     graph = {"nxd_ckpt.statefile": {"nxd_ckpt.save.plan", "nxd_ckpt.tree"}, "nxd_ckpt.save.plan": {"nxd_ckpt.tree"}}
     assert upward_imports(graph) == ["nxd_ckpt.statefile -> nxd_ckpt.save.plan"]
+
+
+def test_importing_the_facade_counts_as_importing_the_top_layer(tmp_path):
+    """``import nxd_ckpt`` or ``from nxd_ckpt import SaveOptions`` inside the package is an edge to the facade (a
+    module name imported from it is not); below the top layer, that edge is upward."""
+    source = tmp_path / "statefile.py"
+    source.write_text("import nxd_ckpt as nxd\nfrom nxd_ckpt import SaveOptions, knobs\n")
+    known = {PACKAGE, "nxd_ckpt.statefile", "nxd_ckpt.knobs"}
+    assert _imports("nxd_ckpt.statefile", str(source), known) == {PACKAGE, "nxd_ckpt.knobs"}
+    graph = {"nxd_ckpt.statefile": {PACKAGE}, "nxd_ckpt.cli.parser": {PACKAGE}}
+    assert upward_imports(graph) == ["nxd_ckpt.statefile -> nxd_ckpt"]
 
 
 MAX_FUNCTION_LINES = 60
@@ -197,12 +211,10 @@ def _benchmark_modules() -> dict[str, str]:
 
 
 def test_no_function_over_60_lines():
-    """A newcomer reads a function in one screen: steps go into named functions (the testing/ harnesses aside),
-    in the package and in the benchmark suites."""
+    """A newcomer reads a function in one screen: steps go into named functions, in the package (the shipped test
+    helpers too) and in the benchmark suites."""
     offenders = []
     for module, path in sorted({**_modules(), **_benchmark_modules()}.items()):
-        if module.startswith(f"{PACKAGE}.testing"):
-            continue
         with open(path) as f:
             offenders += [f"{module}.{name} (line {line}): {n} lines" for name, line, n in long_functions(f.read())]
     assert not offenders, f"functions over {MAX_FUNCTION_LINES} lines (docstring aside):\n" + "\n".join(offenders)
@@ -292,3 +304,211 @@ def test_the_load_calls_nothing_of_the_save():
         if arg.annotation is not None and "Callable" in ast.unparse(arg.annotation)
     ]
     assert callables == [], "load/candidates.py takes callbacks: " + ", ".join(callables)
+
+
+TORCH_XLA_IMPORTERS = {
+    f"{PACKAGE}.xla": "the torch_xla seam: detection without importing it, syncs, bulk device <-> host moves",
+    f"{PACKAGE}.device.backend": "the XLA device's memory figures (xm.get_memory_info) and whether its runtime is "
+    "the CPU client (torch_xla.runtime), asked only once torch_xla is loaded",
+    f"{PACKAGE}.rng": "the XLA RNG seed, saved and restored only when the program already imported torch_xla",
+    f"{PACKAGE}.lightning.strategies": "NxdXLAStrategy under torchrun registers torch_xla's 'xla' process-group "
+    "backend before making the default group, as Lightning's XLA strategy does",
+}
+"""The modules that import torch_xla, each with why it cannot ask ``nxd_ckpt.xla`` (docs/architecture.md)."""
+
+
+def _names_imported(node: ast.AST) -> list[str]:
+    """The modules ``node`` imports: an import statement's, or the literal name given to
+    ``importlib.import_module(...)``, ``import_module(...)`` or ``__import__(...)``."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom):
+        return [node.module] if node.level == 0 and node.module else []
+    if isinstance(node, ast.Call) and node.args:
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+        first = node.args[0]
+        if name in ("import_module", "__import__") and isinstance(first, ast.Constant):
+            return [first.value] if isinstance(first.value, str) else []
+    return []
+
+
+def imports_torch_xla(source: str) -> list[int]:
+    """Lines of ``source`` that import torch_xla or one of its modules: import statements anywhere, and
+    ``importlib.import_module`` / ``__import__`` of a literal name (reading ``sys.modules`` is no import)."""
+    return sorted(
+        node.lineno  # type: ignore[attr-defined]
+        for node in ast.walk(ast.parse(source))
+        if any(name == "torch_xla" or name.startswith("torch_xla.") for name in _names_imported(node))
+    )
+
+
+def test_only_the_named_modules_import_torch_xla():
+    importers = {}
+    for module, path in sorted(_modules().items()):
+        with open(path) as f:
+            lines = imports_torch_xla(f.read())
+        if lines:
+            importers[module] = lines
+    unnamed = {m: lines for m, lines in importers.items() if m not in TORCH_XLA_IMPORTERS}
+    assert unnamed == {}, (
+        f"torch_xla imported outside the named modules (module: lines): {unnamed}; go through nxd_ckpt.xla, or name "
+        "the module in TORCH_XLA_IMPORTERS with the reason (and in docs/architecture.md)"
+    )
+    assert set(TORCH_XLA_IMPORTERS) <= set(importers), (
+        f"named but importing no torch_xla: {sorted(set(TORCH_XLA_IMPORTERS) - set(importers))}: drop them"
+    )
+
+
+def test_a_torch_xla_import_is_found():
+    source = (
+        "import sys\nimport importlib\nx = sys.modules.get('torch_xla')\n"
+        "def f():\n    import torch_xla.core.xla_model as xm\n"
+        "from torch_xla import runtime\nimportlib.import_module('torch_xla.distributed.xla_backend')\n"
+        "__import__('torch_xla')\nimportlib.import_module('torchvision')\n"
+    )
+    assert imports_torch_xla(source) == [5, 6, 7, 8]
+
+
+MIRROR_FOLDERS_ELSEWHERE = {
+    "cli": "tests/cli/test_cli.py: the command is tested end to end, one subcommand at a time",
+    "tools": "tests/tools: the offline tools run end to end on real checkpoints (export, import, reshard, convert)",
+}
+"""Sub-packages whose modules are tested outside tests/unit, by what the user runs."""
+TESTED_ELSEWHERE = {
+    "adapters": "tests/unit/load/test_load_into_live.py: state applied to live modules and optimizers on load",
+    "errors": "tests/unit/test_api_first_hour_errors.py: each error type raised with its remedy, as users meet them",
+    "inspect": "tests/unit/test_inspection.py: the deprecated alias of inspection, which warns on import",
+    "statefile": "tests/unit/serialization/test_xser.py: one state file in each encoding, written and read back",
+    "watchdog": "tests/faults/test_deadlines.py: stalled storage calls are ended by the watchdog's deadlines",
+    "dcp.checkin": "tests/distributed/test_dcp_deadlines.py: a rank that does not check in is named by the "
+    "coordinator's deadline",
+    "format.resave": "tests/faults/test_resave.py: a re-save written beside the complete tag, swapped in, a crashed "
+    "swap recovered (and tests/unit/test_pipelines.py)",
+    "save.capture": "tests/unit/save/test_save_pipeline.py: the state dict built once, meta tensors refused first",
+    "save.stage": "tests/unit/save/test_save_pipeline.py: the pooled, budgeted (and test_budget.py) and live "
+    "strategies",
+    "save.write": "tests/unit/save/test_save_pipeline.py: this rank's files written, watched, with their manifest",
+    "tier.shared": "tests/distributed/test_torchtitan_memory_tier.py: one tier runtime per tier and folder for the "
+    "DCP writer and reader, node loss resumed from the peer",
+    "dcp.contents": "tests/cli/test_dcp_cli.py: a DCP folder described and verified offline, through the command",
+    "dcp.place": "tests/unit/dcp/test_dcp_storage.py: the staging folder and the commit (recovery: tests/faults/"
+    "test_dcp_kill.py)",
+    "dcp.reader": "tests/unit/dcp/test_dcp_storage.py: StorageReader checks .metadata and files against manifests",
+    "dcp.writer": "tests/unit/dcp/test_dcp_storage.py: StorageWriter's files, manifests and commit",
+    "dcp.stager": "tests/unit/dcp/test_dcp_stager.py: the Stager's staging, its budgets and reuse",
+    "device.backend": "tests/unit/device/test_device_layer.py: device kinds, streams and memory figures",
+    "device.kept_budget": "tests/unit/device/test_snapshot_budget.py: the snapshot budget agreed, kept and shrunk",
+    "device.load": "tests/xla/test_xla_load_into.py: reads into live device tensors through host arenas",
+    "device.transfer": "tests/unit/device/test_device_layer.py: device -> host copies in chunks (on a native "
+    "device: tests/unit/device/test_device_threads.py)",
+    "format.dcp_folders": "tests/cli/test_dcp_cli.py: step-N folders listed, ordered and pruned, through the command",
+    "format.describe": "tests/unit/format/test_metadata_and_manifests.py: a tag's layout and the files it holds",
+    "format.layout": "tests/unit/format/test_metadata_and_manifests.py: every file name, read back by its owner",
+    "format.manifests": "tests/unit/format/test_metadata_and_manifests.py: per-rank checksum files",
+    "lightning.factory": "tests/unit/lightning/test_checkpoint_io.py: the classes built over the installed Lightning",
+    "lightning.mapping": "tests/unit/lightning/test_checkpoint_io.py: Lightning's path to a tag, its dict's split",
+    "lightning.package": "tests/unit/lightning/test_checkpoint_io.py: which Lightning package is used",
+    "lightning.strategies": "tests/distributed/test_lightning.py: the strategies on spawned ranks",
+    "load.candidates": "tests/unit/test_pipelines.py: the tag resolved, verified and agreed by every rank",
+    "load.pipeline": "tests/unit/test_pipelines.py: the steps of a load composed, ranks as threads",
+    "load.read": "tests/unit/load/test_load_read_ahead.py: a read plan executed, the optimizer read during the model",
+    "load.report": "tests/distributed/test_memory_tier.py: RestoreReport says where a restore read from",
+    "load.reshard": "tests/distributed/test_reshard.py: a load at another TP/PP on spawned ranks",
+    "load.reshard_optimizer": "tests/distributed/test_reshard.py: plain and ZeRO-1 optimizer state loaded at another "
+    "TP (resumed training: tests/distributed/test_zero1_reshard.py)",
+    "load.zero1_io": "tests/tools/test_convert_zero1.py: ZeRO-1 shards read and written by the converter (the "
+    "shard math: tests/unit/load/test_zero1.py)",
+    "ranks.arrivals": "tests/unit/ranks/test_store_ops.py: checking in and waiting on the store, counted",
+    "ranks.coordinator": "tests/unit/ranks/test_deadlines_and_failures.py: collectives that carry failures",
+    "ranks.failures": "tests/unit/ranks/test_deadlines_and_failures.py: one rank's exception raised on every rank",
+    "ranks.replicas": "tests/distributed/test_xser_dp.py: DP replicas sharing the reads of one file",
+    "save.barrier": "tests/unit/test_pipelines.py: the commit barrier's arrive and outcome, ranks as threads",
+    "save.commit": "tests/unit/test_pipelines.py: done last, the same outcome on every rank",
+    "save.context": "tests/unit/save/test_save_pipeline.py: the values the steps hand each other",
+    "save.pipeline": "tests/unit/save/test_save_pipeline.py: the steps of a save composed",
+    "save.plan": "tests/unit/save/test_save_pipeline.py: which rank writes which tensor",
+    "save.report": "tests/unit/save/test_save_pipeline.py: SaveReport's fields after a save",
+    "serialization.inmemory": "tests/distributed/test_memory_tier.py: no test of its own; the zero-copy loads from "
+    "host memory it serves run in every restore from the memory tier",
+    "serialization.pickle_scan": "tests/unit/format/test_integrity.py: the pickle globals a file names, scanned on "
+    "verify",
+    "serialization.plain": "tests/unit/serialization/test_readinto.py: the plain encoding read into live tensors",
+    "serialization.structure": "tests/unit/serialization/test_safe_loading.py: structures loaded under the allow-list",
+    "serialization.torchzip": "tests/unit/serialization/test_xser.py: the torch-zip reader under both encodings (its "
+    "allow-list: tests/unit/serialization/test_safe_loading.py)",
+    "storage.range_reads": "tests/unit/load/test_reshard_sources.py: no test of its own; the byte ranges a "
+    "re-sharded load reads are counted there",
+    "storage.s3": "tests/s3/test_s3_storage.py: S3Storage against the loopback S3 server",
+    "storage.s3_upload": "tests/s3/test_s3_storage.py: multipart uploads as parts fill, against the loopback S3 server",
+    "testing.fakes": "tests/unit/test_wheel.py: the shipped model trains and compares states without the test extra "
+    "(and it is every test's model)",
+    "testing.threadworld": "tests/unit/test_manager.py: the manager's policies with ranks as threads",
+    "tier.runtime": "tests/distributed/test_memory_tier.py: the tier's steps in saves and restores on spawned ranks",
+    "tier.transport": "tests/unit/tier/test_memory_tier_parts.py: the file server and its client, token-checked",
+    "tier.view": "tests/distributed/test_memory_tier.py: no test of its own; every restore from node memory or a "
+    "peer reads through it",
+    "torchtitan.manager": "tests/distributed/test_torchtitan_manager.py: TorchTitan's manager on spawned ranks",
+    "torchtitan.staging": "tests/distributed/test_torchtitan_manager.py: async modes and budgets checked",
+    "torchtitan.steps": "tests/distributed/test_torchtitan_manager.py: no test of its own; the step-N folders of a "
+    "run, saved, listed and pruned by the manager",
+}
+"""Modules (below ``nxd_ckpt.``) whose tests live in a file not named after them: ``path: what it tests there``."""
+
+
+def mirror_test_file(module: str, modules: set[str]) -> str | None:
+    """``tests/unit/<folders>/test_<name>[_<concept>].py`` for ``nxd_ckpt.<folders>.<name>``, if it exists: a
+    test file belongs to the longest sibling module name it starts with (test_read_plan.py is read_plan's, not
+    read's)."""
+    parts = module.split(".")[1:]
+    folder = os.path.join(REPO, "tests", "unit", *parts[:-1])
+    siblings = {m.split(".")[-1] for m in modules if m.split(".")[1:-1] == parts[:-1]}
+    if not os.path.isdir(folder):
+        return None
+    for name in sorted(os.listdir(folder)):
+        stem = name.removeprefix("test_").removesuffix(".py")
+        owners = [s for s in siblings if name.startswith("test_") and (stem == s or stem.startswith(s + "_"))]
+        if name.endswith(".py") and owners and max(owners, key=len) == parts[-1]:
+            return os.path.join(folder, name)
+    return None
+
+
+def test_every_module_has_its_test_file():
+    """tests/unit mirrors the package module by module: each module's tests are in the file named after it, or
+    the module is named in TESTED_ELSEWHERE (or its folder in MIRROR_FOLDERS_ELSEWHERE) with where and why."""
+    modules = {m for m, p in _modules().items() if not p.endswith(("__init__.py", "__main__.py"))}
+    missing = sorted(
+        m
+        for m in modules
+        if m.split(".")[1] not in MIRROR_FOLDERS_ELSEWHERE
+        and m.removeprefix(PACKAGE + ".") not in TESTED_ELSEWHERE
+        and mirror_test_file(m, modules) is None
+    )
+    assert missing == [], (
+        "modules without tests/unit/<folders>/test_<module>.py: add it, or name the module in TESTED_ELSEWHERE "
+        "with the test file that holds its tests:\n" + "\n".join(missing)
+    )
+
+
+def test_the_named_exceptions_are_real():
+    """Each exception names a module that exists, has no mirror test file yet, and points at a test file (or
+    folder) that exists: the list cannot outlive what it excuses."""
+    modules = {m for m, p in _modules().items() if not p.endswith(("__init__.py", "__main__.py"))}
+    problems = []
+    for name, where in {**TESTED_ELSEWHERE, **MIRROR_FOLDERS_ELSEWHERE}.items():
+        path = where.split(":")[0]
+        if not os.path.exists(os.path.join(REPO, path)):
+            problems.append(f"{name}: {path} does not exist")
+    for name in TESTED_ELSEWHERE:
+        module = f"{PACKAGE}.{name}"
+        if module not in modules:
+            problems.append(f"{name}: no such module")
+        elif mirror_test_file(module, modules) is not None:
+            problems.append(f"{name}: has {mirror_test_file(module, modules)}; drop it from TESTED_ELSEWHERE")
+    assert problems == []
+
+
+def test_a_test_file_belongs_to_the_longest_module_name():
+    modules = {f"{PACKAGE}.load.read", f"{PACKAGE}.load.read_plan", f"{PACKAGE}.load.reshard_sources"}
+    assert mirror_test_file(f"{PACKAGE}.load.read", modules) is None  # test_read_plan.py is read_plan's
+    assert mirror_test_file(f"{PACKAGE}.load.read_plan", modules).endswith("test_read_plan.py")

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
+from harness.gated_storage import GatedStorage
 from nxd_ckpt import compat
-from nxd_ckpt.testing.counting import GatedStorage
 from nxd_ckpt.testing.fakes import TinyMLP, assert_state_equal
 
 pytestmark = pytest.mark.skipif(

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
+from harness.residency import MincoreUnavailable, resident_fraction
 from nxd_ckpt import pages
-from nxd_ckpt.testing.residency import MincoreUnavailable, resident_fraction
 
 
 def _resident_fraction(t: torch.Tensor) -> float:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from harness import fake_nxd
 from nxd_ckpt import parallel_state
 from nxd_ckpt.ranks.topology import LayoutError, RankGroups, Topology, build_nxd_groups, detect_platform
-from nxd_ckpt.testing import fake_nxd
 
 
 def _topo(groups: RankGroups, rank: int = 0) -> Topology:

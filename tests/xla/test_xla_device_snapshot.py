@@ -14,13 +14,13 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
+from harness.held_transfer import HeldTransfer, host_copy
+from harness.xla_metrics import xla_graph_compiles, xla_graph_executions
 from nxd_ckpt import xla
 from nxd_ckpt.device import snapshot as device_snapshot
 from nxd_ckpt.device.backend import SnapshotBudget
 from nxd_ckpt.device.transfer import DeviceTransfer
-from nxd_ckpt.testing.counting import xla_graph_compiles, xla_graph_executions
 from nxd_ckpt.testing.fakes import assert_state_equal
-from nxd_ckpt.testing.held_transfer import HeldTransfer, host_copy
 
 pytestmark = pytest.mark.xla
 XLA_LANE_ONLY = "needs torch_xla: runs in the XLA lane (NXD_CKPT_LANES=xla bash scripts/run_tests.sh)"
@@ -117,7 +117,7 @@ def test_control_without_the_snapshot_the_check_fails(tmp_path, monkeypatch):
 @pytest.mark.parametrize("use_xser", [False, True], ids=["plain", "xser"])
 def test_tied_weights_are_cloned_and_moved_once_and_written_as_a_sync_save_writes_them(tmp_path, monkeypatch, use_xser):
     """torch_xla gives the two detached entries of a tied weight one tensor id (``xla.tensor_id``)."""
-    from nxd_ckpt.testing import tied_weights
+    from harness import tied_weights
 
     report = tied_weights.saved_once_and_loaded_tied(str(tmp_path), torch_xla.device(), monkeypatch, use_xser)
     assert report.device_direct_bytes == 0

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 
 import nxd_ckpt as nxd
-from nxd_ckpt.testing import rendezvous
-from nxd_ckpt.testing.counting import xla_graph_compiles
+from harness import rendezvous
+from harness.multiprocess import run_with_ranks
+from harness.xla_metrics import xla_graph_compiles
 from nxd_ckpt.testing.fakes import assert_state_equal, make_training, train_steps
-from nxd_ckpt.testing.multiprocess import run_with_ranks
 
 pytestmark = pytest.mark.xla
 XLA_LANE_ONLY = "needs torch_xla: runs in the XLA lane (NXD_CKPT_LANES=xla bash scripts/run_tests.sh)"

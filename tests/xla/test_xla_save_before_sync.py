@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
+from harness.held_transfer import host_copy
+from harness.xla_metrics import xla_graph_compiles, xla_graph_executions
 from nxd_ckpt import xla
-from nxd_ckpt.testing.counting import xla_graph_compiles, xla_graph_executions
 from nxd_ckpt.testing.fakes import assert_state_equal
-from nxd_ckpt.testing.held_transfer import host_copy
 
 pytestmark = pytest.mark.xla
 XLA_LANE_ONLY = "needs torch_xla: runs in the XLA lane (NXD_CKPT_LANES=xla bash scripts/run_tests.sh)"

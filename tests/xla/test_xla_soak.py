@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from nxd_ckpt.testing import soak
+from harness import soak
 
 pytestmark = pytest.mark.xla
 XLA_LANE_ONLY = "needs torch_xla (runs in the XLA lane: NXD_CKPT_LANES=xla scripts/run_tests.sh)"

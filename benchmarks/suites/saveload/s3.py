@@ -26,7 +26,7 @@ def _ensure_server(rank: int) -> None:
 
     import boto3
 
-    from nxd_ckpt.testing.s3server import MotoServer
+    from harness.s3server import MotoServer
 
     endpoint = [None]
     if rank == 0:

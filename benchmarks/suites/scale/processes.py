@@ -49,7 +49,7 @@ def process_rank(layers: int, elems: int, directory: str, out_dir: str) -> None:
 
 def run_processes(n: int, layers: int, elems: int, root: str) -> dict[str, Any]:
     """The save on ``n`` spawned gloo ranks (32 per simulated node): store operations per rank, save time."""
-    from nxd_ckpt.testing.multiprocess import run_on_ranks
+    from harness.multiprocess import run_on_ranks
 
     out_dir = tempfile.mkdtemp(dir=root)
     kwargs = {"layers": layers, "elems": elems, "directory": os.path.join(root, f"p{n}"), "out_dir": out_dir}

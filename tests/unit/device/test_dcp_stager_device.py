@@ -1,4 +1,4 @@
-"""nxd_ckpt.dcp.Stager with device state on the fake accelerator (``testing.fake_accelerator``, installed in a
+"""nxd_ckpt.dcp.Stager with device state on the fake accelerator (``harness.fake_accelerator``, installed in a
 spawned process): ``dcp.async_save`` returns after the device snapshot, a training step right after it changes
 nothing saved, stock ``dcp.load`` reads each of three saves through one stager bit-exactly (with the snapshot and
 with a zero snapshot budget, where the call copies into pinned buffers itself), and a failed transfer reaches the
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.utils.backend_registration as backend_registration
 
-from nxd_ckpt.testing.multiprocess import run_on_ranks
+from harness.multiprocess import run_on_ranks
 
 pytestmark = [
     pytest.mark.device_independent,  # the fake accelerator: runs once, in the CPU lane
@@ -26,7 +26,7 @@ WIDTH = 128
 
 
 def _training(device: str):
-    from nxd_ckpt.testing import native_state
+    from harness import native_state
 
     model, opt = native_state.training(device, WIDTH)
     native_state.steps(model, opt, 1, seed=1, autograd=False)  # optimizer moments exist
@@ -50,8 +50,8 @@ def _on_host(state: dict) -> dict:
 def _saves_survive_training(path: str, budget) -> None:
     import torch.distributed.checkpoint as dcp
 
+    from harness import fake_accelerator, native_state
     from nxd_ckpt.dcp import Stager, StorageWriter
-    from nxd_ckpt.testing import fake_accelerator, native_state
 
     warnings.simplefilter("ignore")
     fake_accelerator.install()
@@ -84,9 +84,9 @@ def test_device_saves_through_one_stager_survive_the_next_step(tmp_path, budget)
 def _failed_transfer_reaches_the_caller(path: str) -> None:
     import torch.distributed.checkpoint as dcp
 
+    from harness import fake_accelerator, native_state
     from nxd_ckpt.dcp import Stager, StorageWriter
     from nxd_ckpt.device.transfer import DeviceTransfer
-    from nxd_ckpt.testing import fake_accelerator, native_state
 
     warnings.simplefilter("ignore")
     fake_accelerator.install()

@@ -1,4 +1,4 @@
-"""The library's threads and native accelerators, on the fake accelerator of ``testing.fake_accelerator`` (two
+"""The library's threads and native accelerators, on the fake accelerator of ``harness.fake_accelerator`` (two
 devices, a current device per thread, each call that needs a device context recorded): every thread works under the
 device of the tensors it moves, ``DeviceCopies.fetch`` makes its side stream and waits for the clones once whatever
 the threads that call it, and a child forked after a save does not inherit the registered staging buffers. Each test
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.utils.backend_registration as backend_registration
 
-from nxd_ckpt.testing.multiprocess import run_with_ranks
+from harness.multiprocess import run_with_ranks
 
 pytestmark = pytest.mark.skipif(
     not hasattr(backend_registration, "_setup_privateuseone_for_python_backend"),
@@ -28,7 +28,7 @@ WIDTH = 256
 
 
 def _fake():
-    from nxd_ckpt.testing import fake_accelerator
+    from harness import fake_accelerator
 
     fake_accelerator.install()
     return fake_accelerator
@@ -39,8 +39,8 @@ def test_every_thread_works_under_the_device_of_the_state_it_moves(tmp_path):
     """State on fakeacc:1 while every thread, the training thread too, has device 0 current (no ``set_device``):
     a pooled async save, one under a host memory budget and a load. No call that opens a context on CUDA (streams,
     side-stream copies, events, pinned allocation, registration) ran with device 0 current, on any thread."""
+    from harness import native_state
     from nxd_ckpt.device.transfer import THREAD_NAME
-    from nxd_ckpt.testing import native_state
 
     fake = _fake()
     device = f"{fake.DEVICE_TYPE}:1"
@@ -61,9 +61,9 @@ def test_every_thread_works_under_the_device_of_the_state_it_moves(tmp_path):
 def test_fetch_from_many_threads_copies_only_on_a_side_stream_that_waited_for_the_clones():
     """16 threads fetch device copies at once while making a stream takes 50 ms: one side stream is made, it waits
     for the clones before any copy is queued on it, and every copy holds its clone's bytes."""
+    from harness import native_state
     from nxd_ckpt.device.backend import SnapshotBudget
     from nxd_ckpt.device.snapshot import copy_on_device
-    from nxd_ckpt.testing import native_state
 
     fake = _fake()
     tensors = [torch.full((256,), float(i)).to(f"{fake.DEVICE_TYPE}:1") for i in range(64)]
@@ -105,9 +105,9 @@ def test_a_child_forked_after_a_save_does_not_inherit_the_registered_staging_buf
     """After an async save the pool holds registered staging buffers; a child forked then (a DataLoader's worker)
     has none of their ranges mapped, drops the pool without unregistering or unmapping anything of the parent's,
     and exits cleanly; the parent's buffers are intact, and dropping them unregisters and unmaps them."""
+    from harness import native_state
+    from harness.mappings import mapping_at
     from nxd_ckpt.manager import CheckpointManager
-    from nxd_ckpt.testing import native_state
-    from nxd_ckpt.testing.mappings import mapping_at
 
     fake = _fake()
     manager = CheckpointManager()

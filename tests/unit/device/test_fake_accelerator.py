@@ -1,7 +1,7 @@
 """The native-accelerator design (device snapshot, pinned buffers, side streams, loads through pinned arenas) on
-the fake accelerator of ``testing.fake_accelerator``: copies queued on a side stream run only once an event after
+the fake accelerator of ``harness.fake_accelerator``: copies queued on a side stream run only once an event after
 them is waited for, so a path that reads a buffer early, reuses one still being copied, or lets training update a
-source before its copy ran loads other bytes than it saved. Each scenario (``testing.native_state``, the CUDA tests'
+source before its copy ran loads other bytes than it saved. Each scenario (``harness.native_state``, the CUDA tests'
 own) runs in a spawned process, since a backend registered in Python cannot be removed. Transfer chunks and load
 arenas of 256 KiB, the size of the model's largest tensors, make every buffer be reused many times."""
 
@@ -12,9 +12,9 @@ import torch
 import torch.utils.backend_registration as backend_registration
 
 import nxd_ckpt as nxd
+from harness.held_transfer import host_copy
+from harness.multiprocess import run_with_ranks
 from nxd_ckpt.testing.fakes import assert_state_equal
-from nxd_ckpt.testing.held_transfer import host_copy
-from nxd_ckpt.testing.multiprocess import run_with_ranks
 
 pytestmark = pytest.mark.skipif(
     not hasattr(backend_registration, "_setup_privateuseone_for_python_backend"),
@@ -27,7 +27,7 @@ WIDTH = 128
 
 
 def _fake() -> str:
-    from nxd_ckpt.testing import fake_accelerator
+    from harness import fake_accelerator
 
     fake_accelerator.install()
     return fake_accelerator.DEVICE_TYPE
@@ -62,7 +62,7 @@ def test_the_fake_runs_side_stream_copies_only_once_an_event_after_them_is_waite
 @pytest.mark.parametrize("use_xser", [False, True], ids=["plain", "xser"])
 @run_with_ranks(1, env=SMALL_BUFFERS)
 def test_async_save_of_accelerator_state_holds_the_call_while_training_goes_on(tmp_path, use_xser):
-    from nxd_ckpt.testing import native_state
+    from harness import native_state
 
     with native_state.patched() as monkeypatch:
         report = native_state.save_during_training(str(tmp_path), monkeypatch, _fake(), use_xser, width=WIDTH)
@@ -71,7 +71,7 @@ def test_async_save_of_accelerator_state_holds_the_call_while_training_goes_on(t
 
 @run_with_ranks(1, env=SMALL_BUFFERS)
 def test_a_budget_smaller_than_the_state_copies_the_rest_on_a_side_stream_training_waits_for(tmp_path):
-    from nxd_ckpt.testing import native_state
+    from harness import native_state
 
     device = _fake()
     budget = native_state.state_bytes(device, WIDTH) // 2
@@ -84,28 +84,28 @@ def test_a_budget_smaller_than_the_state_copies_the_rest_on_a_side_stream_traini
 
 @run_with_ranks(1, env=SMALL_BUFFERS)
 def test_a_save_whose_snapshot_fits_on_the_device_makes_its_side_stream_off_the_training_thread(tmp_path):
-    from nxd_ckpt.testing import native_state
+    from harness import native_state
 
     native_state.snapshot_that_fits_makes_no_stream_in_the_call(str(tmp_path), _fake(), WIDTH)
 
 
 @run_with_ranks(1, env=SMALL_BUFFERS)
 def test_pinned_buffers_are_kept_across_saves_and_freed_by_finalize(tmp_path):
-    from nxd_ckpt.testing import native_state
+    from harness import native_state
 
     native_state.pinned_buffers_are_kept_across_saves(str(tmp_path), _fake(), WIDTH)
 
 
 @run_with_ranks(1, env=SMALL_BUFFERS)
 def test_a_load_fills_the_live_accelerator_tensors_through_reused_arenas_and_is_exact(tmp_path):
-    from nxd_ckpt.testing import native_state
+    from harness import native_state
 
     native_state.load_into_live_tensors(str(tmp_path), _fake(), WIDTH)
 
 
 @run_with_ranks(1, env=SMALL_BUFFERS)
 def test_under_a_host_memory_budget_the_call_snapshots_and_the_copies_travel_beside_training(tmp_path):
-    from nxd_ckpt.testing import native_state
+    from harness import native_state
 
     device = _fake()
     budget = native_state.state_bytes(device, WIDTH) // 4
@@ -118,7 +118,7 @@ def test_under_a_host_memory_budget_the_call_snapshots_and_the_copies_travel_bes
 
 @run_with_ranks(1, env=SMALL_BUFFERS)
 def test_budgeted_saves_copy_into_one_pinned_arena_that_they_reuse(tmp_path):
-    from nxd_ckpt.testing import native_state
+    from harness import native_state
 
     native_state.budgeted_saves_reuse_one_pinned_arena(str(tmp_path), _fake(), WIDTH)
 
@@ -127,9 +127,9 @@ def test_budgeted_saves_copy_into_one_pinned_arena_that_they_reuse(tmp_path):
 def test_a_budgeted_save_whose_write_fails_frees_the_transfer_thread_for_the_next_save(tmp_path):
     """The write fails at once: the save reports it, and the copies it had not brought yet do not keep the
     process's transfer thread, so the next budgeted save completes and holds its call's state."""
+    from harness import native_state
     from nxd_ckpt.errors import AsyncSaveError
     from nxd_ckpt.save import write
-    from nxd_ckpt.testing import native_state
 
     device = _fake()
     model, opt = native_state.training(device, WIDTH)
@@ -165,8 +165,8 @@ def test_a_budgeted_save_whose_write_fails_frees_the_transfer_thread_for_the_nex
 @pytest.mark.parametrize("use_xser", [False, True], ids=["plain", "xser"])
 @run_with_ranks(1)
 def test_tied_weights_are_cloned_and_moved_once_and_written_as_a_sync_save_writes_them(tmp_path, use_xser):
-    from nxd_ckpt.testing import tied_weights
-    from nxd_ckpt.testing.native_state import patched
+    from harness import tied_weights
+    from harness.native_state import patched
 
     with patched() as monkeypatch:
         report = tied_weights.saved_once_and_loaded_tied(str(tmp_path), _fake(), monkeypatch, use_xser)
@@ -175,8 +175,8 @@ def test_tied_weights_are_cloned_and_moved_once_and_written_as_a_sync_save_write
 
 @run_with_ranks(1)
 def test_tied_weights_under_a_host_memory_budget_are_cloned_and_moved_once(tmp_path):
-    from nxd_ckpt.testing import tied_weights
-    from nxd_ckpt.testing.native_state import patched
+    from harness import tied_weights
+    from harness.native_state import patched
 
     with patched() as monkeypatch:
         report = tied_weights.saved_once_and_loaded_tied(
@@ -187,14 +187,14 @@ def test_tied_weights_under_a_host_memory_budget_are_cloned_and_moved_once(tmp_p
 
 @run_with_ranks(1)
 def test_a_stuck_transfer_makes_the_next_save_raise_at_its_deadline_and_loses_nothing(tmp_path):
-    from nxd_ckpt.testing import native_state
+    from harness import native_state
 
     native_state.stuck_transfer_fails_at_the_deadline(str(tmp_path), _fake())
 
 
 @run_with_ranks(1, timeout=120)
 def test_a_thousand_async_saves_hold_no_more_device_memory_pinned_memory_threads_or_files(tmp_path):
-    from nxd_ckpt.testing import soak
+    from harness import soak
 
     with soak.memory_dir(tmp_path) as path:  # fsyncs cost nothing there: the saves' own work is what is measured
         measures = soak.saves_hold_nothing(path, _fake(), saves=1000, every=100)

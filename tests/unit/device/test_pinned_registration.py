@@ -11,9 +11,9 @@ import threading
 import pytest
 import torch
 
+from harness.mappings import mapping_at
 from nxd_ckpt.device import backend
 from nxd_ckpt.device.pinned import PAGE, REGISTER_MIN_BYTES, registered_empty
-from nxd_ckpt.testing.mappings import mapping_at
 
 
 class FakeRegistry:

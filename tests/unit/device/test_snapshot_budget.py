@@ -1,7 +1,7 @@
 """The device snapshot budget as one decision (``device.kept_budget``): ``auto`` sized from the training's peak
 (nothing on the device without a peak figure), kept from save to save while the free memory shifts, agreed as the
 ranks' minimum, shrunk after an out-of-memory in the snapshot, whose rest moves by the direct transfer. The
-native accelerator is the fake one (``testing.fake_accelerator``: its memory figures and a clone's allocation
+native accelerator is the fake one (``harness.fake_accelerator``: its memory figures and a clone's allocation
 failure are set by the test), in spawned processes; XLA: tests/xla/test_xla_device_snapshot.py."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.utils.backend_registration as backend_registration
 
+from harness.held_transfer import host_copy
+from harness.multiprocess import run_with_ranks
 from nxd_ckpt.device import backend
 from nxd_ckpt.device.kept_budget import KeptSnapshotBudget, agree
 from nxd_ckpt.testing.fakes import assert_state_equal
-from nxd_ckpt.testing.held_transfer import host_copy
-from nxd_ckpt.testing.multiprocess import run_with_ranks
 
 WIDTH = 128
 MiB = 1 << 20
@@ -57,7 +57,7 @@ def test_a_warm_up_snapshots_within_the_saves_budget_and_leaves_a_peak_sized_aut
 
 
 def _fake() -> str:
-    from nxd_ckpt.testing import fake_accelerator
+    from harness import fake_accelerator
 
     fake_accelerator.install()
     return fake_accelerator.DEVICE_TYPE
@@ -66,7 +66,7 @@ def _fake() -> str:
 def _set_memory(free: int, peak_over_reserved: int, reserved: int = 64 * MiB) -> int:
     """The fake device's figures: ``free`` in the driver, the allocator's peak ``peak_over_reserved`` above what it
     holds now; returns what ``auto`` then takes (``FREE_FRACTION`` of what the peak left)."""
-    from nxd_ckpt.testing import fake_accelerator
+    from harness import fake_accelerator
 
     fake_accelerator.FREE_BYTES, fake_accelerator.RESERVED_BYTES = free, reserved
     fake_accelerator.PEAK_RESERVED_BYTES = reserved + peak_over_reserved
@@ -76,7 +76,7 @@ def _set_memory(free: int, peak_over_reserved: int, reserved: int = 64 * MiB) ->
 def _saved_exactly(manager, path: str, tag: str, model, opt, during_save=contextlib.nullcontext):
     """An async save (inside ``during_save()``), two optimizer steps right after the call, then a load into a
     fresh model that must hold the state of the call; returns the report."""
-    from nxd_ckpt.testing import native_state
+    from harness import native_state
 
     expected_model, expected_opt = host_copy(model.state_dict()), host_copy(opt.state_dict())
     with during_save():
@@ -95,8 +95,8 @@ def _saved_exactly(manager, path: str, tag: str, model, opt, during_save=context
 @fake_only
 @run_with_ranks(1)
 def test_auto_is_sized_from_the_training_peak_and_kept_while_free_memory_shifts(tmp_path):
+    from harness import native_state
     from nxd_ckpt.manager import CheckpointManager
-    from nxd_ckpt.testing import native_state
 
     device = _fake()
     model_bytes = native_state.state_bytes(device, WIDTH)
@@ -122,8 +122,8 @@ def test_auto_is_sized_from_the_training_peak_and_kept_while_free_memory_shifts(
 @fake_only
 @run_with_ranks(1)
 def test_without_a_peak_figure_auto_takes_no_device_copy_and_the_call_moves_the_state(tmp_path):
+    from harness import fake_accelerator, native_state
     from nxd_ckpt.manager import CheckpointManager
-    from nxd_ckpt.testing import fake_accelerator, native_state
 
     device = _fake()
     model, opt = native_state.training(device, WIDTH)
@@ -140,8 +140,8 @@ def test_without_a_peak_figure_auto_takes_no_device_copy_and_the_call_moves_the_
 @pytest.mark.parametrize("host_memory_budget", [None, "1MiB"], ids=["pooled", "budgeted"])
 @run_with_ranks(1)
 def test_an_out_of_memory_in_the_snapshot_moves_the_rest_directly_and_the_next_save_fits(tmp_path, host_memory_budget):
+    from harness import fake_accelerator, native_state
     from nxd_ckpt.manager import CheckpointManager
-    from nxd_ckpt.testing import fake_accelerator, native_state
 
     device = _fake()
     _set_memory(free=256 * MiB, peak_over_reserved=0)
@@ -164,8 +164,8 @@ def test_an_out_of_memory_in_the_snapshot_moves_the_rest_directly_and_the_next_s
 def test_ranks_agree_on_the_least_budget_in_the_saves_first_step_and_keep_it(tmp_path):
     import torch.distributed as dist
 
+    from harness import native_state
     from nxd_ckpt.manager import CheckpointManager
-    from nxd_ckpt.testing import native_state
 
     device, rank = _fake(), dist.get_rank()
     model_bytes = native_state.state_bytes(device, WIDTH)

@@ -98,15 +98,15 @@ def _dcp_file_format_only(source: str) -> bool:
 
 def test_only_dist_talks_to_torch_distributed():
     """Every collective, process group and store of the library comes from nxd_ckpt/ranks/coordinator.py (the
-    store protocol, ``ranks/arrivals.py``, works on the store it hands out). nxd_ckpt/testing/ is excluded: it is
-    the test harness that starts process groups (run_with_ranks); so are the DCP file-format module and DCP's
+    store protocol, ``ranks/arrivals.py``, works on the store it hands out; the test harness that starts process
+    groups, run_with_ranks, is harness/, outside the package). Excluded: the DCP file-format module and DCP's
     storage writer and reader (``nxd_ckpt/dcp/``), as long as they use only torch.distributed.checkpoint, without a
     process group of their own, and TorchTitan's manager (``nxd_ckpt/torchtitan/``), which runs DCP over the job's
     process group and imports only torch.distributed.checkpoint."""
     offenders = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()
-        if rel == "ranks/coordinator.py" or rel.startswith("testing/"):
+        if rel == "ranks/coordinator.py":
             continue
         if (rel == _DCP_FILE_FORMAT or rel.startswith(_DCP_STORAGE)) and _dcp_file_format_only(path.read_text()):
             continue

@@ -14,11 +14,11 @@ import time
 import pytest
 import torch
 
+from harness.residency import MincoreUnavailable, resident_fraction
 from nxd_ckpt.device.pinned import PinnedArena
 from nxd_ckpt.options import resolve_budget
 from nxd_ckpt.save import budget as save_budget
 from nxd_ckpt.save.budget import BudgetedStager
-from nxd_ckpt.testing.residency import MincoreUnavailable, resident_fraction
 
 MIB = 1 << 20
 

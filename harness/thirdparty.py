@@ -34,7 +34,7 @@ _PREFIXES = ("torch_neuronx", "neuronxcc", "neuronx_distributed", "neuronx_distr
 NXD = "neuronx-distributed-2.29"
 NXDT = "neuronx-distributed-training-2.26"
 OPTIMUM = "optimum-neuron"
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def root() -> str:
@@ -66,7 +66,7 @@ def _module(name: str, package: bool = False, **attrs: Any) -> types.ModuleType:
     """A stand-in module in ``sys.modules`` (kept if a real one is already imported), attached to its parent."""
     module = sys.modules.get(name)
     if module is None:
-        module = types.ModuleType(name, "stand-in from nxd_ckpt.testing.thirdparty")
+        module = types.ModuleType(name, "stand-in from harness.thirdparty")
         module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=package)
         if package:
             module.__path__ = []

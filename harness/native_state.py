@@ -1,5 +1,5 @@
 """Scenarios for training state on a native accelerator, shared by the CUDA tests (on a GPU) and the fake
-accelerator's (``testing.fake_accelerator``, anywhere): a small model and AdamW on ``device``, async saves with
+accelerator's (``harness.fake_accelerator``, anywhere): a small model and AdamW on ``device``, async saves with
 optimizer steps right after the call, pinned buffers kept across saves, loads into the live tensors."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 import nxd_ckpt as nxd
+from harness.held_transfer import HeldTransfer, host_copy
 from nxd_ckpt.device.backend import NativeDevice
 from nxd_ckpt.manager import CheckpointManager
 from nxd_ckpt.testing.fakes import assert_state_equal
-from nxd_ckpt.testing.held_transfer import HeldTransfer, host_copy
 
 WIDTH = 512
 

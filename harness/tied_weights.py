@@ -12,12 +12,12 @@ import torch
 from torch import nn
 
 import nxd_ckpt as nxd
+from harness.held_transfer import host_copy
 from nxd_ckpt import xla
 from nxd_ckpt.device.backend import nbytes, on_device
 from nxd_ckpt.device.snapshot import DeviceCopies
 from nxd_ckpt.device.transfer import DeviceTransfer
 from nxd_ckpt.testing.fakes import assert_state_equal
-from nxd_ckpt.testing.held_transfer import host_copy
 from nxd_ckpt.tree import iter_tensors
 
 VOCAB = 96

@@ -17,9 +17,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from harness.crashloop import _MUTATIONS, _kill_at_call, model_state
+from harness.multiprocess import rank_context
 from nxd_ckpt.dcp import StorageReader, StorageWriter
-from nxd_ckpt.testing.crashloop import _MUTATIONS, _kill_at_call, model_state
-from nxd_ckpt.testing.multiprocess import rank_context
 
 WRITERS = ("nxd_ckpt", "dcp")
 """``nxd_ckpt``: nxd_ckpt.dcp.StorageWriter; ``dcp``: torch's FileSystemWriter (fsyncs files, renames .metadata)."""

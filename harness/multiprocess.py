@@ -13,7 +13,7 @@ call (monkeypatched variables included), not the server's.
 ``ranks_per_node`` numbers the ranks as torchrun does on several nodes (LOCAL_RANK, LOCAL_WORLD_SIZE and
 GROUP_RANK per simulated node); ``sigkill_ok`` accepts ranks that end by SIGKILL (a simulated crash) as passed.
 
-The ranks meet at a TCPStore the parent serves on a port it bound itself (``testing.rendezvous``): no port is
+The ranks meet at a TCPStore the parent serves on a port it bound itself (``harness.rendezvous``): no port is
 ever chosen, released and bound again later. ``MASTER_PORT`` in each rank is that store's port.
 """
 
@@ -31,7 +31,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from nxd_ckpt.testing import rendezvous
+from harness import rendezvous
 
 _RANK_ENV = "NXD_CKPT_TEST_RANK"
 _HARNESS_PID_ENV = "NXD_CKPT_TEST_HARNESS_PID"
@@ -44,7 +44,7 @@ _PRELOAD = (
     "nxd_ckpt",
     "nxd_ckpt.api",
     "nxd_ckpt.testing.fakes",
-    "nxd_ckpt.testing.crashloop",
+    "harness.crashloop",
 )
 """What the ranks' forkserver imports once, among the modules the parent has imported itself."""
 

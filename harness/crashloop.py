@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 import nxd_ckpt as nxd
-from nxd_ckpt.testing import rendezvous
-from nxd_ckpt.testing.multiprocess import rank_context
+from harness import rendezvous
+from harness.multiprocess import rank_context
 
 TENSORS = 4
 ROWS = 256

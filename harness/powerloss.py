@@ -41,6 +41,8 @@ from typing import Any
 from nxd_ckpt.storage.local import RENAME_EXCHANGE, rename_exchange
 
 MARK_PREFIX = ".powerloss-mark-"
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The directory holding ``harness/``: on the file server's path, which runs ``-m harness.powerloss``."""
 
 
 def fuse_unavailable_reason() -> str | None:
@@ -400,6 +402,11 @@ class CrashJournal:
         build(self.root, dest, 0)
 
 
+def _with_root() -> dict[str, str]:
+    """``PYTHONPATH`` with the repository root first: the harness is not installed, only found from there."""
+    return {"PYTHONPATH": os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)}
+
+
 class PowerLossMount:
     """Context manager: a recording FUSE mount of ``backing`` at ``mountpoint`` (both created)."""
 
@@ -420,10 +427,10 @@ class PowerLossMount:
             os.unlink(self.journal_path)
         self._log = open(self.journal_path + ".server.log", "wb")
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "nxd_ckpt.testing.powerloss", self.backing, self.mountpoint, self.journal_path],
+            [sys.executable, "-m", "harness.powerloss", self.backing, self.mountpoint, self.journal_path],
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONWARNINGS": "ignore", "FUSE_LIBRARY_PATH": _libfuse3() or ""},
+            env={**os.environ, "PYTHONWARNINGS": "ignore", "FUSE_LIBRARY_PATH": _libfuse3() or "", **_with_root()},
         )
         deadline = time.monotonic() + self.startup_timeout
         while not os.path.ismount(self.mountpoint):

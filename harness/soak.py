@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from harness import native_state
 from nxd_ckpt import xla
 from nxd_ckpt.manager import CheckpointManager
-from nxd_ckpt.testing import native_state
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ def device_in_use(device: str) -> int:
         import torch_xla.debug.metrics as metrics
 
         return int(metrics.counter_value("CreateXlaTensor") or 0) - int(metrics.counter_value("DestroyXlaTensor") or 0)
-    from nxd_ckpt.testing import fake_accelerator
+    from harness import fake_accelerator
 
     return fake_accelerator.live_bytes()
 
