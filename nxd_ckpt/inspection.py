@@ -20,6 +20,7 @@ checkpoints too (their layout is the same; only ``nxd_ckpt.json`` is missing).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Iterator
@@ -102,17 +103,8 @@ class Layout:
 
     @classmethod
     def from_description(cls, desc: TagDescription) -> Layout:
-        return cls(
-            tp=desc.tp,
-            pp=desc.pp,
-            dp=desc.dp,
-            zero1=desc.zero1,
-            xser=desc.xser,
-            world_size=desc.world_size,
-            items=desc.items,
-            zero1_full=desc.zero1_full,
-            ep=desc.ep,
-        )
+        """The layout facts of a tag's description (each field of ``Layout`` is the description's of that name)."""
+        return cls(**{f.name: getattr(desc, f.name) for f in dataclasses.fields(cls)})
 
     def describe(self) -> str:
         return layout_text(self.dp, self.tp, self.pp, self.zero1, self.zero1_full, self.xser, self.ep)

@@ -1,11 +1,8 @@
-"""Where a DCP checkpoint folder lives, and how a save of it is staged, committed and recovered.
+"""Where a DCP checkpoint folder lives, and what the writer and reader both say about it.
 
 A folder ``.../step-10`` is the checkpoint ``step-10`` (a tag name) in the storage of its parent, so the library's
-storage (local or ``s3://``), re-save swap and manifests work on it unchanged. On storage that renames directories
-(a POSIX filesystem) a save is written into the hidden sibling ``layout.dcp_staging_dir(folder)`` and committed by
-renaming it into place (``tags.replace_dir``: one atomic exchange with an older copy where the filesystem has it):
-a stock reader sees the old checkpoint or the new one, never a mixture. Elsewhere (object stores) the folder is
-written in place, ``.metadata`` last, and a folder that already holds a complete checkpoint is refused.
+storage (local or ``s3://``), commit (``save.commit`` with ``layout.DCP_COMMIT``: staged in a hidden sibling where
+the storage renames directories, ``.metadata`` last, swapped in whole) and manifests work on it unchanged.
 """
 
 from __future__ import annotations
@@ -14,10 +11,9 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from nxd_ckpt.errors import CheckpointError, InvalidTagError
-from nxd_ckpt.format import layout, tags
-from nxd_ckpt.format.hashing import hash_bytes
-from nxd_ckpt.format.manifests import FileRecord, manifest_bytes, parse_manifest
+from nxd_ckpt.errors import InvalidTagError
+from nxd_ckpt.format import layout
+from nxd_ckpt.save import commit
 from nxd_ckpt.storage import Storage, storage_for
 from nxd_ckpt.watchdog import StorageMonitor, WatchedStorage
 
@@ -56,82 +52,33 @@ class CheckpointPlace:
         return dataclasses.replace(self, root=WatchedStorage(self.root, monitor))
 
     @property
-    def staging(self) -> str:
-        """The directory a save writes into: the hidden sibling where the root renames directories, else the folder."""
-        return layout.dcp_staging_dir(self.folder) if self.root.renames_dirs else self.folder
+    def is_staged(self) -> bool:
+        """Whether a save is written in the folder's hidden staging directory and swapped in (the root renames
+        directories: ``commit.prepare_folder`` decides the same), rather than in place."""
+        return self.root.renames_dirs
 
     def staged(self) -> Storage:
-        """The root storage with the folder's paths sent to the staging directory: every writer names files by the
-        folder, as they are once committed."""
-        if self.staging == self.folder:
-            return self.root
-        return tags.ResaveStorage(self.root, self.folder, self.staging)
+        """The storage every rank writes a save through: the staging directory under the folder's names, or the
+        root itself."""
+        return commit.staged_storage(self.root, self.folder, self.is_staged, layout.DCP_COMMIT)
 
-    def is_complete(self, directory: str | None = None) -> bool:
-        """Whether ``directory`` (default: the folder) holds DCP's ``.metadata``."""
-        return self.root.exists(f"{directory or self.folder}/{METADATA}")
-
-    def begin(self) -> None:
-        """Coordinator, before any rank writes: settle an interrupted save of this folder, then start from an empty
-        staging directory (where the folder is written in place, refuse to overwrite a complete checkpoint)."""
-        recover(self)
-        if self.staging == self.folder and self.is_complete():
-            raise CheckpointError(
-                f"{self.path} already holds a complete DCP checkpoint and {self.root.url} cannot rename directories, "
-                "so overwriting it could lose it if the save fails; save to a new folder or delete the old one first"
-            )
-        self.root.delete_tree(self.staging)
-
-    def commit(self, metadata: bytes, world_size: int, coordinator: int, needed: dict[str, int]) -> None:
-        """Coordinator, after every rank's ``write_data``: check that each rank's manifest is there and covers the
-        bytes the metadata points at (``needed``: file -> end of its last item), record ``.metadata`` in the
-        coordinator's manifest, write ``.metadata`` last (atomically, durably), then rename the staging directory
-        into place."""
-        staged = self.staged()
-        records = self._rank_records(staged, world_size)
-        for rel, end in sorted(needed.items()):
-            rec = records.get(rel)
-            if rec is None or rec.size < end:
-                state = "no manifest lists it" if rec is None else f"{rec.size} of {end} bytes"
-                raise CheckpointError(
-                    f"{self.path}: {rel} is not recorded as written ({state}); the save is not committed and the "
-                    "previous checkpoint stays; save again"
-                )
-        own = {rel: rec for rel, rec in records.items() if rec.rank == coordinator}
-        own[METADATA] = FileRecord(*hash_bytes(metadata), coordinator)
-        manifest = layout.manifest_file(self.folder, coordinator)
-        staged.write_bytes(manifest, manifest_bytes(self.folder, coordinator, own))
-        staged.write_bytes(f"{self.folder}/{METADATA}", metadata)
-        staged.sync_dirs([self.folder, manifest.rsplit("/", 1)[0]])
-        if self.staging != self.folder:
-            tags.replace_dir(self.root, self.staging, self.folder, layout.dcp_replaced_dir(self.folder), METADATA)
-
-    def _rank_records(self, staged: Storage, world_size: int) -> dict[str, FileRecord]:
-        """Every rank's manifest merged; CheckpointError naming the first rank whose manifest is missing."""
-        records: dict[str, FileRecord] = {}
-        for rank in range(world_size):
-            path = layout.manifest_file(self.folder, rank)
-            if not staged.exists(path):
-                raise CheckpointError(
-                    f"{self.path}: rank {rank} has no manifest ({path}), so its files are not known to be durable; "
-                    "the save is not committed and the previous checkpoint stays; save again"
-                )
-            records.update(parse_manifest(staged.read_bytes(path), f"{staged.url}/{path}")[1])
-        return records
+    def is_complete(self) -> bool:
+        """Whether the folder holds DCP's ``.metadata``."""
+        return self.root.exists(f"{self.folder}/{METADATA}")
 
 
-def recover(place: CheckpointPlace) -> None:
-    """Settle what a killed save of ``place`` left: an older copy whose replacement never got the folder's name goes
-    back; every hidden staging or replaced copy is deleted (``.metadata`` first). The folder itself is never touched
-    when it is complete."""
-    root, folder = place.root, place.folder
-    if place.staging == folder:
-        return
-    replaced = layout.dcp_replaced_dir(folder)
-    if not place.is_complete() and place.is_complete(replaced):
-        root.delete_tree(folder)
-        root.rename_dir(replaced, folder)
-        root.sync_dirs([""])
-    for hidden in (place.staging, replaced):
-        tags.delete_copy(root, hidden, METADATA)
-        root.delete_tree(hidden)  # one left empty too
+class FolderId:
+    """What DCP's ``StorageWriter`` and ``StorageReader`` both say about their ``checkpoint_id``: the folder
+    ``path``, a local path or an ``s3://`` URL."""
+
+    path: str
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """A local path or an ``s3://`` URL."""
+        url = os.fspath(checkpoint_id)
+        return url.startswith("s3://") or "://" not in url

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from nxd_ckpt.dcp.place import METADATA, CheckpointPlace
+from nxd_ckpt.dcp.place import METADATA, CheckpointPlace, FolderId
 from nxd_ckpt.errors import CheckpointNotFoundError, FormatError, IntegrityError
 from nxd_ckpt.format.hashing import hash_bytes
 from nxd_ckpt.format.integrity import VerifyingStorage
@@ -55,7 +55,7 @@ class _ReadShare:
     records: dict[str, FileRecord] | None
 
 
-class StorageReader(_DcpStorageReader):
+class StorageReader(FolderId, _DcpStorageReader):
     """Reads a DCP checkpoint folder (a local path; ``s3://`` through the library's storage), verified where the
     checkpoint carries the library's manifests.
 
@@ -103,16 +103,6 @@ class StorageReader(_DcpStorageReader):
                 self.place = dataclasses.replace(self.place, root=self.tier_view)
         self.load_id = str(uuid.uuid4())
         self.storage_data: dict[MetadataIndex, Any] = {}
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """A local path or an ``s3://`` URL."""
-        url = os.fspath(checkpoint_id)
-        return url.startswith("s3://") or "://" not in url
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's ``.metadata`` (rank-local metadata, ``rank=``, is not read: the writer never writes it)."""

@@ -6,10 +6,11 @@ with ``_StorageInfo`` records), so DCP's own ``FileSystemReader`` reads them. Wh
 - every file is hashed as it streams out (``integrity.ChecksummingStorage``) and each rank writes its manifest
   ``nxd_ckpt/manifest_rank_RRRRR.json`` (a folder DCP never reads) after its files and their directories are
   durable, before ``write_data`` returns;
-- the coordinator's ``finish`` checks every rank's manifest, then writes ``.metadata`` last (tmp + fsync + rename
-  + directory fsync) and commits (``place.CheckpointPlace.commit``): a save killed at any moment leaves the
-  previous checkpoint in the folder loadable, and saving into a folder that holds one replaces it only at the
-  commit;
+- the commit is the NxD path's (``save.commit`` with ``layout.DCP_COMMIT``): the coordinator's
+  ``prepare_global_plan`` settles a killed save and starts the hidden staging folder (``prepare_folder``); its
+  ``finish`` checks every rank's manifest, then writes ``.metadata`` last (tmp + fsync + rename + directory fsync)
+  and swaps the staged folder in (``complete_folder``): a save killed at any moment leaves the previous checkpoint
+  in the folder loadable, and saving into a folder that holds one replaces it only at the commit;
 - every storage call runs under the library's deadline (``watchdog``: a stalled call raises instead of hanging);
 - with ``memory_tier=`` every save goes to node memory and peer nodes' memory (``tier``), and every
   ``durable_every``-th save also to the folder: each rank's files are written into its node's share and
@@ -38,11 +39,16 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from nxd_ckpt.dcp.checkin import WrittenCheckIn
-from nxd_ckpt.dcp.place import METADATA, CheckpointPlace
+from nxd_ckpt.dcp.checkin import WrittenCheckIn, recorded_files
+from nxd_ckpt.dcp.place import METADATA, CheckpointPlace, FolderId
 from nxd_ckpt.errors import CheckpointError
+from nxd_ckpt.format import layout
+from nxd_ckpt.format.hashing import hash_bytes
 from nxd_ckpt.format.integrity import ChecksummingStorage
+from nxd_ckpt.format.layout import DCP_COMMIT
+from nxd_ckpt.format.manifests import FileRecord, manifest_bytes
 from nxd_ckpt.ranks.deadlines import resolve_timeout
+from nxd_ckpt.save import commit
 from nxd_ckpt.storage import Storage
 from nxd_ckpt.tier.memory import MemoryTier
 from nxd_ckpt.tier.runtime import TierSave
@@ -74,7 +80,7 @@ class _RankFiles:
     world_size: int = 1
 
 
-class StorageWriter(_DcpStorageWriter):
+class StorageWriter(FolderId, _DcpStorageWriter):
     """Writes a DCP checkpoint into the folder ``path`` (a local path; ``s3://`` through the library's storage)
     with per-rank checksums and a crash-safe commit.
 
@@ -122,16 +128,6 @@ class StorageWriter(_DcpStorageWriter):
                 self.tier = shared_tier(self.memory_tier, self.place.root.url, self.timeout_s)
         self.save_id = str(uuid.uuid4())
 
-    @property
-    def checkpoint_id(self) -> str:
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """A local path or an ``s3://`` URL."""
-        url = os.fspath(checkpoint_id)
-        return url.startswith("s3://") or "://" not in url
-
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
@@ -154,7 +150,9 @@ class StorageWriter(_DcpStorageWriter):
         if self.tier is not None:
             tier = _TierPlan(time.time(), self.tier.runtime.count_save(), len(plans))
         if tier is None or tier.durable:
-            self._watched("preparing", lambda place, _: place.begin())
+            self._watched(
+                "preparing", lambda place, _: commit.prepare_folder(place.root, place.folder, place.path, DCP_COMMIT)
+            )
         key, world = uuid.uuid4().hex, len(plans)
         return [
             dataclasses.replace(p, storage_data=_RankFiles(i, f"__{i}_", tier, key, world)) for i, p in enumerate(plans)
@@ -190,7 +188,7 @@ class StorageWriter(_DcpStorageWriter):
         data = pickle.dumps(metadata)
         tier, self._tier_save = self._tier_save, None
         if tier is None or self._durable:
-            self._watched("committing", lambda place, _: place.commit(data, len(results), self._rank, needed))
+            self._watched("committing", lambda place, _: _commit(place, data, len(results), self._rank, needed))
         if tier is not None:
             self._watched("committing to the memory tier", lambda place, _: _seal_tier(tier, place.folder, data))
 
@@ -252,6 +250,20 @@ class StorageWriter(_DcpStorageWriter):
             with ThreadPoolExecutor(len(pairs), thread_name_prefix="nxd_dcp_write") as pool:
                 results = list(pool.map(write, pairs))
         return [r for file_results in results for r in file_results]
+
+
+def _commit(place: CheckpointPlace, metadata: bytes, world_size: int, coordinator: int, needed: dict[str, int]) -> None:
+    """Coordinator, after every rank's ``write_data``: each rank's files recorded as written (``needed``: file -> end
+    of its last item), ``.metadata`` recorded in the coordinator's manifest (durably), then the commit the NxD path
+    makes too (``commit.complete_folder``): ``.metadata`` last, atomically and durably, the staged folder swapped in."""
+    staged, folder = place.staged(), place.folder
+    records = recorded_files(staged, folder, place.path, world_size, needed)
+    own = {rel: rec for rel, rec in records.items() if rec.rank == coordinator}
+    own[METADATA] = FileRecord(*hash_bytes(metadata), coordinator)
+    manifest = layout.manifest_file(folder, coordinator)
+    staged.write_bytes(manifest, manifest_bytes(folder, coordinator, own))
+    staged.sync_dirs([manifest.rsplit("/", 1)[0]])
+    commit.complete_folder(staged, folder, metadata, place.root if place.is_staged else None, DCP_COMMIT)
 
 
 def _seal_tier(tier: TierSave, folder: str, metadata: bytes) -> None:

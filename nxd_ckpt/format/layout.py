@@ -6,6 +6,7 @@ All paths are relative to the checkpoint directory and use "/" separators (they 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from nxd_ckpt.errors import InvalidTagError
@@ -60,18 +61,6 @@ RESAVE_PREFIX = ".nxd-resave."
 """Hidden directory beside a complete tag that is being saved again (NxD's glob and tag listings skip it)."""
 REPLACED_PREFIX = ".nxd-replaced."
 """Hidden name the old copy of a re-saved tag has between the swap and its deletion."""
-
-
-def resave_dir(tag: str) -> str:
-    """Where a re-save of the complete tag ``tag`` is written until it is complete and swapped in."""
-    return RESAVE_PREFIX + validate_tag(tag)
-
-
-def replaced_dir(tag: str) -> str:
-    """Where the old copy of ``tag`` goes while the re-saved one takes its name."""
-    return REPLACED_PREFIX + validate_tag(tag)
-
-
 DCP_STAGING_PREFIX = ".nxd-dcp-staging."
 """Hidden directory beside a DCP checkpoint folder where ``nxd_ckpt.dcp.StorageWriter`` writes a save until its
 commit renames it into place (stock DCP and TorchTitan's ``step-N`` scan skip it)."""
@@ -79,14 +68,53 @@ DCP_REPLACED_PREFIX = ".nxd-dcp-replaced."
 """Hidden name an older DCP checkpoint has while a save replaces it where directories cannot be exchanged."""
 
 
-def dcp_staging_dir(folder: str) -> str:
-    """Where a DCP save of the checkpoint folder ``folder`` is written until it is committed."""
-    return DCP_STAGING_PREFIX + validate_tag(folder)
+@dataclass(frozen=True)
+class CommitLayout:
+    """A front end's commit on disk (``save/commit.py`` commits both through it): the file that makes a folder
+    complete, written last and deleted first, and the hidden siblings a save is staged in and an old copy waits in."""
+
+    marker: str
+    staging_prefix: str
+    replaced_prefix: str
+    begin_marker: str | None
+    """Written first into a staged save (NxD's ``checkpoint``); None: nothing marks a save begun."""
+    dated: bool
+    """Whether each copy records its creation time (``nxd_ckpt.json``), which tells an old complete copy from its
+    re-save after a crash; where it does not, the complete folder always stays and a complete staged copy beside it
+    is dropped."""
+    own_files: tuple[str, ...] | None
+    """The files the front end writes directly in a folder: any other there belongs to someone else and goes with a
+    re-saved copy (None: the folder is wholly the front end's, nothing is carried)."""
+    kind: str
+    """What a complete folder is called in messages."""
+
+    def staging_dir(self, folder: str) -> str:
+        """Where a save of ``folder`` is written until it is complete and swapped in."""
+        return self.staging_prefix + validate_tag(folder)
+
+    def replaced_dir(self, folder: str) -> str:
+        """Where the old copy of ``folder`` goes while the staged one takes its name."""
+        return self.replaced_prefix + validate_tag(folder)
 
 
-def dcp_replaced_dir(folder: str) -> str:
-    """Where the older DCP checkpoint of ``folder`` goes between the two renames of a swap without exchange."""
-    return DCP_REPLACED_PREFIX + validate_tag(folder)
+NXD_COMMIT = CommitLayout(
+    DONE_MARKER, RESAVE_PREFIX, REPLACED_PREFIX, CHECKPOINT_MARKER, True, TAG_TOP_LEVEL_FILES, "tag"
+)
+"""NxD tags: ``done`` last; a new tag is written in place, a re-save of a complete one beside it."""
+DCP_COMMIT = CommitLayout(
+    DCP_METADATA_FILE, DCP_STAGING_PREFIX, DCP_REPLACED_PREFIX, None, False, None, "DCP checkpoint"
+)
+"""DCP checkpoint folders: ``.metadata`` last; every save staged where the storage renames directories."""
+
+
+def resave_dir(tag: str) -> str:
+    """Where a re-save of the complete tag ``tag`` is written until it is complete and swapped in."""
+    return NXD_COMMIT.staging_dir(tag)
+
+
+def replaced_dir(tag: str) -> str:
+    """Where the old copy of ``tag`` goes while the re-saved one takes its name."""
+    return NXD_COMMIT.replaced_dir(tag)
 
 
 def tag_path(tag: str, *parts: str) -> str:

@@ -1,6 +1,7 @@
 """Re-saving a tag: the new checkpoint written beside the complete old one, then swapped in; and the recovery of a
-swap a crash interrupted. The commit (``save/commit.py``) begins and ends a re-save through this module; loads
-finish a swap a crash left half done (``recover_resaves``).
+swap a crash interrupted. The commit (``save/commit.py``) begins and ends a re-save through this module, for NxD
+tags and DCP folders alike (their names and rules: ``layout.CommitLayout``; NxD's by default); loads finish a swap a
+crash left half done (``recover_resaves``).
 
 Saving to a tag that already holds a complete checkpoint writes the new one beside it, in the hidden directory
 ``layout.resave_dir(tag)``, through ``ResaveStorage`` (so every writer still names files by the tag). Rank 0 commits
@@ -21,6 +22,7 @@ from typing import Any, BinaryIO
 
 from nxd_ckpt.errors import CheckpointError, FormatError
 from nxd_ckpt.format import layout
+from nxd_ckpt.format.layout import NXD_COMMIT, CommitLayout
 from nxd_ckpt.format.metadata import TagMetadata, read_metadata
 from nxd_ckpt.storage import Storage
 from nxd_ckpt.storage.base import DelegatingStorage
@@ -95,42 +97,44 @@ class ResaveStorage(DelegatingStorage):
         return [self._unmap(p) for p in self.inner.walk_files(self._map(path))]
 
 
-def begin_resave(storage: Storage, tag: str) -> None:
-    """Rank 0: start writing a re-save of the complete ``tag`` beside it (a leftover attempt is dropped)."""
-    staging = layout.resave_dir(tag)
+def begin_resave(storage: Storage, tag: str, spec: CommitLayout = NXD_COMMIT) -> None:
+    """Rank 0: start writing a save of ``tag`` in its staging directory (a leftover attempt is dropped)."""
+    staging = spec.staging_dir(tag)
     storage.delete_tree(staging)
-    storage.write_bytes(f"{staging}/{layout.CHECKPOINT_MARKER}", b"1")
+    if spec.begin_marker is not None:
+        storage.write_bytes(f"{staging}/{spec.begin_marker}", b"1")
 
 
-def swap_in_resave(storage: Storage, tag: str) -> None:
-    """Rank 0, after the re-save of ``tag`` is complete (with a durable ``done``) in its hidden directory:
+def swap_in_resave(storage: Storage, tag: str, spec: CommitLayout = NXD_COMMIT) -> None:
+    """Rank 0, after the save of ``tag`` is complete (with a durable marker) in its staging directory:
     give it the tag's name. Also finishes a swap a crash interrupted."""
-    staging, old = layout.resave_dir(tag), layout.replaced_dir(tag)
-    if not storage.exists(f"{staging}/{layout.DONE_MARKER}"):
+    staging, old = spec.staging_dir(tag), spec.replaced_dir(tag)
+    if not storage.exists(f"{staging}/{spec.marker}"):
         raise CheckpointError(f"{storage.url}/{staging} is not complete; refusing to swap it in as {tag!r}")
-    _carry_foreign_files(storage, tag, staging)
+    if spec.own_files is not None:
+        _carry_foreign_files(storage, tag, staging, spec.own_files)
     if storage.renames_dirs:
         # Exchanged: the hidden directory holds the old copy (older by its creation time, which is how recovery
         # tells the two apart if a crash comes before the deletion). Two renames: between them the tag is missing
         # (a load or save finishes the swap).
-        replace_dir(storage, staging, tag, old)
+        replace_dir(storage, staging, tag, old, spec.marker)
         return
     # No directory rename (object stores): the complete copy in ``staging`` is what a crash from here keeps.
-    storage.delete(layout.tag_path(tag, layout.DONE_MARKER))
+    storage.delete(f"{tag}/{spec.marker}")
     storage.delete_tree(tag)
-    files = [p for p in storage.walk_files(staging) if p != f"{staging}/{layout.DONE_MARKER}"]
+    files = [p for p in storage.walk_files(staging) if p != f"{staging}/{spec.marker}"]
     for path in files:
         storage.write_bytes(tag + path[len(staging) :], storage.read_bytes(path))
     storage.sync_dirs({tag + p[len(staging) :].rsplit("/", 1)[0] for p in files} | {tag, ""})
-    storage.write_bytes(layout.tag_path(tag, layout.DONE_MARKER), b"1")
+    storage.write_bytes(f"{tag}/{spec.marker}", storage.read_bytes(f"{staging}/{spec.marker}"))
     storage.sync_dirs([tag])
-    delete_copy(storage, staging)
+    delete_copy(storage, staging, spec.marker)
 
 
-def _carry_foreign_files(storage: Storage, tag: str, staging: str) -> None:
+def _carry_foreign_files(storage: Storage, tag: str, staging: str, own_files: tuple[str, ...]) -> None:
     """Files others keep in the tag folder itself (optimum-neuron's ``mp_metadata_pp_rank_*.json``, which its
     PEFT save writes before saving and its async save right after) go with the re-saved copy unless it has its own."""
-    owned = set(layout.TAG_TOP_LEVEL_FILES)
+    owned = set(own_files)
     for path in storage.walk_files(tag):
         name = path[len(tag) + 1 :]
         if "/" in name or name in owned or storage.exists(f"{staging}/{name}"):
@@ -139,11 +143,13 @@ def _carry_foreign_files(storage: Storage, tag: str, staging: str) -> None:
         storage.sync_dirs([staging])
 
 
-def _is_older_copy(storage: Storage, directory: str, tag: str) -> bool:
+def _is_older_copy(storage: Storage, directory: str, tag: str, spec: CommitLayout) -> bool:
     """Whether the complete checkpoint in ``directory`` is older than the complete ``tag`` (so it is the old copy
-    an exchange put there, not a re-save waiting to be swapped in)."""
-    if not storage.exists(layout.tag_path(tag, layout.DONE_MARKER)):
+    an exchange put there, not a re-save waiting to be swapped in); undated copies: whenever ``tag`` is complete."""
+    if not storage.exists(f"{tag}/{spec.marker}"):
         return False
+    if not spec.dated:
+        return True
     try:
         hidden = _metadata_at(storage, directory)
         current = read_metadata(storage, tag)
@@ -204,32 +210,35 @@ def recover_resaves(storage: Storage, finish_only: bool = False) -> list[str]:
             except ValueError:
                 continue
             if tag not in touched:
-                _recover_resave(storage, tag, finish_only)
+                recover_resave(storage, tag, NXD_COMMIT, finish_only)
                 touched.append(tag)
     return touched
 
 
-def _recover_resave(storage: Storage, tag: str, finish_only: bool) -> None:
-    staging, old = layout.resave_dir(tag), layout.replaced_dir(tag)
-    if storage.exists(f"{staging}/{layout.DONE_MARKER}") and not _is_older_copy(storage, staging, tag):
+def recover_resave(storage: Storage, tag: str, spec: CommitLayout, finish_only: bool = False) -> None:
+    """Rank 0: finish or undo the save of ``tag`` a crash interrupted (see above; ``finish_only``: as
+    ``recover_resaves``); a hidden directory left empty is removed too."""
+    staging, old, marker = spec.staging_dir(tag), spec.replaced_dir(tag), spec.marker
+    if storage.exists(f"{staging}/{marker}") and not _is_older_copy(storage, staging, tag, spec):
         logger.warning("finishing the interrupted re-save of checkpoint %s in %s", tag, storage.url)
-        swap_in_resave(storage, tag)
+        swap_in_resave(storage, tag, spec)
         return
-    if storage.exists(f"{staging}/{layout.DONE_MARKER}"):  # the old copy an exchange left: delete it
+    if storage.exists(f"{staging}/{marker}"):  # the old copy an exchange left: delete it
         if not finish_only:
-            delete_copy(storage, staging)
+            delete_copy(storage, staging, marker)
         return
     if finish_only:
-        if not storage.list_dir(tag) and storage.exists(f"{old}/{layout.DONE_MARKER}"):
+        if not storage.list_dir(tag) and storage.exists(f"{old}/{marker}"):
             _restore(storage, tag, old)
         return
     if storage.list_dir(staging):
         logger.warning("dropping the unfinished re-save of checkpoint %s in %s (the old one stays)", tag, storage.url)
-        storage.delete_tree(staging)
+    storage.delete_tree(staging)
     if not storage.list_dir(old):
+        storage.delete_tree(old)
         return
-    if storage.exists(layout.tag_path(tag, layout.DONE_MARKER)) or not storage.exists(f"{old}/{layout.DONE_MARKER}"):
-        delete_copy(storage, old)
+    if storage.exists(f"{tag}/{marker}") or not storage.exists(f"{old}/{marker}"):
+        delete_copy(storage, old, marker)
         return
     _restore(storage, tag, old)
 

@@ -1,5 +1,7 @@
-"""The atomic commit of a tag, in one owner: how a save begins a tag, where its writers write, and how it ends,
-``done`` last and the same outcome on every rank.
+"""The atomic commit, in one owner for both front ends: how a save begins a tag, where its writers write, and how
+it ends, the completion marker last and the same outcome on every rank. NxD tags (``done`` last) come through the
+entry points below; DCP folders (``dcp/writer.py``: ``.metadata`` last) through ``prepare_folder``,
+``staged_storage`` and ``complete_folder``, which the NxD path shares (``layout.CommitLayout``: each one's names).
 
   begin   ``prepare_tag`` (rank 0, before anything is written): the ``checkpoint`` marker on a new tag, or a
           re-save beside a complete one (``format.resave``: the old copy stays loadable until the new one is
@@ -8,12 +10,12 @@
           the tag's names, every write seen by the watchdog, every file checksummed for the rank's manifest);
   end     ``commit`` over the commit barrier (``barrier.CommitBarrier``, its store transport: ``open_barrier``)
           on every rank: each rank arrives (with its error, if any); rank 0 waits for all, writes the tag's
-          metadata and ``done`` last (``write_done``: only if nobody failed), swaps a re-save in, records the tag
-          in the root's index, and publishes the outcome, which every other rank waits for. Every rank then
-          raises the same failure, or none.
+          metadata and ``done`` last (``write_done``: only if nobody failed; ``complete_folder``: the marker
+          last, durably, then a re-save swapped in), records the tag in the root's index, and publishes the
+          outcome, which every other rank waits for. Every rank then raises the same failure, or none.
 
-Retention comes after, in ``format.retention``. Recovery of a re-save a crash interrupted is
-``format.resave.recover_resaves`` (``prepare_tag`` runs it first).
+Retention comes after, in ``format.retention``. Recovery of a save a crash interrupted is
+``format.resave.recover_resave`` (``prepare_tag`` and ``prepare_folder`` run it first).
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from typing import Any
 
 import torch
 
-from nxd_ckpt.errors import CheckpointTimeoutError
+from nxd_ckpt.errors import CheckpointError, CheckpointTimeoutError
 from nxd_ckpt.format import integrity, layout, resave, tags
+from nxd_ckpt.format.layout import NXD_COMMIT, CommitLayout
 from nxd_ckpt.format.metadata import TagMetadata, metadata_path, write_metadata
 from nxd_ckpt.format.sharding import ShardingRecord
 from nxd_ckpt.ranks.failures import RankFailure, mark_origin
@@ -40,51 +43,6 @@ from nxd_ckpt.storage import Storage
 from nxd_ckpt.watchdog import StorageMonitor, WatchedStorage, run_watched
 
 logger = logging.getLogger("nxd_ckpt")
-
-
-@dataclass(frozen=True)
-class CommitTarget:
-    """What rank 0's commit writes: where, and the facts recorded in the tag's metadata."""
-
-    storage: Storage
-    """The checkpoint directory (checksumming and watched: rank 0's manifest lists the metadata file too)."""
-    tag: str
-    created_at: float
-    topology: Topology
-    world_size: int
-    zero1: bool
-    use_xser: bool
-    items: tuple[str, ...]
-    monitor: StorageMonitor
-    saved_async: bool | None = None
-    sharding: ShardingRecord | None = None
-    resave_of: Storage | None = None
-    """Set when the tag already held a complete checkpoint: the storage in which the re-save is swapped in."""
-    durable: bool = True
-    """False for a save to the memory tier only: the checkpoint directory gets no ``done``."""
-    root: Storage | None = None
-    """The checkpoint directory itself (unwrapped): where ``done`` is recorded in the root's tag index."""
-
-    def metadata(self) -> TagMetadata:
-        """The tag's ``nxd_ckpt.json``: layout, encoding, contents and sharding of this save."""
-        topo = self.topology
-        return TagMetadata(
-            tag=self.tag,
-            created_at=self.created_at,
-            tp=topo.tp_size,
-            pp=topo.pp_size,
-            dp=topo.dp_size,
-            cp=topo.cp_size,
-            ep=topo.ep_size,
-            world_size=self.world_size,
-            zero1=self.zero1,
-            zero1_dp_size=topo.zero1_size if self.zero1 else None,
-            xser=self.use_xser,
-            saved_async=self.saved_async,
-            items=self.items,
-            torch_version=torch.__version__,
-            sharding=self.sharding,
-        )
 
 
 # ---------------------------------------------------------------------------------------------------- begin
@@ -130,6 +88,46 @@ def wait_for_deletions(pending: Sequence[Future], tag: str, timeout_s: float) ->
 
 
 # ---------------------------------------------------------------------------------------------------- write
+@dataclass(frozen=True)
+class CommitTarget:
+    """What rank 0's commit writes: where, and the tag's metadata (the facts of this save)."""
+
+    storage: Storage
+    """The checkpoint directory (checksumming and watched: rank 0's manifest lists the metadata file too)."""
+    metadata: TagMetadata
+    """The tag's ``nxd_ckpt.json``: layout, encoding, contents and sharding of this save (its one owner)."""
+    topology: Topology
+    """The save's parallel layout (the metadata records its sizes; the plan needs the groups)."""
+    monitor: StorageMonitor
+    """The watchdog of this rank's writes, reset for the commit."""
+    root: Storage | None
+    """The checkpoint directory itself (unwrapped): where a re-save is swapped in and ``done`` recorded in the
+    root's tag index; None for a save to the memory tier only (the checkpoint directory gets no ``done``)."""
+    resaved: bool = False
+    """The tag already held a complete checkpoint: the save is written beside it and swapped in."""
+
+    @property
+    def durable(self) -> bool:
+        """Whether the save reaches the checkpoint directory (a save to the memory tier only does not)."""
+        return self.root is not None
+
+    @property
+    def tag(self) -> str:
+        """The tag being saved."""
+        return self.metadata.tag
+
+    @property
+    def created_at(self) -> float:
+        """When the save began (its order among the tags)."""
+        assert self.metadata.created_at is not None
+        return self.metadata.created_at
+
+    @property
+    def zero1(self) -> bool:
+        """Whether the optimizer state is saved as ZeRO-1 shards."""
+        return self.metadata.zero1
+
+
 def open_target(
     root: Storage,
     tag: str,
@@ -150,24 +148,28 @@ def open_target(
     """The commit of ``tag`` in the checkpoint directory ``root`` (``prepare_tag`` said whether it is
     ``resaved``), and the storage its writers write through: the re-save's hidden directory under the tag's
     names, every write seen by a watchdog of ``timeout_s``, every file checksummed for the rank's manifest."""
-    written = resave.ResaveStorage(root, tag) if resaved else root
+    written = staged_storage(root, tag, resaved)
     monitor = StorageMonitor(f"writing {tag!r} on rank {rank}", timeout_s, url=root.url)
+    metadata = TagMetadata(
+        tag=tag, created_at=created_at, tp=topology.tp_size, pp=topology.pp_size, dp=topology.dp_size,
+        cp=topology.cp_size, ep=topology.ep_size, world_size=world_size, zero1=zero1,
+        zero1_dp_size=topology.zero1_size if zero1 else None, xser=use_xser, saved_async=saved_async, items=items,
+        torch_version=torch.__version__, sharding=sharding,
+    )  # fmt: skip
     return CommitTarget(
         storage=integrity.ChecksummingStorage(WatchedStorage(written, monitor), tag, rank),
-        tag=tag,
-        created_at=created_at,
+        metadata=metadata,
         topology=topology,
-        world_size=world_size,
-        zero1=zero1,
-        use_xser=use_xser,
-        items=items,
-        saved_async=saved_async,
         monitor=monitor,
-        sharding=sharding,
-        resave_of=root if resaved else None,
-        durable=durable,
-        root=root,
+        root=root if durable else None,
+        resaved=resaved,
     )
+
+
+def staged_storage(root: Storage, folder: str, staged: bool, spec: CommitLayout = NXD_COMMIT) -> Storage:
+    """The storage a save's writers write ``folder`` through: where it is ``staged``, its staging directory under
+    the folder's names (so every writer names files as they are once committed), else ``root`` itself."""
+    return resave.ResaveStorage(root, folder, spec.staging_dir(folder)) if staged else root
 
 
 # ---------------------------------------------------------------------------------------------------- end
@@ -181,15 +183,48 @@ def open_barrier(
 def write_done(target: CommitTarget) -> None:
     """Rank 0, every rank's files being durable: metadata, rank 0's manifest again, then ``done`` (durably)."""
     storage = target.storage
-    write_metadata(storage, target.metadata())
+    write_metadata(storage, target.metadata)
     storage.write_manifest()  # rank 0's manifest again, now listing the metadata file too
-    storage.sync_dirs([target.tag, ""])  # the tag's entries are durable before 'done' can be
-    storage.write_bytes(layout.tag_path(target.tag, layout.DONE_MARKER), b"1")
-    storage.sync_dirs([target.tag])  # 'done' is durable before retention deletes older tags
-    if target.resave_of is not None:  # the complete re-save takes the tag's name from the old checkpoint
-        resave.swap_in_resave(target.resave_of, target.tag)
-    if target.root is not None:  # after 'done': the index never names a tag before it is complete
-        tags.record_committed(target.root, target.tag, target.created_at)
+    assert target.root is not None  # only a durable save writes 'done'
+    complete_folder(storage, target.tag, b"1", target.root if target.resaved else None)
+    tags.record_committed(target.root, target.tag, target.created_at)  # after 'done', never before
+
+
+def complete_folder(
+    storage: Storage, folder: str, marker: bytes, swap_in: Storage | None, spec: CommitLayout = NXD_COMMIT
+) -> None:
+    """The coordinator, every file of the save durable: the completion marker (``spec.marker``, holding ``marker``)
+    written last, atomically and durably; then a staged save (in ``swap_in``, its root) takes the folder's name."""
+    storage.sync_dirs([folder, ""])  # the folder's entries are durable before the marker can be
+    storage.write_bytes(f"{folder}/{spec.marker}", marker)
+    storage.sync_dirs([folder])  # the marker is durable before retention deletes older checkpoints
+    if swap_in is not None:  # the complete save takes the folder's name from the old checkpoint
+        resave.swap_in_resave(swap_in, folder, spec)
+
+
+def prepare_folder(root: Storage, folder: str, path: str, spec: CommitLayout) -> bool:
+    """Coordinator, before any rank writes ``folder`` (``path``, as the caller named it) of a front end whose
+    folders are only ever replaced whole (DCP: stock readers run no recovery): settle a killed save of it, then
+    start an empty staging directory where ``root`` renames directories (True: the save is staged); elsewhere the
+    folder is written in place, and a complete one is refused rather than overwritten."""
+    recover_folder(root, folder, spec)
+    if root.renames_dirs:
+        resave.begin_resave(root, folder, spec)
+        return True
+    if root.exists(f"{folder}/{spec.marker}"):
+        raise CheckpointError(
+            f"{path} already holds a complete {spec.kind} and {root.url} cannot rename directories, so "
+            "overwriting it could lose it if the save fails; save to a new folder or delete the old one first"
+        )
+    root.delete_tree(folder)
+    return False
+
+
+def recover_folder(root: Storage, folder: str, spec: CommitLayout) -> None:
+    """Settle what a killed save of ``folder`` left, outside a save (``prepare_folder`` does it first): a complete
+    save waiting beside it takes its name, else an old copy whose replacement never arrived goes back; every hidden
+    copy is deleted (the marker first)."""
+    resave.recover_resave(root, folder, spec)
 
 
 def arrive(barrier: CommitBarrier, error: BaseException | None, rank: int) -> None:

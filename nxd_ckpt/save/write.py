@@ -40,7 +40,7 @@ def write_tiers(ctx: SaveContext, staged: Staged, report: SaveReport) -> None:
     rank = ctx.coordinator.rank
     written = ctx.tier.write(
         lambda share: write_files(share, staged, rank, report, ctx.monitor),
-        ctx.commit.metadata() if rank == 0 else None,
+        ctx.commit.metadata if rank == 0 else None,
         ctx.storage if ctx.commit.durable else None,
         on_sealed=staged.lease.release if staged.lease is not None else None,
     )

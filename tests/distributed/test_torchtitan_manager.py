@@ -370,7 +370,7 @@ def test_an_async_save_that_fails_raises_at_the_next_wait_and_the_previous_step_
     def disk_full(*args: Any, **kwargs: Any) -> None:
         raise OSError(28, "No space left on device (injected)")
 
-    monkeypatch.setattr("nxd_ckpt.dcp.place.CheckpointPlace.commit", disk_full)
+    monkeypatch.setattr("nxd_ckpt.save.commit.complete_folder", disk_full)
     rig.train(2)  # step 4's save starts in the background and fails there
     with pytest.raises((CheckpointException, OSError), match="No space left on device"):
         rig.checkpointer.close()  # waits for the save in flight: its error reaches the caller

@@ -11,7 +11,7 @@ import torch
 from nxd_ckpt.errors import FormatError, IntegrityError, LayoutMismatchError, RemoteRankError, StorageError
 from nxd_ckpt.format import layout
 from nxd_ckpt.format.describe import describe
-from nxd_ckpt.format.metadata import read_metadata
+from nxd_ckpt.format.metadata import TagMetadata, read_metadata
 from nxd_ckpt.load.candidates import Outcome, settle
 from nxd_ckpt.load.read import loaded_bytes, missing_file_error
 from nxd_ckpt.load.read_plan import check_layout
@@ -88,15 +88,10 @@ def _commit_target(storage: LocalStorage, world_size: int, durable: bool = True)
 
     return CommitTarget(
         storage=ChecksummingStorage(storage, "t", 0),
-        tag="t",
-        created_at=1.0,
+        metadata=TagMetadata(tag="t", created_at=1.0, world_size=world_size, xser=True, items=("model",)),
         topology=Topology(dp_size=world_size, rank=0),
-        world_size=world_size,
-        zero1=False,
-        use_xser=True,
-        items=("model",),
         monitor=StorageMonitor("committing", 60.0),
-        durable=durable,
+        root=storage if durable else None,
     )
 
 

@@ -147,7 +147,7 @@ def test_a_failed_resave_keeps_the_old_checkpoint_and_the_next_save_cleans_up(tm
     broken["w"] = _Unsaveable(broken["w"])
     with pytest.raises((CheckpointException, Exception)):
         _save(path, broken)
-    assert layout.dcp_staging_dir("step-1") in os.listdir(tmp_path)  # the failed save's files, beside it
+    assert layout.DCP_COMMIT.staging_dir("step-1") in os.listdir(tmp_path)  # the failed save's files, beside it
     _assert_same(_load(path, reader="stock"), _state(1))
     _save(path, _state(3))
     _assert_same(_load(path), _state(3))
@@ -170,8 +170,8 @@ def test_a_save_beside_an_interrupted_two_rename_swap_restores_the_old_copy(tmp_
     and its old copy is hidden: recovery (the next save, or recover_folder) gives it its name back."""
     path = str(tmp_path / "step-1")
     _save(path, _state(1))
-    os.rename(path, tmp_path / layout.dcp_replaced_dir("step-1"))
-    os.makedirs(tmp_path / layout.dcp_staging_dir("step-1"))
+    os.rename(path, tmp_path / layout.DCP_COMMIT.replaced_dir("step-1"))
+    os.makedirs(tmp_path / layout.DCP_COMMIT.staging_dir("step-1"))
     recover_folder(path)
     assert sorted(os.listdir(tmp_path)) == ["step-1"]
     _assert_same(_load(path, reader="stock"), _state(1))
