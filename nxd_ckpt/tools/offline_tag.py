@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from nxd_ckpt.errors import CheckpointError
 from nxd_ckpt.format import layout, manifests
 from nxd_ckpt.format.metadata import TagMetadata, write_metadata
+from nxd_ckpt.save.commit import complete_folder
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.storage.local import atomic_file
 
@@ -72,8 +73,7 @@ def commit(storage: LocalStorage, meta: TagMetadata) -> None:
     # is: a power cut must not leave 'done' beside lost files.
     tag_dir = os.path.join(storage.root, tag)
     storage.sync_dirs({os.path.relpath(d, storage.root).replace(os.sep, "/") for d, _, _ in os.walk(tag_dir)} | {""})
-    storage.write_bytes(layout.tag_path(tag, layout.DONE_MARKER), b"1")
-    storage.sync_dirs({tag})  # 'done' itself is durable before the tool returns
+    complete_folder(storage, tag, b"1", None)  # 'done' last (the commit's), durable before the tool returns
 
 
 def carry_over(in_dir: str, out_dir: str, skip_dirs: Sequence[str] = ()) -> int:

@@ -392,8 +392,8 @@ TESTED_ELSEWHERE = {
     "tier.shared": "tests/distributed/test_torchtitan_memory_tier.py: one tier runtime per tier and folder for the "
     "DCP writer and reader, node loss resumed from the peer",
     "dcp.contents": "tests/cli/test_dcp_cli.py: a DCP folder described and verified offline, through the command",
-    "dcp.place": "tests/unit/dcp/test_dcp_storage.py: the staging folder and the commit (recovery: tests/faults/"
-    "test_dcp_kill.py)",
+    "dcp.place": "tests/unit/dcp/test_dcp_storage.py: the folder, its staging storage and checkpoint_id (the commit "
+    "is save.commit's: tests/unit/save/test_commit.py; recovery: tests/faults/test_dcp_kill.py)",
     "dcp.reader": "tests/unit/dcp/test_dcp_storage.py: StorageReader checks .metadata and files against manifests",
     "dcp.writer": "tests/unit/dcp/test_dcp_storage.py: StorageWriter's files, manifests and commit",
     "dcp.stager": "tests/unit/dcp/test_dcp_stager.py: the Stager's staging, its budgets and reuse",
@@ -424,7 +424,6 @@ TESTED_ELSEWHERE = {
     "ranks.failures": "tests/unit/ranks/test_deadlines_and_failures.py: one rank's exception raised on every rank",
     "ranks.replicas": "tests/distributed/test_xser_dp.py: DP replicas sharing the reads of one file",
     "save.barrier": "tests/unit/test_pipelines.py: the commit barrier's arrive and outcome, ranks as threads",
-    "save.commit": "tests/unit/test_pipelines.py: done last, the same outcome on every rank",
     "save.context": "tests/unit/save/test_save_pipeline.py: the values the steps hand each other",
     "save.pipeline": "tests/unit/save/test_save_pipeline.py: the steps of a save composed",
     "save.plan": "tests/unit/save/test_save_pipeline.py: which rank writes which tensor",

@@ -88,7 +88,9 @@ def _commit_target(storage: LocalStorage, world_size: int, durable: bool = True)
 
     return CommitTarget(
         storage=ChecksummingStorage(storage, "t", 0),
-        metadata=TagMetadata(tag="t", created_at=1.0, world_size=world_size, xser=True, items=("model",)),
+        metadata=TagMetadata(
+            tag="t", created_at=1.0, tp=1, pp=1, dp=world_size, world_size=world_size, xser=True, items=("model",)
+        ),
         topology=Topology(dp_size=world_size, rank=0),
         monitor=StorageMonitor("committing", 60.0),
         root=storage if durable else None,
