@@ -224,7 +224,7 @@ def read_state_file(
     With ``target``, tensors are read straight into the target's existing tensors where they fit."""
     if not is_xser_file(storage, path):
         return read_plain(storage, path, trusted=trusted, target=target)
-    return read_xser(storage, path, trusted=trusted, group=group, threads=threads, target=target)
+    return _read_xser(storage, path, trusted, group, threads, target)
 
 
 @dataclass(frozen=True)
@@ -235,16 +235,16 @@ class _Header:
     sizes: list[int]
 
 
-def read_xser(
+def _read_xser(
     storage: Storage,
     path: str,
-    *,
-    trusted: bool = False,
-    group: ReplicaGroup | None = None,
-    threads: int | None = None,
-    target: LoadTarget | None = None,
+    trusted: bool,
+    group: ReplicaGroup | None,
+    threads: int | None,
+    target: LoadTarget | None,
 ) -> Any:
-    """Read an xser state file (ours, NxD's or torch_xla's) onto the CPU (into ``target``'s tensors if given)."""
+    """``read_state_file`` of an xser state file (ours, NxD's or torch_xla's): onto the CPU, into ``target``'s
+    tensors if given."""
     what = f"{storage.url}/{path}"
     if group is None:
         header = _read_header(storage, path, trusted)

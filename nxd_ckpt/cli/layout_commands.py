@@ -5,7 +5,6 @@ spec, stage map, parameter order)."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from typing import Any
 
@@ -16,6 +15,7 @@ from nxd_ckpt.errors import CheckpointError
 from nxd_ckpt.lazy import lazy_module
 from nxd_ckpt.log import format_bytes
 from nxd_ckpt.tools import zero1_cli
+from nxd_ckpt.tools.user_files import read_json_object
 
 # Imported on first use: `--help` and usage errors never import torch (2-3 s); see tests/cli.
 export = lazy_module("nxd_ckpt.tools.export")
@@ -86,15 +86,10 @@ def _stage_map(args: argparse.Namespace) -> Any:
     """The ``--stage-map`` file (name pattern -> PP stage) read and checked, or None."""
     if not getattr(args, "stage_map", None):
         return None
-    try:
-        with open(args.stage_map) as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"stage map {args.stage_map} could not be read as JSON: {e}") from e
-    if not isinstance(doc, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in doc.values()):
-        raise ValueError(
-            f'stage map {args.stage_map} must be a JSON object of name pattern -> PP stage, e.g. {{"*": 0}}'
-        )
+    expected = 'a JSON object of name pattern -> PP stage, e.g. {"*": 0}'
+    doc = read_json_object(args.stage_map, "stage map", expected)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in doc.values()):
+        raise ValueError(f"stage map {args.stage_map} must be {expected}")
     return model_writer.stage_map(doc)
 
 
@@ -102,15 +97,10 @@ def _param_order(args: argparse.Namespace) -> Any:
     """The ``--param-order`` file (PP stage -> parameter names in the optimizer's order) read and checked, or None."""
     if not getattr(args, "param_order", None):
         return None
-    try:
-        with open(args.param_order) as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"parameter order {args.param_order} could not be read as JSON: {e}") from e
-    if not isinstance(doc, dict) or not all(
-        isinstance(v, list) and all(isinstance(n, str) for n in v) for v in doc.values()
-    ):
-        raise ValueError(f'parameter order {args.param_order} must be JSON {{"PP stage": [names], ...}}')
+    expected = 'JSON {"PP stage": [names], ...}'
+    doc = read_json_object(args.param_order, "parameter order", expected)
+    if not all(isinstance(v, list) and all(isinstance(n, str) for n in v) for v in doc.values()):
+        raise ValueError(f"parameter order {args.param_order} must be {expected}")
     try:
         return {int(k): v for k, v in doc.items()}
     except ValueError as e:

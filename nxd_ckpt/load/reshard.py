@@ -23,7 +23,7 @@ from nxd_ckpt.format import layout
 from nxd_ckpt.format.describe import TagDescription
 from nxd_ckpt.format.sharding import Box, ShardingRecord, TensorSharding, read_plan
 from nxd_ckpt.format.sharding_marks import record_from_model
-from nxd_ckpt.load.reshard_optimizer import OptimizerJob, load_optimizer, load_zero1, plan_optimizer
+from nxd_ckpt.load.reshard_optimizer import OptimizerJob, Zero1Source, load_optimizer, load_zero1, plan_optimizer
 from nxd_ckpt.load.reshard_sources import SourceFile, SourceFiles, SourceLayout, fill
 from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.storage import Storage
@@ -207,5 +207,5 @@ class ReshardedLoad:
     def optimizer_state(self) -> dict:
         """This rank's optimizer state at its layout: ZeRO-1 shards when the tag holds ZeRO-1 state, else plain."""
         if self.zero1:
-            return load_zero1(self.src, self.opt_jobs, self.groups, self.topo, self.files)
+            return load_zero1(Zero1Source(self.src, self.topo, self.files), self.opt_jobs, self.groups)
         return load_optimizer(self.src, self.opt_jobs, self.groups, self.topo, self.files)

@@ -132,7 +132,7 @@ def load_optimizer(
 
 
 @dataclass(frozen=True)
-class _Zero1Source:
+class Zero1Source:
     """The ZeRO-1 files of a tag, re-cut for this rank: its DP rows of its TP part of a parameter's state."""
 
     src: SourceLayout
@@ -181,15 +181,9 @@ class _Zero1Source:
         return entry
 
 
-def load_zero1(
-    src: SourceLayout,
-    jobs: Sequence[OptimizerJob],
-    target_groups: Sequence[Sequence[int]],
-    topo: Topology,
-    files: SourceFiles,
-) -> dict:
+def load_zero1(source: Zero1Source, jobs: Sequence[OptimizerJob], target_groups: Sequence[Sequence[int]]) -> dict:
     """This rank's ZeRO-1 optimizer state (its DP chunk of every TP-local parameter) at its layout."""
-    source = _Zero1Source(src, topo, files)
+    src, files = source.src, source.files
     base_state: dict[int, dict] = {}
     shape_info: dict[int, list[int]] = {}
     masters: dict[int, torch.Tensor] = {}
@@ -204,7 +198,7 @@ def load_zero1(
                 f"{base.what}: shape_info of {job.name!r} is {list(saved_shape)}, but its recorded sharding says "
                 f"{list(job.sharding.local_shape(src.tp))}"
             )
-        shape_info[job.index] = list(job.sharding.local_shape(topo.tp_size))
+        shape_info[job.index] = list(job.sharding.local_shape(source.topo.tp_size))
         base_state[job.index] = source.entry(job, base)
         if base.has((zero1.MASTER_WEIGHTS, job.src_index)):
             has_masters = True

@@ -17,6 +17,7 @@ import torch
 
 from nxd_ckpt.errors import FormatError
 from nxd_ckpt.serialization import torchzip
+from nxd_ckpt.storage.base import SeekableReader
 
 
 def allocate(size: int) -> np.ndarray:
@@ -25,19 +26,13 @@ def allocate(size: int) -> np.ndarray:
     return torch.empty(size, dtype=torch.uint8).numpy()  # the array keeps the tensor (its memory) alive
 
 
-class BufferReader(io.RawIOBase):
+class BufferReader(SeekableReader, io.RawIOBase):
     """A read-only, seekable binary stream over a buffer: ``readinto`` copies straight from it, nothing else."""
 
     def __init__(self, buffer: Any) -> None:
         super().__init__()
         self._view = memoryview(buffer).cast("B")
         self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
 
     def readinto(self, b: Any) -> int:
         dest = memoryview(b).cast("B")
@@ -46,15 +41,8 @@ class BufferReader(io.RawIOBase):
         self._pos += n
         return n
 
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
-        self._pos = base + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
+    def _size(self) -> int:
+        return len(self._view)
 
 
 def load_zero_copy(buffer: np.ndarray, what: str) -> Any:

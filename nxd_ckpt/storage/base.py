@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import io
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -347,3 +348,33 @@ class ForwardWriter:
 
     def seekable(self) -> bool:
         return False
+
+
+class SeekableReader:
+    """What every read-only, seekable stream of ours says of itself, and how it seeks: from the start, its position
+    ``_pos`` (which its reads move) or its end (``_size()``, the subclass's)."""
+
+    _pos: int
+
+    def _size(self) -> int:
+        """The stream's length in bytes, where ``SEEK_END`` counts from."""
+        raise NotImplementedError
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return False
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size()}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from nxd_ckpt import knobs
-from nxd_ckpt.storage.base import ForwardWriter
+from nxd_ckpt.storage.base import ForwardWriter, SeekableReader
 
 CHUNK_BYTES = 16 << 20
 BLOCK_BYTES = 4096
@@ -182,7 +182,7 @@ def open_writer(path: str) -> DirectWriter:
     return DirectWriter(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666))
 
 
-class DirectReader:
+class DirectReader(SeekableReader):
     """A read-only binary stream of a local file whose large, lined-up ``readinto`` calls use O_DIRECT.
 
     Reads are positional (``pread``), never through a Python buffer. ``direct_bytes`` counts what went around
@@ -243,29 +243,13 @@ class DirectReader:
 
     def read(self, n: int = -1) -> bytes:
         if n is None or n < 0:
-            n = max(0, os.fstat(self._checked_fd()).st_size - self._pos)
+            n = max(0, self._size() - self._pos)
         buf = bytearray(n)
         got = self.readinto(buf)
         return bytes(buf[:got])
 
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: os.fstat(self._checked_fd()).st_size}[whence]
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
-        self._pos = base + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def writable(self) -> bool:
-        return False
+    def _size(self) -> int:
+        return os.fstat(self._checked_fd()).st_size
 
     def close(self) -> None:
         for fd in (self._fd, self._direct_fd):

@@ -61,7 +61,7 @@ class LocalStorage(Storage):
             paths, self._batch = self._batch or [], None
         if paths:
             with ThreadPoolExecutor(max_workers=min(threads, len(paths)), thread_name_prefix="nxd_fsync") as pool:
-                list(pool.map(_fsync_path, paths))
+                list(pool.map(fsync_path, paths))
 
     def durability_batch(self) -> AbstractContextManager[None]:
         return self.deferred_fsync()
@@ -106,7 +106,7 @@ class LocalStorage(Storage):
                         self._batch.append(final)
                         deferred = False
                 if deferred:  # the block ended while this file was written: sync it now
-                    _fsync_path(final)
+                    fsync_path(final)
         except BaseException as e:
             f.close()
             with contextlib.suppress(OSError):
@@ -241,7 +241,8 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
-def _fsync_path(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """Make the file or directory at ``path`` durable (fsync through a read-only descriptor)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -257,11 +258,7 @@ def temp_name(final: str) -> str:
 
 def publish(tmp: str, final: str) -> None:
     """Make ``tmp`` durable (fsync) and rename it to ``final``; the directory entry is the caller's to sync."""
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(tmp)
     os.replace(tmp, final)
 
 

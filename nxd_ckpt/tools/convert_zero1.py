@@ -358,24 +358,14 @@ def _inspect_input(storage: LocalStorage, tag: str, *, trusted: bool) -> _InputL
 def _metadata(tag: str, info: _InputLayout, dst_dp: int | None) -> TagMetadata:
     """The output's nxd_ckpt.json: the input's (a fresh one for NxD-written input) with the new ZeRO-1 layout."""
     desc = info.description
-    base = desc.metadata or TagMetadata(
-        tag=tag,
-        created_at=None,
-        xser=info.xser,
-        items=desc.present_items,
-        torch_version=torch.__version__,
-    )
-    return base.with_changes(
-        tag=tag,
-        created_at=time.time() if base.created_at is None else base.created_at,
+    fresh = TagMetadata(tag=tag, created_at=None, xser=info.xser, items=desc.present_items)
+    return offline_tag.output_metadata(
+        desc.metadata or fresh,
+        tag,
         tp=info.tp,
         pp=info.pp,
-        dp=dst_dp,
-        world_size=None,
-        zero1=True,
-        zero1_dp_size=dst_dp,
-        zero1_full=dst_dp is None,
-        converted_from={"tag": base.tag if desc.metadata is not None else desc.tag, "zero1_dp_size": info.src_dp},
+        **offline_tag.zero1_layout(dst_dp),
+        converted_from={"tag": desc.tag if desc.metadata is None else desc.metadata.tag, "zero1_dp_size": info.src_dp},
         manifest_ranks=1,
     )
 

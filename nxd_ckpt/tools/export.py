@@ -11,7 +11,6 @@ its final name and renamed into place).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -27,6 +26,7 @@ from nxd_ckpt.tools.model_source import CheckpointModel, ShardingSource
 from nxd_ckpt.tools.optimum_layout import ExportNotSupportedError as ExportNotSupportedError  # its public name
 from nxd_ckpt.tools.optimum_layout import OptimumModel, read_metadata
 from nxd_ckpt.tools.safetensors_io import TensorEntry
+from nxd_ckpt.tools.user_files import read_json_object
 
 FORMATS = ("safetensors", "dcp")
 
@@ -64,13 +64,7 @@ class RenameMap:
 
     @classmethod
     def from_file(cls, path: str) -> RenameMap:
-        try:
-            with open(path) as f:
-                doc = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"rename map {path} could not be read as JSON: {e}") from e
-        if not isinstance(doc, dict):
-            raise ValueError(f"rename map {path} must be a JSON object")
+        doc = read_json_object(path, "rename map", "a JSON object")
         if set(doc) <= {"exact", "patterns"} and doc:
             exact, patterns = doc.get("exact") or {}, doc.get("patterns") or []
         else:

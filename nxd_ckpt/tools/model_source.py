@@ -29,6 +29,7 @@ from nxd_ckpt.format.manifests import hash_stream
 from nxd_ckpt.inspection import Checkpoint, ObjectInfo
 from nxd_ckpt.storage import Storage
 from nxd_ckpt.tools.safetensors_io import TensorEntry
+from nxd_ckpt.tools.user_files import read_json_object
 
 ShardingSource = shd.ShardingRecord | Mapping[str, marks.SpecValue] | torch.nn.Module | None
 """What a caller may pass to say how tensors are split: a record, name patterns -> dim / (dim, stride) / None,
@@ -38,15 +39,7 @@ or a model whose parameters carry NxD's tensor-parallel attributes."""
 def read_sharding_spec(path: str) -> dict[str, marks.SpecValue]:
     """A sharding spec file: JSON ``{"name pattern": dim | [dim, stride] | null, ...}`` (fnmatch globs, first
     match wins; null: replicated), as ``format/sharding_marks.record_from_spec`` takes it."""
-    import json
-
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"sharding spec {path} could not be read as JSON: {e}") from e
-    if not isinstance(doc, dict):
-        raise ValueError(f"sharding spec {path} must be a JSON object of name pattern -> partition dim")
+    doc = read_json_object(path, "sharding spec", "a JSON object of name pattern -> partition dim")
     spec: dict[str, marks.SpecValue] = {}
     for pattern, value in doc.items():
         if value is None or (isinstance(value, int) and not isinstance(value, bool)):

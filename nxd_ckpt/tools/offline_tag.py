@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Sequence
+from typing import Any
+
+import torch
 
 from nxd_ckpt.errors import CheckpointError
 from nxd_ckpt.format import layout, manifests
@@ -55,6 +59,25 @@ def begin(root: str, tag: str, *, overwrite: bool = False, overwrite_hint: str =
     storage = LocalStorage(root)
     storage.write_bytes(layout.tag_path(tag, layout.CHECKPOINT_MARKER), b"1")
     return storage
+
+
+def output_metadata(source: TagMetadata | None, tag: str, **changes: Any) -> TagMetadata:
+    """The output tag's ``nxd_ckpt.json``: the source tag's (a fresh one when it has none: NxD-written tags) named
+    ``tag``, keeping its creation time (now for a fresh one) and torch version (this torch's when unknown),
+    ``world_size`` cleared (one process writes it), with ``changes`` (the new layout, what it was converted from)."""
+    base = source or TagMetadata(tag=tag, created_at=None)
+    return base.with_changes(
+        tag=tag,
+        created_at=time.time() if base.created_at is None else base.created_at,
+        world_size=None,
+        torch_version=base.torch_version or torch.__version__,
+        **changes,
+    )
+
+
+def zero1_layout(dp: int | None) -> dict[str, Any]:
+    """The metadata fields of a tag whose ZeRO-1 optimizer state is cut into ``dp`` shards (None: kept full)."""
+    return {"dp": dp, "zero1": True, "zero1_dp_size": dp, "zero1_full": dp is None}
 
 
 def commit(storage: LocalStorage, meta: TagMetadata) -> None:

@@ -193,21 +193,18 @@ def _model_metadata(
     """The re-sharded tag's nxd_ckpt.json: the source's (a fresh one for NxD-written tags) with the new layout,
     its sharding record, and no optimizer."""
     items = tuple(i for i in ("model", *carried) if i in desc.saved_items or i == "model")
-    base = desc.metadata or TagMetadata(tag=out_tag, created_at=None)
-    return base.with_changes(
-        tag=out_tag,
-        created_at=time.time() if base.created_at is None else base.created_at,
+    return offline_tag.output_metadata(
+        desc.metadata,
+        out_tag,
         tp=target.tp,
         pp=target.pp,
         dp=None,
         cp=None,
-        world_size=None,
         zero1=False,
         zero1_dp_size=None,
         zero1_full=None,
         xser=desc.xser,
         items=items,
-        torch_version=base.torch_version or torch.__version__,
         converted_from={"tag": ckpt.tag, "dp": desc.dp, "tp": desc.tp, "pp": desc.pp},
         sharding=target.record,
     )
@@ -305,20 +302,14 @@ def _reshard_zero1_dcp(
     try:
         offline_tag.carry_over(in_tag_dir, out_tag_dir, skip_dirs=(layout.OPTIM_DIR,))
         report.files, report.nbytes = zero1_dcp.convert(src_optim, storage, out_tag, dp, param_order, xser=desc.xser)
-        base = desc.metadata or TagMetadata(tag=out_tag, created_at=None)
-        meta = base.with_changes(
-            tag=out_tag,
-            created_at=time.time() if base.created_at is None else base.created_at,
+        meta = offline_tag.output_metadata(
+            desc.metadata,
+            out_tag,
             tp=src[1],
             pp=src[2],
-            dp=dp,
-            world_size=None,
-            zero1=True,
-            zero1_dp_size=dp,
-            zero1_full=False,
+            **offline_tag.zero1_layout(dp),
             xser=desc.xser,
             items=tuple(dict.fromkeys((*desc.present_items, "optimizer"))),
-            torch_version=base.torch_version or torch.__version__,
             converted_from={"tag": ckpt.tag, "format": "zero1_dcp"},
         )
         offline_tag.commit(storage, meta)

@@ -22,7 +22,7 @@ from typing import BinaryIO
 import torch
 
 from nxd_ckpt.errors import CheckpointError, FormatError
-from nxd_ckpt.storage.local import atomic_file
+from nxd_ckpt.storage.local import atomic_file, fsync_path
 
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -225,21 +225,13 @@ def write_set(
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp_dir)
+        fsync_path(tmp_dir)
         os.rename(tmp_dir, out_dir)
-        _fsync_dir(parent)
+        fsync_path(parent)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     return files
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------------- reading

@@ -37,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _nxd_spellings(flag: str) -> tuple[str, str]:
+    """``flag`` (``--input-dir``) and NxD's underscore spelling of it (``--input_dir``); argparse names the value
+    after the first (``input_dir``)."""
+    return flag, "--" + flag[2:].replace("-", "_")
+
+
 def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
     """The input: DIR and --tag like the other commands, or NxD's --input-dir naming the tag folder."""
     parser.add_argument(
@@ -47,9 +53,7 @@ def _add_input_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tag", help="tag to convert (default: the latest complete one)")
     parser.add_argument(
-        "--input-dir",
-        "--input_dir",
-        dest="input_dir",
+        *_nxd_spellings("--input-dir"),
         metavar="PATH",
         help="NxD's spelling of DIR: the tag folder to read (e.g. ckpts/step_1200)",
     )
@@ -62,9 +66,7 @@ def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", metavar="DIR", help="checkpoint directory to write the converted tag into (same tag name)"
     )
     out.add_argument(
-        "--output-dir",
-        "--output_dir",
-        dest="output_dir",
+        *_nxd_spellings("--output-dir"),
         metavar="PATH",
         help="NxD's form: the tag folder to write (e.g. ckpts_dp2/step_1200); must not hold a checkpoint",
     )
@@ -76,29 +78,25 @@ def _add_mode_arguments(parser: argparse.ArgumentParser) -> None:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument(
         "--to-full",
-        "--convert-to-full",
-        "--convert_to_full",
+        *_nxd_spellings("--convert-to-full"),
         dest="convert_to_full",
         action="store_true",
         help="merge the shards into optim/full_tp_rank_XX_pp_rank_YY.pt",
     )
     mode.add_argument(
         "--to-sharded",
-        "--convert-to-sharded",
-        "--convert_to_sharded",
+        *_nxd_spellings("--convert-to-sharded"),
         dest="convert_to_sharded",
         action="store_true",
         help="write optim/dp_rank_.. shards for --dp-size",
     )
-    parser.add_argument("--dp-size", "--dp_size", dest="dp_size", type=int, metavar="N", help="DP size of the output")
+    parser.add_argument(*_nxd_spellings("--dp-size"), type=int, metavar="N", help="DP size of the output")
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """How to run: workers, overwriting, trusting pickles, the progress bar."""
     parser.add_argument(
-        "--num-workers",
-        "--num_workers",
-        dest="num_workers",
+        *_nxd_spellings("--num-workers"),
         type=int,
         default=1,
         metavar="N",
@@ -106,9 +104,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at the output")
     parser.add_argument(
-        "--allow-pickle",
-        "--allow_pickle",
-        dest="allow_pickle",
+        *_nxd_spellings("--allow-pickle"),
         action="store_true",
         help="read pickled classes (runs code from the files: trusted checkpoints only)",
     )
@@ -171,12 +167,8 @@ def run(args: argparse.Namespace, prog: str = SCRIPT_PROG) -> int:
     """Convert as the flags say; print the summary once (stdout); return 0 ok, 1 failed, 2 bad arguments."""
     try:
         input_dir, output_dir = resolve_paths(args)
-    except ValueError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    except (CheckpointError, OSError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 1
+    except (ValueError, CheckpointError, OSError) as e:
+        return _failed(prog, e)
     from nxd_ckpt.tools.convert_zero1 import convert_zero1  # torch: only once there is something to convert
 
     try:
@@ -191,14 +183,16 @@ def run(args: argparse.Namespace, prog: str = SCRIPT_PROG) -> int:
             allow_pickle=args.allow_pickle,
             progress=False if args.quiet else None,
         )
-    except ValueError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    except (CheckpointError, OSError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 1
+    except (ValueError, CheckpointError, OSError) as e:
+        return _failed(prog, e)
     print(report.summary())
     return 0
+
+
+def _failed(prog: str, error: BaseException) -> int:
+    """Say ``error`` on stderr; the exit status: 2 for bad arguments (a ValueError), else 1."""
+    print(f"{prog}: error: {error}", file=sys.stderr)
+    return 2 if isinstance(error, ValueError) else 1
 
 
 def main(argv: Sequence[str] | None = None, prog: str = SCRIPT_PROG) -> int:
