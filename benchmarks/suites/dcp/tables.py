@@ -41,6 +41,10 @@ STANDING = [
     "memory, across the path's first two saves until durable (buffers it keeps count); torch_checkpointing writes "
     "from a spawned process, whose own memory is not in it.",
 ]
+XLA_MEMORY = (
+    "on the XLA CPU device, device memory is host memory: a device snapshot (nxd's stager) counts in the "
+    "host figure there, where on a GPU it would be device memory"
+)
 
 
 def figure(rows: list[dict[str, Any]], fig: Figure) -> float | None:
@@ -117,6 +121,6 @@ def print_section(report: Report, name: str, result: dict[str, Any]) -> None:
         report.say(f"- {key}: missing: {why}")
     for key, notes in result.get("notes", {}).items():
         report.say(f"- {key}: " + "; ".join(notes))
-    for line in STANDING:
+    for line in STANDING + ([XLA_MEMORY] if name == "xla" else []):
         report.say(f"- {line}")
     report.say()
