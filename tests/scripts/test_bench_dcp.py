@@ -51,6 +51,9 @@ def test_a_tiny_cpu_run_reports_every_path_load_and_ratio(tmp_path):
                   "load speed: dcp.load's seconds / nxd StorageReader's"):  # fmt: skip
         assert f"| {ratio}" in lines and ("| MET |" in lines or "| NOT MET |" in lines)
     assert "sync_files=True" in lines
+    assert cpu["ratios"]["CPU state blocked: nxd async_save / memcpy of the state"] == pytest.approx(
+        row["nxd_async"]["blocked_s"] / row["baseline"]
+    )
 
 
 def test_a_ratio_says_its_verdict_and_a_missing_figure_is_not_a_verdict():

@@ -95,7 +95,7 @@ def load_rows(result: dict[str, Any]) -> list[list[str]]:
 
 
 def print_section(report: Report, name: str, result: dict[str, Any]) -> None:
-    """The section's tables, ratios and notes."""
+    """The section's tables, ratios (kept in ``result["ratios"]`` for the JSON too) and notes."""
     if "skipped" in result:
         report.say(f"== dcp {name}: skipped: {result['skipped']} ==")
         return
@@ -111,11 +111,13 @@ def print_section(report: Report, name: str, result: dict[str, Any]) -> None:
     report.say()
     report.say("| ratio | value | target | verdict |")
     report.say("|---|---:|---|---|")
-    rows = result["rows"]
-    for label, num, den, op, target in TARGETS["cpu" if name == "cpu" else "device"] + TARGETS["all"]:
-        report.say(ratio_line(label, figure(rows, num), figure(rows, den), op, target))
-    for label, num, den in INFO:
-        report.say(ratio_line(label, figure(rows, num), figure(rows, den)))
+    rows, result["ratios"] = result["rows"], {}
+    targets = [(label, num, den, op, target) for label, num, den, op, target in TARGETS[
+        "cpu" if name == "cpu" else "device"] + TARGETS["all"]]  # fmt: skip
+    for label, num, den, op, target in targets + [(label, num, den, "", None) for label, num, den in INFO]:
+        n, d = figure(rows, num), figure(rows, den)
+        result["ratios"][label] = n / d if n is not None and d else None
+        report.say(ratio_line(label, n, d, op, target))
     report.say()
     for key, why in result.get("missing", {}).items():
         report.say(f"- {key}: missing: {why}")
