@@ -18,6 +18,8 @@ SUITES: dict[str, tuple[str, str]] = {
                  "host memory, the first async save, memory-tier restores (multi-rank)"),
     "async": ("benchmarks.suites.async_save", "what an async save costs the training loop, against memcpy, "
               "a sync save and DCP's async_save (multi-rank)"),
+    "dcp": ("benchmarks.suites.dcp", "DCP checkpointing on one state: stock DCP (sync, async, DefaultStager), "
+            "torch_checkpointing and nxd_ckpt's DCP writer + stager; blocked, durable, loads, memory"),
     "first_save": ("benchmarks.suites.first_save", "the first async save of a process against the later ones, "
                    "each scenario in a fresh process"),
     "device": ("benchmarks.suites.device", "checkpoints of state on a device (CUDA, or XLA): floors, async and "

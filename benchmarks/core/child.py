@@ -20,16 +20,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def in_child(
     target: str, kwargs: dict[str, Any], env: dict[str, str] | None = None, path_first: str | None = None,
-    timeout: float = 3600.0, quiet: bool = False,
+    timeout: float = 3600.0, quiet: bool = False, python: str | None = None,
 ) -> Any:  # fmt: skip
     """Run ``target`` (``module:function``) with ``kwargs`` in a fresh Python process and return its result.
     ``path_first`` goes before this repository on the child's PYTHONPATH (another tree's nxd_ckpt); ``quiet``
-    keeps the child's own output off the terminal. A failed child raises with its exit code and output's end."""
+    keeps the child's own output off the terminal; ``python`` is the child's interpreter (default this one: another
+    environment's, such as the XLA one). A failed child raises with its exit code and output's end."""
     paths = [p for p in (path_first, REPO, os.environ.get("PYTHONPATH")) if p]
     child_env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(paths)}
     with tempfile.TemporaryDirectory(prefix="nxd_bench_child_") as scratch:
         out = os.path.join(scratch, "result.json")
-        command = [sys.executable, "-m", "benchmarks.core.child", target, json.dumps(kwargs), out]
+        command = [python or sys.executable, "-m", "benchmarks.core.child", target, json.dumps(kwargs), out]
         # cwd: not this repository, whose nxd_ckpt would come first on the path of ``python -m``
         done = subprocess.run(command, env=child_env, cwd=scratch, timeout=timeout, check=False,
                               capture_output=quiet, text=True)  # fmt: skip
