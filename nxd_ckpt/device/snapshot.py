@@ -357,15 +357,7 @@ def _take_xla(
         for j, c in zip(batch, copies, strict=True):
             arrived[id(keys[rest[j]])] = c
     del live
-    transfer = DeviceTransfer(
-        [keys[i] for i in fit],
-        clones,
-        chunk_bytes=chunk_bytes,
-        background=True,
-        synced=True,
-        arrived=arrived,
-        **links,
-    )
+    transfer = _transfer([keys[i] for i in fit], clones, chunk_bytes, arrived, links | {"synced": True})
     return transfer, fit, rest, fallback
 
 
@@ -413,18 +405,18 @@ def _take_native(
         arrived_event = native.record(side)
         training.wait_event(arrived_event)  # training's next kernels cannot overwrite what is still being copied
     ready = native.record(training)  # the clones are enqueued before this point
-    transfer = DeviceTransfer(
-        [keys[i] for i in fit],
-        clones,
-        chunk_bytes=chunk_bytes,
-        background=True,
-        arrived=arrived,
-        arrived_event=arrived_event,
-        native=native,
-        ready=ready,
-        side=side,
-        pool=pool,
-        lent=lent,
-        **links,
-    )
+    device = {"arrived_event": arrived_event, "native": native, "ready": ready, "side": side, "pool": pool}
+    transfer = _transfer([keys[i] for i in fit], clones, chunk_bytes, arrived, links | device | {"lent": lent})
     return transfer, fit, rest, fallback
+
+
+def _transfer(
+    keys: list[torch.Tensor],
+    clones: list[torch.Tensor],
+    chunk_bytes: int | None,
+    arrived: dict[int, torch.Tensor],
+    extra: dict[str, Any],
+) -> DeviceTransfer:
+    """The background transfer of a snapshot's ``clones`` (stand-ins ``keys``), with the host copies the call
+    made itself (``arrived``) and the device kind's ``extra`` fields (the links, streams, events, pools)."""
+    return DeviceTransfer(keys, clones, chunk_bytes=chunk_bytes, background=True, arrived=arrived, **extra)
