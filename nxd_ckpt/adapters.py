@@ -14,7 +14,7 @@ import torch
 
 from nxd_ckpt import xla
 from nxd_ckpt.device.backend import on_device
-from nxd_ckpt.device.load import DeviceLoadTarget, LoadTarget, device_loads_enabled
+from nxd_ckpt.device.load_targets import DeviceLoadTarget, LoadTarget, device_loads_enabled
 from nxd_ckpt.errors import StateMismatchError
 from nxd_ckpt.tree import EXPERT_ATTR, iter_tensors
 
@@ -151,7 +151,7 @@ def load_target(obj: Any, role: str, *, strict: bool = True, source: str = "") -
 
 def holds_device_tensors(obj: Any, role: str) -> bool:
     """Whether a load of ``role`` ("model"/"optimizer") into ``obj`` fills tensors off the host (XLA): such a
-    load stages through host buffers of its own (``device.load.DeviceLoadTarget``)."""
+    load stages through host buffers of its own (``device.load_targets.DeviceLoadTarget``)."""
     if obj is None:
         return False
     tree = obj if isinstance(obj, dict) else model_state(obj) if role == "model" else optimizer_state(obj)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from nxd_ckpt import knobs, tree
-from nxd_ckpt.device.load import LoadTarget
+from nxd_ckpt.device.load_targets import LoadTarget
 from nxd_ckpt.errors import FormatError, StorageError
 from nxd_ckpt.format import layout
 from nxd_ckpt.pages import prefaulted

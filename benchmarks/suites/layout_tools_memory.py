@@ -5,8 +5,8 @@ like a save) of ``--layers`` layers, each a fused column-parallel (stride 3) wei
 replicated norm, plus one larger embedding; then runs each tool in a fresh process (``core.child``) and reports that
 process's peak resident memory (``VmHWM``) above its resident memory after the imports, divided by the largest
 tensor's bytes. The target is a ratio of about 2 or less: the tools hold one whole tensor and its parts, never a
-file. Each tool runs twice: as the ``nxd-ckpt`` commands run it (large blocks mmap-ed, ``tools/memory.py``) and as
-a library call in a process with glibc's default allocator settings.
+file. Each tool runs twice: as the ``nxd-ckpt`` commands run it (large blocks mmap-ed,
+``tools/malloc_tuning.py``) and as a library call in a process with glibc's default allocator settings.
 
     python -m benchmarks layout_tools_memory --workdir /tmp/layoutbench --layers 6 --hidden 2048
 """
@@ -45,7 +45,7 @@ def tool_child(case: str, src_dir: str, tag: str, out: str, alloc: str) -> dict[
     from benchmarks.core.memory import status_bytes
     from nxd_ckpt.tools import dcp_io, export, importer, memory, model_writer, reshard  # noqa: F401
 
-    if alloc == "cli":  # what the nxd-ckpt commands do in their own process (tools/memory.py)
+    if alloc == "cli":  # what the nxd-ckpt commands do in their own process (tools/malloc_tuning.py)
         memory.return_large_blocks_to_the_system()
     base, start = status_bytes("VmRSS:") / 2**20, time.perf_counter()
     if case == "export-safetensors":

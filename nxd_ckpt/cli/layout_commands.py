@@ -24,7 +24,7 @@ safetensors_io = lazy_module("nxd_ckpt.tools.safetensors_io")
 model_writer = lazy_module("nxd_ckpt.tools.model_writer")
 reshard = lazy_module("nxd_ckpt.tools.reshard")
 importer = lazy_module("nxd_ckpt.tools.importer")
-tool_memory = lazy_module("nxd_ckpt.tools.memory")
+tool_memory = lazy_module("nxd_ckpt.tools.malloc_tuning")
 
 
 def _rename_map(args: argparse.Namespace) -> Any:
@@ -44,7 +44,7 @@ def _sharding_spec(args: argparse.Namespace) -> Any:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """``export``: the model state merged into safetensors (a set or one file) or DCP, or one state file as saved."""
-    tool_memory.return_large_blocks_to_the_system()  # this process is the tool: see tools/memory.py
+    tool_memory.return_large_blocks_to_the_system()  # this process is the tool: see tools/malloc_tuning.py
     if os.path.lexists(args.out) and not args.force:
         raise CheckpointError(f"{args.out} already exists; pass --force to overwrite it")
     if args.shard and (args.format != "safetensors" or not args.out.endswith(".safetensors")):
@@ -109,7 +109,7 @@ def _param_order(args: argparse.Namespace) -> Any:
 
 def cmd_reshard(args: argparse.Namespace) -> int:
     """``reshard``: the tag written for another TP/PP/DP layout as a new tag."""
-    tool_memory.return_large_blocks_to_the_system()  # this process is the tool: see tools/memory.py
+    tool_memory.return_large_blocks_to_the_system()  # this process is the tool: see tools/malloc_tuning.py
     if args.tp is None and args.pp is None and args.dp is None:
         raise ValueError("give the target layout: --tp, --pp and/or --dp")
     spec, stage_of = _sharding_spec(args), _stage_map(args)
@@ -138,7 +138,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
 
 def cmd_import(args: argparse.Namespace) -> int:
     """``import``: whole-model weights (safetensors or DCP) written as an NxD-layout tag."""
-    tool_memory.return_large_blocks_to_the_system()  # this process is the tool: see tools/memory.py
+    tool_memory.return_large_blocks_to_the_system()  # this process is the tool: see tools/malloc_tuning.py
     spec, stage_of = _sharding_spec(args), _stage_map(args)
     report = importer.import_weights(
         args.source,

@@ -277,7 +277,7 @@ class Piece:
         return self.src_stop - self.src_start
 
 
-def read_plan(sharding: TensorSharding, src_tp: int, dst_tp: int, dst_rank: int) -> list[Piece]:
+def pieces_to_read(sharding: TensorSharding, src_tp: int, dst_tp: int, dst_rank: int) -> list[Piece]:
     """What target TP rank ``dst_rank`` of ``dst_tp`` needs from the ``src_tp`` source shards, in target order.
 
     Replicated tensors are read whole from one source rank (``dst_rank % src_tp``, spreading the reads).
@@ -370,7 +370,7 @@ def block_reads(
     exactly the elements it needs, each once. With ``rows``, only rows ``[r0, r1)`` of the target's tensor
     (a ZeRO-1 DP chunk) are wanted, and ``dst_box`` counts rows from ``r0``."""
     src_local, dst_local = sharding.local_shape(src_tp), sharding.local_shape(dst_tp)
-    plan = read_plan(sharding, src_tp, dst_tp, dst_rank)
+    plan = pieces_to_read(sharding, src_tp, dst_tp, dst_rank)
     if not dst_local:
         return [BlockRead(plan[0].src_rank, (), (), ((0, 1),))]
     r0, r1 = rows if rows is not None else (0, dst_local[0])

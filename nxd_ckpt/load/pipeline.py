@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nxd_ckpt import rank_state as rank_states
+from nxd_ckpt import resume_state as rank_states
 from nxd_ckpt import xla
 from nxd_ckpt.format import integrity
 from nxd_ckpt.format.describe import TagDescription

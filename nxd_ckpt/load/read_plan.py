@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nxd_ckpt import rank_state as rank_states
+from nxd_ckpt import resume_state as rank_states
 from nxd_ckpt.errors import LayoutMismatchError
 from nxd_ckpt.format import layout
 from nxd_ckpt.format.describe import TagDescription

@@ -21,7 +21,7 @@ from nxd_ckpt import adapters
 from nxd_ckpt.errors import FormatError, ReshardError, StateMismatchError
 from nxd_ckpt.format import layout
 from nxd_ckpt.format.describe import TagDescription
-from nxd_ckpt.format.sharding import Box, ShardingRecord, TensorSharding, read_plan
+from nxd_ckpt.format.sharding import Box, ShardingRecord, TensorSharding, pieces_to_read
 from nxd_ckpt.format.sharding_marks import record_from_model
 from nxd_ckpt.load.reshard_optimizer import OptimizerJob, Zero1Source, load_optimizer, load_zero1, plan_optimizer
 from nxd_ckpt.load.reshard_sources import SourceFile, SourceFiles, SourceLayout, fill
@@ -108,7 +108,7 @@ def load_model(
             f = file_of(tp_rank)
             return f.read_box(f.lookup((job.name,)), box)
 
-        first = file_of(read_plan(job.sharding, src.tp, topo.tp_size, topo.tp_rank)[0].src_rank)
+        first = file_of(pieces_to_read(job.sharding, src.tp, topo.tp_size, topo.tp_rank)[0].src_rank)
         dtype = _checked(first, first.lookup((job.name,)), job.name, job.sharding.local_shape(src.tp))
         shape = job.sharding.local_shape(topo.tp_size)
         dest = live.get(job.name)

@@ -14,7 +14,7 @@ import torch
 
 from nxd_ckpt.errors import FormatError, ReshardError
 from nxd_ckpt.format import layout
-from nxd_ckpt.format.sharding import Box, ShardingRecord, TensorSharding, read_plan
+from nxd_ckpt.format.sharding import Box, ShardingRecord, TensorSharding, pieces_to_read
 from nxd_ckpt.load import zero1
 from nxd_ckpt.load.reshard_sources import SourceFile, SourceFiles, SourceLayout, chunked_reader, fill
 from nxd_ckpt.ranks.topology import Topology
@@ -107,7 +107,7 @@ def load_optimizer(
         def path_of(tp_rank: int, job: OptimizerJob = job) -> str:
             return layout.optim_file(src.tag, 0, tp_rank, job.stage)
 
-        base = files.get(path_of(read_plan(job.sharding, src.tp, topo.tp_size, topo.tp_rank)[0].src_rank))
+        base = files.get(path_of(pieces_to_read(job.sharding, src.tp, topo.tp_size, topo.tp_rank)[0].src_rank))
         first_file = first_file or base
         if not base.has(("state", job.src_index)):
             continue
@@ -148,7 +148,7 @@ class Zero1Source:
 
     def base_file(self, job: OptimizerJob) -> SourceFile:
         """The first file this rank's part of ``job`` is read from (its structure describes every slot)."""
-        first = read_plan(job.sharding, self.src.tp, self.topo.tp_size, self.topo.tp_rank)[0]
+        first = pieces_to_read(job.sharding, self.src.tp, self.topo.tp_size, self.topo.tp_rank)[0]
         return self.files.get(self.paths(first.src_rank, job.stage)[0])
 
     def recut(self, job: OptimizerJob, keys: tuple[Any, ...], dtype: torch.dtype) -> torch.Tensor:

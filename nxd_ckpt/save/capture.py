@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from nxd_ckpt import adapters
-from nxd_ckpt import rank_state as rank_states
+from nxd_ckpt import resume_state as rank_states
 from nxd_ckpt.device import kept_budget
 from nxd_ckpt.format import sharding_marks
 from nxd_ckpt.options import SaveOptions

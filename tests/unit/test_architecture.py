@@ -132,7 +132,7 @@ LAYERS = [
     {"storage", "serialization", "ranks", "xla"},
     {"format", "log", "watchdog", "parallel_state", "device"},
     {"statefile", "adapters", "inspection", "inspect", "tier"},
-    {"options", "rank_state"},
+    {"options", "resume_state"},
     {"save", "load"},
     {"manager", "tools", "testing", "dcp"},
     {"api", "cli", "lightning", "compat", "torchtitan"},
@@ -399,7 +399,7 @@ TESTED_ELSEWHERE = {
     "dcp.stager": "tests/unit/dcp/test_dcp_stager.py: the Stager's staging, its budgets and reuse",
     "device.backend": "tests/unit/device/test_device_layer.py: device kinds, streams and memory figures",
     "device.kept_budget": "tests/unit/device/test_snapshot_budget.py: the snapshot budget agreed, kept and shrunk",
-    "device.load": "tests/xla/test_xla_load_into.py: reads into live device tensors through host arenas",
+    "device.load_targets": "tests/xla/test_xla_load_into.py: reads into live device tensors through host arenas",
     "device.transfer": "tests/unit/device/test_device_layer.py: device -> host copies in chunks (on a native "
     "device: tests/unit/device/test_device_threads.py)",
     "format.dcp_folders": "tests/cli/test_dcp_cli.py: step-N folders listed, ordered and pruned, through the command",

@@ -8,7 +8,7 @@ import torch
 
 import nxd_ckpt as nxd
 from nxd_ckpt import adapters, statefile
-from nxd_ckpt.device.load import LOAD_ARENA_BYTES, LOAD_ARENAS, DeviceLoadTarget
+from nxd_ckpt.device.load_targets import LOAD_ARENA_BYTES, LOAD_ARENAS, DeviceLoadTarget
 from nxd_ckpt.storage import LocalStorage
 from nxd_ckpt.testing.fakes import assert_state_equal
 

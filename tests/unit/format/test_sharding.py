@@ -66,7 +66,7 @@ def test_read_plan_covers_each_target_index_once(
         want = sh.split(full, s, dst_tp, dst)
         out = torch.full_like(want, -1)
         covered = torch.zeros(want.shape[dim], dtype=torch.int64)
-        for p in sh.read_plan(s, src_tp, dst_tp, dst):
+        for p in sh.pieces_to_read(s, src_tp, dst_tp, dst):
             out.narrow(dim, p.dst_start, p.size).copy_(sources[p.src_rank].narrow(dim, p.src_start, p.size))
             covered[p.dst_start : p.dst_start + p.size] += 1
         assert torch.equal(out, want)
@@ -75,15 +75,15 @@ def test_read_plan_covers_each_target_index_once(
 
 def test_read_plan_pieces_are_coalesced() -> None:
     # TP 4 -> 2, stride 1: target 0 takes sources 0 and 1 whole
-    plan = sh.read_plan(TensorSharding((8, 2), 0, 1, 4), 4, 2, 0)
+    plan = sh.pieces_to_read(TensorSharding((8, 2), 0, 1, 4), 4, 2, 0)
     assert plan == [sh.Piece(0, 0, 2, 0), sh.Piece(1, 0, 2, 2)]
     # TP 1 -> 2: one contiguous half of the single source
-    assert sh.read_plan(TensorSharding((8, 2), 0, 1, 1), 1, 2, 1) == [sh.Piece(0, 4, 8, 0)]
+    assert sh.pieces_to_read(TensorSharding((8, 2), 0, 1, 1), 1, 2, 1) == [sh.Piece(0, 4, 8, 0)]
 
 
 def test_replicated_plan_spreads_sources() -> None:
     s = TensorSharding((3, 3))
-    assert [sh.read_plan(s, 2, 4, r)[0].src_rank for r in range(4)] == [0, 1, 0, 1]
+    assert [sh.pieces_to_read(s, 2, 4, r)[0].src_rank for r in range(4)] == [0, 1, 0, 1]
     assert torch.equal(sh.merge([torch.ones(3, 3)], s), torch.ones(3, 3))
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
-from nxd_ckpt.rank_state import normalize
+from nxd_ckpt.resume_state import normalize
 
 
 class Counter:
