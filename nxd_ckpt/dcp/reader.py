@@ -4,8 +4,11 @@ Reads any stock DCP checkpoint (``torch.save`` serialization, no stream transfor
 manifests (``nxd_ckpt.dcp.StorageWriter``), ``.metadata`` is checked against its record (in the committing rank's
 manifest) before it is unpickled; the coordinator reads the manifests once while DCP plans the load and hands each
 rank the records of the files it reads (in the plan's ``storage_data``); each rank then reads every such file
-whole and checks its size and xxh3_64 digest (``integrity.VerifyingStorage``) before a byte of it reaches the
-state dict: a truncated or corrupted file raises IntegrityError naming it. Without manifests (a checkpoint stock
+once, front to back (``open_sequential``, as DCP's FileSystemReader reads without threads), hashing each piece as
+it arrives and parsing each item from a buffer of that item alone (memory held: the largest item, not a file),
+and checks the file's size and xxh3_64 digest (``integrity.VerifyingStorage``) at its end, before any of its
+items is committed or a non-tensor value loaded: a truncated or corrupted file raises IntegrityError naming it
+(tensor bytes have been copied into the state dict by then, as with stock DCP; the load fails). Without manifests (a checkpoint stock
 DCP wrote, or one whose ``nxd_ckpt/`` folder is gone) every file the metadata points into must hold the bytes it
 points at: a truncated file is named too; a flipped byte is found only where ``torch.load`` notices it.
 
