@@ -4,8 +4,11 @@ Reads any stock DCP checkpoint (``torch.save`` serialization, no stream transfor
 manifests (``nxd_ckpt.dcp.StorageWriter``), ``.metadata`` is checked against its record (in the committing rank's
 manifest) before it is unpickled; the coordinator reads the manifests once while DCP plans the load and hands each
 rank the records of the files it reads (in the plan's ``storage_data``); each rank then reads every such file
-whole and checks its size and xxh3_64 digest (``integrity.VerifyingStorage``) before a byte of it reaches the
-state dict: a truncated or corrupted file raises IntegrityError naming it. Without manifests (a checkpoint stock
+once, front to back (``open_sequential``, as DCP's FileSystemReader reads without threads), hashing each piece as
+it arrives and parsing each item from a buffer of that item alone (memory held: the largest item, not a file),
+and checks the file's size and xxh3_64 digest (``integrity.VerifyingStorage``) at its end, before any of its
+items is committed or a non-tensor value loaded: a truncated or corrupted file raises IntegrityError naming it
+(tensor bytes have been copied into the state dict by then, as with stock DCP; the load fails). Without manifests (a checkpoint stock
 DCP wrote, or one whose ``nxd_ckpt/`` folder is gone) every file the metadata points into must hold the bytes it
 points at: a truncated file is named too; a flipped byte is found only where ``torch.load`` notices it.
 
@@ -19,8 +22,10 @@ import dataclasses
 import io
 import os
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import Any, BinaryIO
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint import Metadata
 from torch.distributed.checkpoint import StorageReader as _DcpStorageReader
@@ -41,6 +46,7 @@ from nxd_ckpt.format.manifests import (
     parse_manifest,
     read_manifests,
 )
+from nxd_ckpt.storage.base import read_fully
 from nxd_ckpt.tier.memory import MemoryTier
 from nxd_ckpt.tier.shared import shared_tier
 from nxd_ckpt.tier.view import TierView
@@ -168,51 +174,148 @@ class StorageReader(FolderId, _DcpStorageReader):
         return [dataclasses.replace(p, storage_data=s) for p, s in zip(plans, shares, strict=True)]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read this rank's items, file by file (each checked first, where it has a record)."""
+        """Read this rank's items, file by file, each file once front to back (checked in the same pass, where it
+        has a record, before any item of it is committed)."""
         share: _ReadShare = plan.storage_data if isinstance(plan.storage_data, _ReadShare) else _ReadShare(None)
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+            info = self.storage_data[item.storage_index]
+            if getattr(info, "transform_descriptors", None):
+                raise FormatError(
+                    f"{self.path}/{info.relative_path}: {item.storage_index.fqn} was written through DCP stream "
+                    f"transforms ({info.transform_descriptors}), which this reader does not undo; read it with "
+                    "FileSystemReader"
+                )
+            per_file.setdefault(info.relative_path, []).append(item)
+        scratch = _Scratch()
         for rel, items in per_file.items():
-            whole = self._verified_file(rel, share.records) if share.records is not None else None
-            for item in items:
-                info = self.storage_data[item.storage_index]
-                if getattr(info, "transform_descriptors", None):
-                    raise FormatError(
-                        f"{self.path}/{rel}: {item.storage_index.fqn} was written through DCP stream transforms "
-                        f"({info.transform_descriptors}), which this reader does not undo; read it with "
-                        "FileSystemReader"
-                    )
-                end = info.offset + info.length
-                _apply(planner, item, whole[info.offset : end] if whole is not None else self._range(rel, end, info))
+            self._read_file(rel, items, share.records, planner, scratch)
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
-    def _verified_file(self, rel: str, records: dict[str, FileRecord]) -> memoryview:
-        """The whole file ``rel``, read once and checked against its record (IntegrityError naming it)."""
+    def _read_file(
+        self, rel: str, items: list[ReadItem], records: dict[str, FileRecord] | None, planner: LoadPlanner,
+        scratch: _Scratch,
+    ) -> None:  # fmt: skip
+        """``rel``'s items into the state dict from one sequential read of the file. With a record, every byte is
+        hashed as it is read and the file checked at the end (IntegrityError naming it, before anything that
+        failed to parse is reported and before any item is committed)."""
         folder = self.place.folder
-        verifying = VerifyingStorage(self.place.root, folder, IndexShare(records, frozenset([rel])))
-        return memoryview(verifying.read_buffer(f"{folder}/{rel}"))
+        path = f"{folder}/{rel}"
+        storage = self.place.root
+        if records is not None:
+            storage = VerifyingStorage(self.place.root, folder, IndexShare(records, frozenset([rel])))
+        commits: list[Callable[[], None]] = []
+        failure: Exception | None = None
+        with storage.open_sequential(path) as stream:
+            try:
+                self._serve(stream, path, items, planner, scratch, commits)
+            except Exception as e:  # damaged bytes mostly fail to parse; the check as the block ends names them
+                failure = e
+        if failure is not None:
+            raise failure
+        for commit in commits:
+            commit()
 
-    def _range(self, rel: str, end: int, info: Any) -> bytes:
-        """One item's bytes of a file without a record; FormatError naming the file when it ends too early."""
-        path = f"{self.place.folder}/{rel}"
-        data = self.place.root.read_bytes(path, info.offset, info.length)
-        if len(data) != info.length:
-            raise FormatError(
-                f"{self.place.root.url}/{path} is truncated: {METADATA} points at bytes up to {end} but it has "
-                f"{info.offset + len(data)}; {RESTORE_HINT}"
-            )
-        return data
+    def _serve(
+        self, stream: BinaryIO, path: str, items: list[ReadItem], planner: LoadPlanner, scratch: _Scratch,
+        commits: list[Callable[[], None]],
+    ) -> None:  # fmt: skip
+        """Read ``stream`` front to back, span by span (the byte ranges of the items, overlapping ones merged),
+        skipping the gaps, and hand each item its bytes; commits are queued in ``commits``."""
+        position = 0
+        for start, end, span_items in _spans([(self.storage_data[i.storage_index], i) for i in items]):
+            if start > position:
+                position += _skip(stream, start - position, scratch)
+            view = scratch.view(end - start)
+            got = read_fully(stream, view) if position == start else 0
+            position += got
+            if got != end - start:
+                raise FormatError(
+                    f"{self.place.root.url}/{path} is truncated: {METADATA} points at bytes up to {end} but it has "
+                    f"{position}; {RESTORE_HINT}"
+                )
+            for info, item in span_items:
+                commits.append(_apply(planner, item, view[info.offset - start : info.offset + info.length - start]))
 
 
-def _apply(planner: LoadPlanner, item: ReadItem, data: bytes | memoryview) -> None:
-    """One item's bytes into the state dict, as DCP's FileSystemReader does."""
+class _Scratch:
+    """One reusable buffer for the span being parsed: memory held is the largest item, not a whole file."""
+
+    def __init__(self) -> None:
+        self._buffer = np.empty(0, dtype=np.uint8)
+
+    def view(self, size: int) -> memoryview:
+        if self._buffer.nbytes < size:
+            self._buffer = np.empty(0, dtype=np.uint8)  # the old one freed first
+            self._buffer = np.empty(size, dtype=np.uint8)
+        return memoryview(self._buffer)[:size]
+
+
+def _spans(pairs: list[tuple[Any, ReadItem]]) -> list[tuple[int, int, list[tuple[Any, ReadItem]]]]:
+    """The items' byte ranges in file order, overlapping ones merged: ``(start, end, [(info, item)])``."""
+    spans: list[tuple[int, int, list[tuple[Any, ReadItem]]]] = []
+    for info, item in sorted(pairs, key=lambda p: p[0].offset):
+        end = info.offset + info.length
+        if spans and info.offset < spans[-1][1]:
+            start, last_end, members = spans[-1]
+            spans[-1] = (start, max(last_end, end), [*members, (info, item)])
+        else:
+            spans.append((info.offset, end, [(info, item)]))
+    return spans
+
+
+def _skip(stream: BinaryIO, count: int, scratch: _Scratch) -> int:
+    """Read (and so hash, on a checked stream) ``count`` bytes nobody uses; returns how many there were."""
+    done = 0
+    while done < count:
+        view = scratch.view(min(count - done, 1 << 20))
+        n = read_fully(stream, view)
+        done += n
+        if n < len(view):
+            break
+    return done
+
+
+class _BufferStream(io.RawIOBase):
+    """A seekable read-only stream over a buffer, without copying it (``io.BytesIO`` would): torch.load reads
+    each record straight out of it with ``readinto``."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        target = memoryview(b).cast("B")
+        n = max(0, min(len(target), len(self._view) - self._pos))
+        target[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
+def _apply(planner: LoadPlanner, item: ReadItem, data: memoryview) -> Callable[[], None]:
+    """One item's bytes into the state dict, as DCP's FileSystemReader does; returns the commit, which the caller
+    makes once the file is checked (a non-tensor item is loaded only then)."""
     if item.type == LoadItemType.BYTE_IO:
-        planner.load_bytes(item, io.BytesIO(data))
-        return
-    tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        kept = bytes(data)  # the buffer is reused for the next span
+        return lambda: planner.load_bytes(item, io.BytesIO(kept))
+    tensor = torch.load(_BufferStream(data), map_location="cpu", weights_only=True)
     for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
         tensor = tensor.narrow(dim, start, length)  # the part of the saved chunk this item reads
     target = planner.resolve_tensor(item).detach()
@@ -221,4 +324,4 @@ def _apply(planner: LoadPlanner, item: ReadItem, data: bytes | memoryview) -> No
             f"{item.storage_index.fqn}: saved chunk {tuple(tensor.size())} does not fit {tuple(target.size())}"
         )
     target.copy_(tensor)
-    planner.commit_tensor(item, target)
+    return lambda: planner.commit_tensor(item, target)

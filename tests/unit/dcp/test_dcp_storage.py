@@ -3,9 +3,11 @@ damage named on load, the staging folder and its commit, and what is refused."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import time
 import warnings
 
@@ -237,3 +239,96 @@ def test_a_stalled_write_raises_under_the_deadline_naming_the_file(tmp_path):
     assert time.monotonic() - started < 2.5
     assert "made no progress" in _message(excinfo) and "step-1/__0_0.distcp" in _message(excinfo)
     assert not os.path.exists(path)
+
+
+def _item_range(path: str, fqn: str) -> tuple[int, int]:
+    """``(offset, length)`` of ``fqn``'s bytes in its ``.distcp`` file."""
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    (info,) = [v for k, v in metadata.storage_data.items() if k.fqn == fqn]
+    return info.offset, info.length
+
+
+def _flip(file: str, offset: int) -> None:
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def test_damage_that_breaks_parsing_is_named_as_damage_and_no_value_is_committed(tmp_path):
+    """The reader parses items as it streams the file; a parse failure still reports the file's failed check,
+    and non-tensor values are loaded only after it passed."""
+    path = str(tmp_path / "step-1")
+    _save(path, _state(1))
+    offset, _ = _item_range(path, "w")
+    _flip(os.path.join(path, "__0_0.distcp"), offset)  # the item's zip header: torch.load fails on it
+    out = _empty()
+    with pytest.raises(CheckpointException) as excinfo:
+        dcp.load(out, storage_reader=StorageReader(path), no_dist=True)
+    assert f"{path}/__0_0.distcp is corrupt" in _message(excinfo) and "checksum" in _message(excinfo)
+    assert out["nested"]["step"] == -1 and out["nested"]["name"] == ""
+
+
+def test_a_partial_load_checks_the_bytes_it_skips(tmp_path):
+    path = str(tmp_path / "step-1")
+    _save(path, _state(3))
+    part = {"ints": torch.zeros(10, dtype=torch.int64)}
+    dcp.load(part, storage_reader=StorageReader(path), no_dist=True)
+    assert torch.equal(part["ints"], _state(3)["ints"])
+    offset, length = _item_range(path, "w")
+    _flip(os.path.join(path, "__0_0.distcp"), offset + length - 100)  # inside "w", which this load skips
+    with pytest.raises(CheckpointException) as excinfo:
+        dcp.load(part, storage_reader=StorageReader(path), no_dist=True)
+    assert f"{path}/__0_0.distcp is corrupt" in _message(excinfo)
+
+
+class _CountingReads(DelegatingStorage):
+    """Counts what is read of ``.distcp`` files through ``open_sequential``; refuses any other way to read them."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.bytes_read = 0
+
+    def open_read(self, path: str):
+        assert not path.endswith(".distcp"), f"{path} read outside open_sequential"
+        return self.inner.open_read(path)
+
+    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        assert not path.endswith(".distcp"), f"{path} read outside open_sequential"
+        return self.inner.read_bytes(path, offset, length)
+
+    def open_sequential(self, path: str, direct: bool = False):
+        counter = self
+
+        class _Counted:
+            def __init__(self, stream) -> None:
+                self._stream = stream
+
+            def readinto(self, b) -> int:
+                n = self._stream.readinto(b)
+                counter.bytes_read += n
+                return n
+
+        @contextlib.contextmanager
+        def opened():
+            with self.inner.open_sequential(path, direct) as stream:
+                yield _Counted(stream)
+
+        return opened()
+
+
+@pytest.mark.parametrize("with_manifests", [True, False])
+def test_each_file_is_read_once_front_to_back(tmp_path, with_manifests):
+    path = str(tmp_path / "step-1")
+    _save(path, _state(1), thread_count=2)
+    if not with_manifests:
+        shutil.rmtree(os.path.join(path, "nxd_ckpt"))
+    reader = StorageReader(path)
+    counting = _CountingReads(reader.place.root)
+    reader.place = dataclasses.replace(reader.place, root=counting)
+    out = _empty()
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    _assert_same(out, _state(1))
+    sizes = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if n.endswith(".distcp"))
+    assert counting.bytes_read <= sizes and (counting.bytes_read == sizes or not with_manifests)
