@@ -12,26 +12,26 @@ from nxd_ckpt.format import layout, resave, tags
 from nxd_ckpt.format.manifests import manifest_paths
 from nxd_ckpt.storage import Storage
 
-STEP_FOLDER = re.compile(r"step-(\d+)")
-"""TorchTitan's folder name for the checkpoint of step N; the newest N is the one it loads."""
-
 
 @dataclass(frozen=True)
 class DcpFolder:
-    """One folder of a DCP checkpoint directory."""
+    """One folder of a DCP checkpoint directory: its ``name``; whether it is ``complete`` (it holds ``.metadata``,
+    what makes it a checkpoint for DCP and TorchTitan); the ``step`` N of ``step-N`` (None for another name); and how
+    many of the library's ``manifests`` it holds (0: written by stock DCP, or its ``nxd_ckpt/`` folder is gone)."""
 
     name: str
     complete: bool
-    """It holds ``.metadata`` (what makes it a checkpoint for DCP and TorchTitan)."""
     step: int | None
-    """N of ``step-N``; None for another name."""
     manifests: int
-    """The library's manifests in it (0: written by stock DCP, or its ``nxd_ckpt/`` folder is gone)."""
 
     @property
     def sort_key(self) -> tuple[int, int, str]:
         """Oldest first: other names (by name) before ``step-N`` folders by N."""
         return (0, 0, self.name) if self.step is None else (1, self.step, self.name)
+
+
+STEP_FOLDER = re.compile(r"step-(\d+)")
+"""TorchTitan's folder name for the checkpoint of step N; the newest N is the one it loads."""
 
 
 def folder_info(storage: Storage, name: str) -> DcpFolder:
