@@ -4,6 +4,9 @@ from its Config as TorchTitan's trainer builds it. Needs the ``torchtitan`` extr
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -88,3 +91,15 @@ def assert_same_state(expected: dict[str, Any], got: dict[str, Any]) -> None:
                 assert torch.equal(value, got[part][key]), key
             else:
                 assert value == got[part][key], key
+
+
+@contextlib.contextmanager
+def gloo_world_of_one() -> Iterator[None]:
+    """One gloo rank over a HashStore (no port), as a one-GPU TorchTitan job has one rank: DCP and the manager run
+    as there."""
+    warnings.filterwarnings("ignore", category=UserWarning)  # DCP: "assuming the intent is to save in a single process"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -9,17 +9,10 @@ import shutil
 import subprocess
 from typing import Any
 
+from nxd_ckpt.storage.local import fsync_path
+
 CHUNK = 64 << 20
 """Bytes per write of the disk baselines."""
-
-
-def fsync_path(path: str) -> None:
-    """fsync one file or directory."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_tree(path: str) -> None:

@@ -30,6 +30,7 @@ from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
+from harness import titan_job
 from harness.multiprocess import run_on_ranks
 from nxd_ckpt.dcp import Stager
 from nxd_ckpt.errors import CheckpointError, CheckpointTimeoutError, IntegrityError
@@ -40,11 +41,8 @@ pytestmark = pytest.mark.device_independent  # CPU state over gloo: runs once, i
 
 @pytest.fixture(scope="module", autouse=True)
 def _gloo_world_of_one() -> Iterator[None]:
-    """One gloo rank (a HashStore: no port), as a one-GPU TorchTitan job has one rank."""
-    warnings.filterwarnings("ignore", category=UserWarning)  # DCP: "assuming the intent is to save in a single process"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with titan_job.gloo_world_of_one():
+        yield
 
 
 class _Tokens(IterableDataset):

@@ -6,17 +6,16 @@ through the Stager), applies ``keep_latest_k`` and resumes bit-exactly."""
 from __future__ import annotations
 
 import pickle
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import nxd_ckpt.dcp
+from harness import titan_job
 from harness.titan_job import TitanJob, assert_same_state
 from nxd_ckpt.storage.s3 import S3Storage
 
@@ -25,11 +24,8 @@ pytestmark = [pytest.mark.s3, pytest.mark.device_independent]
 
 @pytest.fixture(scope="module", autouse=True)
 def _gloo_world_of_one() -> Iterator[None]:
-    """One gloo rank (a HashStore: no port): DCP and the TorchTitan manager run as on a one-GPU job."""
-    warnings.filterwarnings("ignore", category=UserWarning)  # DCP: "assuming the intent is to save in a single process"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with titan_job.gloo_world_of_one():
+        yield
 
 
 def _state(seed: int) -> dict[str, Any]:
