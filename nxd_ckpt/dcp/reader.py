@@ -8,9 +8,10 @@ once, front to back (``open_sequential``, as DCP's FileSystemReader reads withou
 it arrives and parsing each item from a buffer of that item alone (memory held: the largest item, not a file),
 and checks the file's size and xxh3_64 digest (``integrity.VerifyingStorage``) at its end, before any of its
 items is committed or a non-tensor value loaded: a truncated or corrupted file raises IntegrityError naming it
-(tensor bytes have been copied into the state dict by then, as with stock DCP; the load fails). Without manifests (a checkpoint stock
-DCP wrote, or one whose ``nxd_ckpt/`` folder is gone) every file the metadata points into must hold the bytes it
-points at: a truncated file is named too; a flipped byte is found only where ``torch.load`` notices it.
+(tensor bytes have been copied into the state dict by then, as with stock DCP; the load fails). Without manifests
+(a checkpoint stock DCP wrote, or one whose ``nxd_ckpt/`` folder is gone) every file the metadata points into must
+hold the bytes it points at: a truncated file is named too; a flipped byte is found only where ``torch.load``
+notices it.
 
 With ``memory_tier=`` the folder is read from the memory tier where it holds a complete copy (each rank's files
 from its own node's memory, else from a peer node's replica), verified the same way; else from the folder.
