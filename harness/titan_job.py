@@ -59,14 +59,7 @@ class TitanJob:
         for _ in range(steps):
             gen = torch.Generator().manual_seed(100 + self.train_state.step)
             self.model(torch.randn(2, 32, generator=gen)).square().mean().backward()
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                for p in self.model.parameters():
-                    dist.all_reduce(p.grad)
-            self.checkpointer.maybe_wait_for_staging()
-            self.optimizers.step()
-            self.lr_schedulers.step()
-            self.optimizers.zero_grad()
-            self.train_state.step += 1
+            finish_step(self)
             self.checkpointer.save(self.train_state.step)
             if after_save is not None:
                 after_save(self)
@@ -103,3 +96,17 @@ def gloo_world_of_one() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def finish_step(job: Any) -> None:
+    """The rest of a training step once ``job``'s backward ran, as TorchTitan's trainer takes it: gradients averaged
+    over the ranks' replicas, the manager's staging waited for, then the optimizer and LR steps and the step count
+    (``job`` has ``model``, ``checkpointer``, ``optimizers``, ``lr_schedulers`` and ``train_state``)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:  # data parallel: every replica takes the same step
+        for p in job.model.parameters():
+            dist.all_reduce(p.grad)
+    job.checkpointer.maybe_wait_for_staging()
+    job.optimizers.step()
+    job.lr_schedulers.step()
+    job.optimizers.zero_grad()
+    job.train_state.step += 1

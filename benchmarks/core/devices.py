@@ -333,3 +333,20 @@ def first_difference(expected: list[torch.Tensor], actual: list[torch.Tensor]) -
         if a.shape != b.shape or a.dtype != b.dtype or not torch.equal(a, b.to(a.device)):
             return f"tensor {i} ({tuple(a.shape)}, {a.dtype}) differs"
     return None
+
+
+def default_stager_options(cuda: bool) -> dict[str, bool]:
+    """The ``StagingOptions`` this torch's DCP ``DefaultStager`` takes, set as the peers' rows use it: pinned
+    memory and non-blocking copies on CUDA only, never shared memory or DCP's own background staging (ImportError
+    where this torch has no ``DefaultStager``)."""
+    import dataclasses
+
+    from torch.distributed.checkpoint.staging import StagingOptions
+
+    options: dict[str, bool] = {}
+    for f in dataclasses.fields(StagingOptions):
+        if "pinned" in f.name or "non_blocking" in f.name:
+            options[f.name] = cuda
+        elif "shared" in f.name or "async_staging" in f.name:
+            options[f.name] = False
+    return options

@@ -105,14 +105,7 @@ class _Rig:
                 self._batches = iter(self.dataloader)
             batch = next(self._batches)
             self.model(batch).square().mean().backward()
-            if dist.get_world_size() > 1:  # data parallel: every rank's replica takes the same step
-                for p in self.model.parameters():
-                    dist.all_reduce(p.grad)
-            self.checkpointer.maybe_wait_for_staging()
-            self.optimizers.step()
-            self.lr_schedulers.step()
-            self.optimizers.zero_grad()
-            self.train_state.step += 1
+            titan_job.finish_step(self)
             self.train_state.ntokens_seen += batch.numel()
             self.checkpointer.save(self.train_state.step, last_step=self.train_state.step == last_step)
 

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.core.devices import Device, host_state
+from benchmarks.core.devices import Device, default_stager_options, host_state
 from benchmarks.core.files import fsync_tree, remove
 
 TC_NO_DIRECT_IO = (
@@ -128,12 +128,7 @@ class DcpStager(SavePath):
 
         super().__init__(dev)
         cuda = dev is not None and dev.kind == "cuda"
-        options: dict[str, bool] = {}
-        for f in dataclasses.fields(StagingOptions):
-            if "pinned" in f.name or "non_blocking" in f.name:
-                options[f.name] = cuda
-            elif "shared" in f.name or "async_staging" in f.name:
-                options[f.name] = False
+        options = default_stager_options(cuda)
         self.make: Callable[[], Any] = lambda: DefaultStager(StagingOptions(**options))
         self.stager = self.make()
         self.fresh: str | None = None

@@ -3,11 +3,10 @@ reusing it fails; host copies where it refuses device tensors)."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
-from benchmarks.core.devices import host_state
+from benchmarks.core.devices import default_stager_options, host_state
 from benchmarks.core.files import remove, torch_save_fsynced
 from benchmarks.core.report import fmt_bytes
 from benchmarks.suites.device.run import RunCore, say
@@ -41,13 +40,7 @@ class Peers(RunCore):
             except ImportError as e:
                 self.dcp_options["unavailable"] = str(e)
                 return None
-            cuda = self.dev.kind == "cuda"
-            options: dict[str, bool] = {}
-            for f in dataclasses.fields(StagingOptions):
-                if "pinned" in f.name or "non_blocking" in f.name:
-                    options[f.name] = cuda
-                elif "shared" in f.name or "async_staging" in f.name:
-                    options[f.name] = False
+            options = default_stager_options(self.dev.kind == "cuda")
             self.dcp_options = options
             self.dcp_stager = DefaultStager(StagingOptions(**options))
             if not self.dcp_fresh or not self.results.get("dcp_async"):
