@@ -17,10 +17,12 @@ import torch
 import torch.distributed as dist
 
 from nxd_ckpt.load import zero1
+from nxd_ckpt.optimizers import register_zero1_optimizer
 
 _INNER_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad")
 
 
+@register_zero1_optimizer
 class Zero1AdamW(torch.optim.Optimizer):
     """AdamW whose state is sharded over the DP group (default: the whole world)."""
 

@@ -51,6 +51,7 @@ _LAZY = {
     "TensorSharding": "format.sharding",
     "VerifyReport": "tools.verification",
     "verify": "tools.verification",
+    "register_zero1_optimizer": "optimizers",
 }
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ if TYPE_CHECKING:
     from nxd_ckpt.inspection import Checkpoint, open_checkpoint
     from nxd_ckpt.load.report import RestoreReport
     from nxd_ckpt.manager import CheckpointManager
+    from nxd_ckpt.optimizers import register_zero1_optimizer
     from nxd_ckpt.options import LoadOptions, SaveOptions
     from nxd_ckpt.parallel_state import destroy_model_parallel, initialize_model_parallel
     from nxd_ckpt.ranks.topology import Topology
@@ -135,6 +137,7 @@ __all__ = [
     "load_checkpoint",
     "open_checkpoint",
     "prepare_async_save",
+    "register_zero1_optimizer",
     "reset_manager",
     "save_checkpoint",
     "verify",

@@ -1,18 +1,17 @@
 """Getting state out of, and back into, the objects users pass: modules, optimizers, schedulers, plain dicts.
 
-NxD's own types (``NxDPPModel``, ``NeuronZero1Optimizer``) and torch_xla's ``ZeroRedundancyOptimizer`` are
-recognised by class name through ``sys.modules`` only, so nothing optional is ever imported here.
+NxD's own types (``NxDPPModel``) are recognised through ``sys.modules`` only, so nothing optional is ever imported
+here; which optimizer is behind a framework's wrappers, and whether it is ZeRO-1, is ``optimizers``' to say.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any
 
 import torch
 
-from nxd_ckpt import xla
+from nxd_ckpt import optimizers, xla
 from nxd_ckpt.device.backend import on_device
 from nxd_ckpt.device.load_targets import DeviceLoadTarget, LoadTarget, device_loads_enabled
 from nxd_ckpt.errors import StateMismatchError
@@ -20,47 +19,14 @@ from nxd_ckpt.tree import EXPERT_ATTR, iter_tensors
 
 logger = logging.getLogger("nxd_ckpt")
 
-ZERO1_CLASSES = (
-    ("torch_xla.distributed.zero_redundancy_optimizer", "ZeroRedundancyOptimizer"),
-    ("neuronx_distributed.optimizer.zero_redundancy_optimizer", "NeuronZero1Optimizer"),
-)
 PP_MODEL_CLASSES = (("neuronx_distributed.pipeline.model", "NxDPPModel"),)
-
-
-def _is_instance_of_loaded(obj: Any, classes: tuple[tuple[str, str], ...]) -> bool:
-    for module_name, class_name in classes:
-        module = sys.modules.get(module_name)
-        cls = getattr(module, class_name, None) if module is not None else None
-        if isinstance(cls, type) and isinstance(obj, cls):
-            return True
-    return False
-
-
-def _unwrap_optimizer(optimizer: Any) -> Any:
-    """NxD's ``NxDOptimizer`` wraps the real optimizer in ``.optimizer``."""
-    inner = getattr(optimizer, "optimizer", None)
-    if type(optimizer).__name__ == "NxDOptimizer" and inner is not None:
-        return inner
-    return optimizer
-
-
-def is_zero1_optimizer(optimizer: Any) -> bool:
-    """Whether ``optimizer`` shards its state across DP ranks (ZeRO-1), recognised by type or state layout."""
-    if optimizer is None:
-        return False
-    opt = _unwrap_optimizer(optimizer)
-    if _is_instance_of_loaded(opt, ZERO1_CLASSES):
-        return True
-    if isinstance(opt, dict):
-        return "base_state" in opt and "shape_info" in opt
-    return False
 
 
 def model_state(model: Any) -> Any:
     """The state to save for a model: a dict as is, NxD's pipeline model's local part, or ``state_dict()``."""
     if isinstance(model, dict):
         return model
-    if _is_instance_of_loaded(model, PP_MODEL_CLASSES) and hasattr(model, "local_state_dict"):
+    if optimizers.is_instance_of_loaded(model, PP_MODEL_CLASSES) and hasattr(model, "local_state_dict"):
         return _mark_experts(model, model.local_state_dict())
     return _mark_experts(model, _state_dict_of(model, "model"))
 
@@ -79,7 +45,13 @@ def _mark_experts(model: Any, state: Any) -> Any:
 
 
 def optimizer_state(optimizer: Any) -> Any:
-    return optimizer if isinstance(optimizer, dict) else _state_dict_of(optimizer, "optimizer")
+    """The state to save for an optimizer: a dict as is, else the state dict of the optimizer inside any framework
+    wrappers (``optimizers.unwrap_optimizer``)."""
+    return (
+        optimizer
+        if isinstance(optimizer, dict)
+        else _state_dict_of(optimizers.unwrap_optimizer(optimizer), "optimizer")
+    )
 
 
 def live_tensors(model: Any, optimizer: Any) -> list[torch.Tensor]:
@@ -90,9 +62,11 @@ def live_tensors(model: Any, optimizer: Any) -> list[torch.Tensor]:
         out += list(model.parameters()) + list(model.buffers())
     elif model is not None:
         out += [t for _, t in iter_tensors(model_state(model))]
-    inner = _unwrap_optimizer(optimizer) if optimizer is not None else None
-    for group in getattr(inner, "state", {}).values() if inner is not None else ():
-        out += [t for _, t in iter_tensors(group)]
+    inner = optimizers.unwrap_optimizer(optimizer) if optimizer is not None else None
+    holders = [inner, getattr(inner, "base_optimizer", None)] if inner is not None else []  # ZeRO-1: the shards'
+    for holder in holders:
+        for group in getattr(holder, "state", {}).values() if holder is not None else ():
+            out += [t for _, t in iter_tensors(group)]
     return out
 
 
@@ -129,7 +103,7 @@ def load_target(obj: Any, role: str, *, strict: bool = True, source: str = "") -
             live = dict(obj.named_parameters(remove_duplicate=False))
             live.update(obj.named_buffers(remove_duplicate=False))
             tree = {k: live.get(k, v) if isinstance(v, torch.Tensor) else v for k, v in current.items()}
-            if not _is_instance_of_loaded(obj, PP_MODEL_CLASSES):
+            if not optimizers.is_instance_of_loaded(obj, PP_MODEL_CLASSES):
                 # Shapes only: holding the state dict's tensors would keep old device buffers alive all load.
                 expected = {k: _shape_only(v) for k, v in current.items()}
 
@@ -224,7 +198,7 @@ def load_model_state(model: Any, state: Any, *, strict: bool, source: str, devic
     target_device = xla.tree_device(current)
     if target_device is not None:
         state = xla.place_tree(state, target_device)
-    if _is_instance_of_loaded(model, PP_MODEL_CLASSES) and hasattr(model, "load_state_dict"):
+    if optimizers.is_instance_of_loaded(model, PP_MODEL_CLASSES) and hasattr(model, "load_state_dict"):
         model.load_state_dict(state, strict=strict)
     else:
         if isinstance(model, torch.nn.Module):
@@ -280,10 +254,12 @@ def check_model_state(expected: dict, saved: Any, *, strict: bool, source: str) 
 
 
 def load_optimizer_state(optimizer: Any, state: Any, *, source: str, device: torch.device | None = None) -> None:
-    """Load ``state`` into ``optimizer``; the optimizer itself moves state to its parameters' devices."""
+    """Load ``state`` into ``optimizer`` (the one inside any framework wrappers); the optimizer itself moves state to
+    its parameters' devices."""
     if isinstance(optimizer, dict):
         _fill_dict(optimizer, state, "optimizer", device)
         return
+    optimizer = optimizers.unwrap_optimizer(optimizer)
     params = _optimizer_params(optimizer)
     _check_target_device(optimizer, params, device, "optimizer")
     check_optimizer_state(optimizer, state, source=source)
@@ -304,7 +280,7 @@ statistics do not, so they are not checked)."""
 
 
 def _optimizer_params(optimizer: Any) -> list[torch.Tensor]:
-    groups = getattr(_unwrap_optimizer(optimizer), "param_groups", None) or []
+    groups = getattr(optimizers.unwrap_optimizer(optimizer), "param_groups", None) or []
     return [p for g in groups for p in g.get("params", []) if isinstance(p, torch.Tensor)]
 
 
@@ -314,7 +290,7 @@ def check_optimizer_state(optimizer: Any, state: Any, *, source: str) -> None:
 
     torch pairs saved state with parameters by position in ``param_groups``; ZeRO-1 optimizers keep theirs in
     ``base_state`` for their shards (checked against the shards, which have the same shapes after the load)."""
-    opt = _unwrap_optimizer(optimizer)
+    opt = optimizers.unwrap_optimizer(optimizer)
     if not isinstance(state, dict) or not isinstance(state.get("param_groups"), list):
         return
     if "base_state" in state and hasattr(opt, "base_optimizer"):

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from nxd_ckpt import adapters, knobs
+from nxd_ckpt import adapters, knobs, optimizers
 from nxd_ckpt.device.backend import resolve_snapshot_budget
 from nxd_ckpt.device.kept_budget import KeptSnapshotBudget, device_tensors
 from nxd_ckpt.format import layout, retention, tags
@@ -298,7 +298,7 @@ class CheckpointManager:
         model_state = adapters.model_state(model) if model is not None else None
         optimizer_state = adapters.optimizer_state(optimizer) if optimizer is not None else None
         trees = [t for t in (model_state, optimizer_state) if t is not None]
-        zero1 = optimizer is not None and adapters.is_zero1_optimizer(optimizer)
+        zero1 = optimizer is not None and optimizers.is_zero1_optimizer(optimizer)
         planned = plan.planned_tensors(self.topology(), model_state, optimizer, use_xser=use_xser, zero1=zero1)
         asked = resolve_snapshot_budget(budget if budget is not None else self.device_snapshot_budget)
         state = device_tensors(trees)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from nxd_ckpt.errors import ReshardError
 from nxd_ckpt.format.sharding import ShardingRecord, TensorSharding
 from nxd_ckpt.lazy import lazy_module
+from nxd_ckpt.optimizers import unwrap_optimizer
 
 if TYPE_CHECKING:
     import torch
@@ -116,7 +117,7 @@ def record_from_model(
         tensors[name] = s.with_stage(pp_stage)
     orders: dict[int, tuple[str | None, ...]] = {}
     if optimizer is not None:
-        inner = optimizer.optimizer if type(optimizer).__name__ == "NxDOptimizer" else optimizer
+        inner = unwrap_optimizer(optimizer)
         groups = getattr(inner, "param_groups", None)
         if groups:
             order = tuple(by_id.get(id(p)) for g in groups for p in g.get("params", []))

@@ -25,6 +25,7 @@ from nxd_ckpt.format.sharding import Box, ShardingRecord, TensorSharding, pieces
 from nxd_ckpt.format.sharding_marks import record_from_model
 from nxd_ckpt.load.reshard_optimizer import OptimizerJob, Zero1Source, load_optimizer, load_zero1, plan_optimizer
 from nxd_ckpt.load.reshard_sources import SourceFile, SourceFiles, SourceLayout, fill
+from nxd_ckpt.optimizers import unwrap_optimizer
 from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.storage import Storage
 
@@ -132,7 +133,7 @@ def load_model(
 
 def _target_order(model: Any, optimizer: Any, tp: int) -> tuple[list[str | None], list[list[int]]]:
     """The parameter name behind each of the target optimizer's state indices, and its groups' indices."""
-    inner = optimizer.optimizer if type(optimizer).__name__ == "NxDOptimizer" else optimizer
+    inner = unwrap_optimizer(optimizer)
     groups = getattr(inner, "param_groups", None)
     if not isinstance(model, torch.nn.Module) or not groups:
         raise ReshardError(

@@ -269,19 +269,27 @@ class Coordinator:
         """``gather_object(obj)`` to rank 0 and ``master_computes(fn)`` in one step: rank 0 receives every rank's
         ``obj`` (the others None) and every rank rank 0's result of ``fn`` (or its exception, raised everywhere as
         in ``master_computes``). Only rank 0 receives O(N) bytes; ``obj`` must hold CPU tensors only. With
-        ``agree``, rank 0 also reduces the gathered objects (``agree(objs)``: quick, a minimum say) and every rank
-        receives ``(fn's result, agree's)`` in the same broadcast: no further round."""
-        value, failure, local = self._on_master(fn, phase)
+        ``agree``, rank 0 first reduces the gathered objects (``agree(objs)``: quick, a minimum say, or a check
+        that refuses the step) and runs ``fn`` only if that succeeded; every rank receives ``(fn's result,
+        agree's)`` in the same broadcast: no further round."""
         if not self.distributed:
+            agreed = agree([obj]) if agree is not None else None
+            value, _, local = self._on_master(fn, phase)
             if local is not None:
                 raise local
-            return [obj], value if agree is None else (value, agree([obj]))
+            return [obj], value if agree is None else (value, agreed)
+        if agree is None:
+            value, failure, local = self._on_master(fn, phase)  # rank 0 works while the others arrive
         self._arrive_and_wait(phase)
         out = self._gather(obj, 0)
-        if agree is not None and self.rank == 0 and failure is None:
-            assert out is not None
-            agreed, failure, local = self._on_master(lambda: agree(out), phase)
-            value = (value, agreed)
+        if agree is not None:
+            value, failure, local = None, None, None
+            if self.rank == 0:
+                assert out is not None
+                agreed, failure, local = self._on_master(lambda: agree(out), phase)
+                if failure is None:
+                    value, failure, local = self._on_master(fn, phase)
+                value = (value, agreed)
         failure, value = self._broadcast((failure, value) if self.rank == 0 else None, 0, None)
         raise_failures([failure], local, self.rank)
         return out, value

@@ -1,19 +1,20 @@
 """What a save reads from the live objects, first thing, as it is at the call: the model's state dict (built once
 per save, ``model_state``), the per-rank state, and what the save's first world-wide step needs of them: this
-rank's share of the sharding record, whether the optimizer is ZeRO-1, and its proposal of a device snapshot
-budget (``capture``)."""
+rank's share of the sharding record, whether the optimizer is ZeRO-1 (else a fingerprint of its state, which must be
+the same on every model replica: ``replicated``), and its proposal of a device snapshot budget (``capture``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from nxd_ckpt import adapters
+from nxd_ckpt import adapters, optimizers
 from nxd_ckpt import resume_state as rank_states
 from nxd_ckpt.device import kept_budget
 from nxd_ckpt.format import sharding_marks
 from nxd_ckpt.options import SaveOptions
 from nxd_ckpt.ranks.coordinator import Coordinator
 from nxd_ckpt.ranks.topology import Topology
+from nxd_ckpt.save import replicated
 from nxd_ckpt.save.context import Captured
 
 
@@ -48,9 +49,15 @@ def capture(
             options.model, model_sd, options.optimizer, rank=coord.rank, tp_rank=topo.tp_rank,
             replica_rank=topo.replica_rank, tp=topo.tp_size, pp_stage=topo.pp_rank,
         )  # fmt: skip
-    zero1 = bool(options.zero1_optimizer) or adapters.is_zero1_optimizer(options.optimizer)
+    zero1 = bool(options.zero1_optimizer) or optimizers.is_zero1_optimizer(options.optimizer)
     proposal = budget_proposal(options, model_sd, device_budget)
-    return Captured(model_sd, rank_files, share, zero1, proposal)
+    fingerprint = None
+    if options.optimizer is not None and not zero1 and len(topo.replica_ranks()) > 1:
+        fingerprint = replicated.OptimizerFingerprint(
+            replicated.state_fingerprint(adapters.optimizer_state(options.optimizer)),
+            optimizers.describe_chain(options.optimizer),
+        )
+    return Captured(model_sd, rank_files, share, zero1, proposal, fingerprint)
 
 
 def budget_proposal(options: SaveOptions, model_sd: Any, device_budget: kept_budget.KeptSnapshotBudget) -> int | None:

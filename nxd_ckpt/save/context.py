@@ -21,6 +21,7 @@ from nxd_ckpt.ranks.topology import Topology
 from nxd_ckpt.save import budget, commit, plan, staging
 from nxd_ckpt.save.barrier import CommitBarrier
 from nxd_ckpt.save.commit import CommitTarget
+from nxd_ckpt.save.replicated import OptimizerFingerprint
 from nxd_ckpt.save.writer import AsyncWriter
 from nxd_ckpt.storage import Storage
 from nxd_ckpt.tier.memory import MemoryTier
@@ -107,6 +108,9 @@ class Captured:
     """The optimizer's state is sharded ZeRO-1 (told, or recognised)."""
     budget_proposal: int | None = None
     """An async save's proposal of a device snapshot budget (``capture.budget_proposal``)."""
+    optimizer_fingerprint: OptimizerFingerprint | None = None
+    """A plain optimizer's state in short, where the model has replicas: every replica's must be the same
+    (``replicated.check_replicas``); None for ZeRO-1 state, no optimizer, or no replicas."""
 
 
 @dataclass(frozen=True)

@@ -34,11 +34,12 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 from dataclasses import replace
+from typing import Any
 
 from nxd_ckpt.device import kept_budget
 from nxd_ckpt.format import retention, sharding_marks
 from nxd_ckpt.options import SaveOptions
-from nxd_ckpt.save import capture, commit, plan, stage, write
+from nxd_ckpt.save import capture, commit, plan, replicated, stage, write
 from nxd_ckpt.save.context import Captured, Destination, SaveContext, SaveOutcome, SaveServices, Staged
 from nxd_ckpt.save.report import SaveReport
 
@@ -111,27 +112,33 @@ class SavePipeline:
         return ctx, captured
 
     def mark_tag(self, options: SaveOptions, where: Destination, captured: Captured) -> SaveContext:
-        """Rank 0 begins the tag's commit (``commit.prepare_tag``: a complete tag is re-saved beside it) and
-        receives every rank's share of the sharding record; all ranks agree on the save and on the device snapshot
-        budget (the least of the ranks' proposals, kept for the next saves): one world-wide step. A save to the
-        memory tier only (``where.durable`` False) leaves the checkpoint directory alone."""
+        """Rank 0 receives every rank's share of the sharding record, checks that a replicated optimizer is the same
+        on every replica (``replicated.check_replicas``: refused before anything is written), then begins the tag's
+        commit (``commit.prepare_tag``: a complete tag is re-saved beside it); all ranks agree on the save and on
+        the device snapshot budget (the least of the ranks' proposals, kept for the next saves): one world-wide
+        step. A save to the memory tier only (``where.durable`` False) leaves the checkpoint directory alone."""
         coord, tag, services = self.coord, options.tag, self.services
         proposal = captured.budget_proposal
+
+        def agree(shares: list[tuple[Any, int | None, replicated.OptimizerFingerprint | None]]) -> int | None:
+            replicated.check_replicas([f for _, _, f in shares], where.topology.replica_groups())
+            return kept_budget.agree([p for _, p, _ in shares])
+
         gathered, ((created_at, resaved), agreed) = coord.gather_to_master_and_master_computes(
-            (captured.sharding_share, proposal),
+            (captured.sharding_share, proposal, captured.optimizer_fingerprint),
             lambda: (
                 commit.prepare_tag(where.storage, tag, where.durable, services.pending_deletions, options.timeout_s)
                 if coord.rank == 0
                 else (0.0, False)
             ),
             f"starting checkpoint {tag!r}",
-            agree=lambda shares: kept_budget.agree([p for _, p in shares]),
+            agree=agree,
         )
         if proposal is not None and agreed is not None:  # the snapshot of every rank is cut alike
             options = options.replace(device_snapshot_budget=services.device_budget.agree(agreed).bytes)
         record = None
         if gathered is not None and options.model is not None:
-            record = sharding_marks.merge_shares(share for share, _ in gathered)
+            record = sharding_marks.merge_shares(share for share, _, _ in gathered)
         target = commit.open_target(
             where.storage, tag, rank=coord.rank, world_size=coord.world_size, created_at=created_at,
             resaved=resaved, durable=where.durable, timeout_s=options.timeout_s, topology=where.topology,

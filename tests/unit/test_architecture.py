@@ -128,7 +128,7 @@ def test_a_circle_between_units_is_found():
 
 
 LAYERS = [
-    {"errors", "knobs", "lazy", "tree", "rng", "pages"},
+    {"errors", "knobs", "lazy", "tree", "rng", "pages", "optimizers"},
     {"storage", "serialization", "ranks", "xla"},
     {"format", "log", "watchdog", "parallel_state", "device"},
     {"statefile", "adapters", "inspection", "inspect", "tier"},

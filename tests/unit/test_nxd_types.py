@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import nxd_ckpt as nxd
-from nxd_ckpt import adapters
+from nxd_ckpt import optimizers
 from nxd_ckpt.testing.fakes import TinyMLP, assert_state_equal
 
 PP_MODULE = "neuronx_distributed.pipeline.model"
@@ -80,15 +80,15 @@ def test_unregistered_look_alike_is_an_ordinary_module(tmp_path):
     nxd.save_checkpoint(str(tmp_path), "plain", model=model)
     saved = torch.load(tmp_path / "plain" / "model" / "dp_rank_00_tp_rank_00_pp_rank_00.pt", weights_only=True)
     assert set(saved) == set(model.state_dict())  # full state_dict: the name alone is not trusted
-    assert not adapters.is_zero1_optimizer(NeuronZero1Optimizer(TinyMLP().parameters()))
+    assert not optimizers.is_zero1_optimizer(NeuronZero1Optimizer(TinyMLP().parameters()))
 
 
 def test_neuron_zero1_optimizer_is_recognised_directly_and_inside_nxd_optimizer(monkeypatch, tmp_path):
     _register(monkeypatch, ZERO1_MODULE, NeuronZero1Optimizer)
     model = TinyMLP()
     zero1 = NeuronZero1Optimizer(model.parameters(), lr=1e-2)
-    assert adapters.is_zero1_optimizer(zero1)
-    assert adapters.is_zero1_optimizer(NxDOptimizer(zero1))
+    assert optimizers.is_zero1_optimizer(zero1)
+    assert optimizers.is_zero1_optimizer(NxDOptimizer(zero1))
     model(torch.randn(2, 8)).sum().backward()
     zero1.step()
     nxd.save_checkpoint(str(tmp_path), "z", model=model, optimizer=NxDOptimizer(zero1))

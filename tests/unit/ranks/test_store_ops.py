@@ -219,3 +219,25 @@ def test_an_agreement_over_the_gathered_shares_reaches_every_rank_in_the_same_st
         assert world.collectives[1]["gather"][1] == 0  # still: a rank other than 0 receives no one's share
     finally:
         world.close()
+
+
+def test_an_agreement_that_refuses_raises_everywhere_before_rank_0_computes():
+    world = ThreadWorld(3, count=True)
+    computed: list[int] = []
+    try:
+
+        def refuse(shares: list[int]) -> int:
+            raise ValueError(f"the shares differ: {shares}")
+
+        def step(rank: int) -> str:
+            coord = world.coordinator(rank)
+            try:
+                coord.gather_to_master_and_master_computes(rank, lambda: computed.append(rank), "start", refuse)
+            except ValueError as e:
+                return str(e)
+            return "no error"
+
+        assert all("the shares differ: [0, 1, 2]" in m for m in world.run(step))
+        assert computed == []  # rank 0's step (which may write to storage) never ran
+    finally:
+        world.close()
