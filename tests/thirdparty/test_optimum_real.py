@@ -193,3 +193,47 @@ def test_zero1_resume_from_an_output_directory(optimum_real, nxd_compat, tmp_pat
     step(model, opt, 2)
     step(model2, opt2, 2)
     assert_state_equal(model2.state_dict(), model.state_dict())
+
+
+def test_zero1_inside_optimum_neurons_accelerated_optimizer_is_saved_as_zero1(optimum_real, nxd_compat, tmp_path):
+    """optimum-neuron's trainer (ZeRO-1 is ``NeuronTrainingArguments``' default) hands ``save_pretrained`` its
+    optimizer as accelerate prepared it: the real ``NeuronAcceleratedOptimizer`` around NxD's real
+    ``NeuronZero1Optimizer``. The tag records ZeRO-1 (at DP > 1 a plain record would keep DP rank 0's shard only:
+    tests/distributed/test_zero1_wrappers.py), and the resume continues exactly."""
+    import torch_xla
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from neuronx_distributed.optimizer import NeuronZero1Optimizer
+    from optimum.neuron.accelerate.optimizer import NeuronAcceleratedOptimizer
+
+    Accelerator()  # as the trainer's NeuronAccelerator does first
+    try:
+
+        def make(seed: int):
+            model, _, _ = _tiny_llama(seed)
+            model = model.to(torch_xla.device())
+            zero1 = NeuronZero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, pin_layout=False)
+            return model, NeuronAcceleratedOptimizer(zero1, device_placement=False)
+
+        def step(model, opt, seed: int) -> None:
+            g = torch.Generator().manual_seed(seed)
+            opt.zero_grad()
+            loss = sum((p * torch.randn(p.shape, generator=g).to(p.device)).sum() for p in model.parameters())
+            loss.backward()
+            opt.optimizer.step()
+            torch_xla.sync()
+
+        model, opt = make(0)
+        step(model, opt, 1)
+        out = str(tmp_path / "checkpoint-1")
+        optimum_real["modeling_utils"].NeuronModelMixin.save_pretrained(model, out, optimizer=opt)
+        meta = json.loads((tmp_path / "checkpoint-1" / "shards" / layout.METADATA_FILE).read_text())
+        assert meta["zero1"] is True and meta["zero1_dp_size"] == 1
+        model2, opt2 = make(5)
+        nxd.load_checkpoint(out, tag=layout.OPTIMUM_SHARDS_TAG, model=model2, optimizer=opt2)
+        assert_state_equal(opt2.optimizer.state_dict()["base_state"], opt.optimizer.state_dict()["base_state"])
+        step(model, opt, 2)
+        step(model2, opt2, 2)
+        assert_state_equal(model2.state_dict(), model.state_dict())
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
