@@ -1,0 +1,304 @@
+"""TorchTitan's Hugging Face checkpoints through the library: the last step written as a safetensors set, and
+Hugging Face weights checked before an initial load reads them.
+
+Saving (``save_hf``) writes what TorchTitan 0.3.0's manager writes with ``last_save_in_hf=True`` (its
+``HuggingFaceStorageWriter`` and consolidation): ``model-0000i-of-0000N.safetensors`` files numbered as the
+``sd_adapter``'s ``fqn_to_index_mapping`` (from ``hf_assets_path``'s index; one file ``model-00001-of-00001`` without
+one), tensors in that mapping's order, and ``model.safetensors.index.json`` (``metadata.total_size``,
+``weight_map``). What differs: the files go through ``tools/safetensors_io``'s writer and the library's storage
+(``s3://`` too), each is checksummed into the rank's manifest, the index is written last through the commit DCP
+folders use (``save.commit`` with ``layout.HF_COMMIT``: staged in a hidden sibling and swapped in whole), and no
+``sharded/`` copy is made: ``DTensor`` state is gathered one tensor at a time (every rank takes part in each
+gather; the rank that owns the tensor's file writes it at once), so a rank holds one tensor, not a file.
+
+Loading (``check_hf_folder``): a folder this module wrote is checked against its manifests (size and xxh3_64 of
+every file); any folder gets what the format allows: every ``.safetensors`` header parsed and bounded by its file,
+every tensor's byte range inside it, the index's files and names, and each tensor's dtype and shape against the
+model, before a byte is read into it. Every error names the shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nxd_ckpt.dcp.checkin import recorded_files
+from nxd_ckpt.dcp.place import CheckpointPlace
+from nxd_ckpt.errors import IntegrityError, InvalidTagError
+from nxd_ckpt.format import layout
+from nxd_ckpt.format.hashing import hash_bytes
+from nxd_ckpt.format.integrity import ChecksummingStorage
+from nxd_ckpt.format.layout import HF_COMMIT
+from nxd_ckpt.format.manifests import FileRecord, check_record, hash_stream, manifest_bytes, read_index
+from nxd_ckpt.ranks.coordinator import Coordinator
+from nxd_ckpt.save import commit
+from nxd_ckpt.storage import Storage, storage_for
+from nxd_ckpt.tools import safetensors_io
+from nxd_ckpt.tools.safetensors_io import FileWriter, SafetensorsError, TensorEntry
+
+INDEX_FILE = layout.HF_INDEX_FILE
+FILE_METADATA = {"format": "pt"}
+"""Each file's ``__metadata__``, as ``save_pretrained`` writes it (``transformers`` checks it)."""
+
+
+@dataclass(frozen=True)
+class HfFile:
+    """One file of the set: its name, its tensors in order, and the rank that writes it."""
+
+    name: str
+    entries: tuple[TensorEntry, ...]
+    rank: int
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """A ``DTensor`` (told by its interface, as ``dcp.stager`` tells it)."""
+    return callable(getattr(t, "full_tensor", None)) and hasattr(t, "placements") and hasattr(t, "device_mesh")
+
+
+def plan_files(hf_state: Mapping[str, Any], fqn_to_index: Mapping[str, int] | None, world: int) -> list[HfFile]:
+    """The files of ``hf_state`` as TorchTitan names and fills them: ``fqn_to_index`` (name -> 1-based file number;
+    None: one file) and the mapping's order within a file; file ``i`` written by rank ``i % world``, as TorchTitan's
+    consolidation splits them. ValueError for a value that is no tensor or a tensor the mapping does not place."""
+    others = [k for k, v in hf_state.items() if not isinstance(v, torch.Tensor)]
+    if others:
+        raise ValueError(
+            f"last_save_in_hf: safetensors holds tensors only, but the Hugging Face state dict has other values: "
+            f"{', '.join(others[:5])}; save with last_save_in_hf=False"
+        )
+    entries = {k: TensorEntry(k, v.dtype, tuple(v.shape)) for k, v in hf_state.items()}
+    for e in entries.values():
+        safetensors_io.dtype_code(e.dtype, e.name)
+    if not fqn_to_index:
+        return [HfFile(safetensors_io.shard_file_name(1, 1), tuple(entries.values()), 0)]
+    unplaced = [k for k in entries if k not in fqn_to_index]
+    if unplaced:
+        raise ValueError(
+            f"last_save_in_hf: {', '.join(unplaced[:5])} (of {len(unplaced)}) are not in the weight_map of "
+            f"hf_assets_path's {INDEX_FILE}; use the index of this model's own Hugging Face weights"
+        )
+    count = max(fqn_to_index.values())
+    by_index: dict[int, list[TensorEntry]] = {}
+    for name, index in fqn_to_index.items():
+        if name in entries:
+            by_index.setdefault(int(index), []).append(entries[name])
+    return [
+        HfFile(safetensors_io.shard_file_name(i, count), tuple(by_index[i]), i % world) for i in sorted(by_index)
+    ]
+
+
+def fqn_to_index_of(sd_adapter: Any) -> dict[str, int] | None:
+    """The adapter's ``fqn_to_index_mapping`` (TorchTitan's ``StateDictAdapter`` reads it from ``hf_assets_path``'s
+    index), None when it has none."""
+    mapping = getattr(sd_adapter, "fqn_to_index_mapping", None)
+    return dict(mapping) if mapping else None
+
+
+# ---------------------------------------------------------------------------------------------------- saving
+def save_hf(
+    hf_state: Mapping[str, Any], path: str, fqn_to_index: Mapping[str, int] | None, timeout_s: float | None = None
+) -> list[str]:
+    """(Collective: every rank, the same ``hf_state`` keys.) Write ``hf_state`` into the folder ``path`` (a local
+    path or ``s3://``) as a Hugging Face safetensors set, committed crash-safely; returns the file names."""
+    coordinator = Coordinator(timeout_s=timeout_s)
+    files = plan_files(hf_state, fqn_to_index, coordinator.world_size)
+    place = CheckpointPlace.of(path)
+    staged = coordinator.master_computes(
+        lambda: commit.prepare_folder(place.root, place.folder, place.path, HF_COMMIT),
+        f"preparing Hugging Face checkpoint {path}",
+    )
+    storage = ChecksummingStorage(
+        commit.staged_storage(place.root, place.folder, staged, HF_COMMIT), place.folder, coordinator.rank
+    )
+    coordinator.run_all(lambda: _write_rank(storage, place.folder, files, hf_state, coordinator.rank), f"writing {path}")
+    coordinator.master_computes(lambda: _commit(place, staged, files, coordinator.world_size), f"committing {path}")
+    return [f.name for f in files]
+
+
+def _write_rank(
+    storage: ChecksummingStorage, folder: str, files: list[HfFile], hf_state: Mapping[str, Any], rank: int
+) -> None:
+    """This rank's files, then its manifest. Every rank walks every file's tensors in the same order, so each
+    ``DTensor`` is gathered with every rank taking part; a rank that fails to write keeps taking part (so no rank
+    waits on it in a gather) and raises at the end."""
+    error: BaseException | None = None
+    for file in files:
+        mine = file.rank == rank and error is None
+        try:
+            if mine:
+                with storage.open_write(f"{folder}/{file.name}") as f:
+                    _stream_file(f, file, hf_state, write=True)
+                continue
+        except Exception as e:
+            error = e
+        _stream_file(None, file, hf_state, write=False)  # take part in the gathers only
+    if error is not None:
+        raise error
+    storage.write_manifest()
+
+
+def _stream_file(f: Any, file: HfFile, hf_state: Mapping[str, Any], write: bool) -> None:
+    """Gather each tensor of ``file`` (a ``DTensor``: from every rank) and, when ``write``, stream it into ``f``;
+    one tensor alive at a time."""
+    writer = FileWriter(f, file.entries, FILE_METADATA) if write else None
+    for entry in file.entries:
+        value = hf_state[entry.name]
+        if _is_dtensor(value):
+            value = value.full_tensor()
+        elif not write:
+            continue
+        if writer is not None:
+            writer.write(entry.name, value.detach().to("cpu"))
+        del value
+
+
+def _commit(place: CheckpointPlace, staged: bool, files: list[HfFile], world: int) -> None:
+    """Coordinator, every rank's files written: each checked as recorded in full by its rank's manifest, the index
+    recorded in the coordinator's manifest, then written last and the staged folder swapped in."""
+    storage = commit.staged_storage(place.root, place.folder, staged, HF_COMMIT)
+    needed = {f.name: safetensors_io.file_size(f.entries, FILE_METADATA) for f in files}
+    records = recorded_files(storage, place.folder, place.path, world, needed)
+    index = safetensors_io.index_bytes(safetensors_io.index_document([(f.name, f.entries) for f in files]))
+    own = {rel: rec for rel, rec in records.items() if rec.rank == 0}
+    own[INDEX_FILE] = FileRecord(*hash_bytes(index), 0)
+    manifest = layout.manifest_file(place.folder, 0)
+    storage.write_bytes(manifest, manifest_bytes(place.folder, 0, own))
+    storage.sync_dirs([manifest.rsplit("/", 1)[0]])
+    commit.complete_folder(storage, place.folder, index, place.root if staged else None, HF_COMMIT)
+
+
+def is_hf_folder(storage: Storage, folder: str) -> bool:
+    """Whether ``folder`` of ``storage`` holds a complete Hugging Face set (its index)."""
+    return storage.exists(f"{folder}/{INDEX_FILE}")
+
+
+# ---------------------------------------------------------------------------------------------------- loading
+@dataclass(frozen=True)
+class Expected:
+    """What the model takes for one Hugging Face name: dtype and (global) shape."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def expected_of(hf_state: Mapping[str, Any]) -> dict[str, Expected]:
+    """The dtype and global shape of every tensor of the model's Hugging Face state dict."""
+    return {k: Expected(v.dtype, tuple(v.shape)) for k, v in hf_state.items() if isinstance(v, torch.Tensor)}
+
+
+def check_hf_folder(path: str, expected: Mapping[str, Expected] | None) -> list[str]:
+    """Check the Hugging Face folder ``path`` before anything of it is loaded (see the module docstring); with
+    ``expected`` (None: a quantized checkpoint, whose tensors are not the model's) each tensor against the model.
+    Returns the ``.safetensors`` files checked. IntegrityError for a damaged file, ValueError for one that does not
+    fit the model; each names the file."""
+    if "://" in path or not os.path.isdir(path):
+        raise ValueError(f"Hugging Face weights {path}: not a local folder (safetensors are read from a local folder)")
+    names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not names:
+        raise ValueError(f"Hugging Face weights {path}: the folder holds no .safetensors file")
+    _check_manifests(path, names)
+    found: dict[str, tuple[str, TensorEntry]] = {}
+    for name in names:
+        full = os.path.join(path, name)
+        try:
+            entries = safetensors_io.check_file(full)
+        except SafetensorsError as e:
+            raise IntegrityError(f"Hugging Face shard {full} is damaged: {e}; restore or download it again") from e
+        for entry in entries:
+            if entry.name in found:
+                raise IntegrityError(f"{entry.name} is in both {found[entry.name][0]} and {full}; remove the stray")
+            found[entry.name] = (full, entry)
+    _check_index(path, found)
+    if expected is not None:
+        _check_against_model(path, found, expected)
+    return [os.path.join(path, n) for n in names]
+
+
+def check_hf_folder_on_all_ranks(path: str, expected: Mapping[str, Expected] | None, timeout_s: float | None) -> None:
+    """(Collective.) ``check_hf_folder`` on rank 0 (each file read once, not once per rank); its error raised on
+    every rank."""
+    Coordinator(timeout_s=timeout_s).master_computes(
+        lambda: check_hf_folder(path, expected), f"checking Hugging Face weights {path}"
+    )
+
+
+def _check_manifests(path: str, names: list[str]) -> None:
+    """A folder with the library's manifests: every listed file's size and digest, and no unlisted shard."""
+    parent, folder = os.path.split(os.path.abspath(path))
+    if not os.path.isdir(os.path.join(path, layout.EXTRAS_DIR)) or not _is_folder_name(folder):
+        return
+    root = storage_for(parent)
+    index = read_index(root, folder)
+    if not index:
+        return
+    for name in names:
+        if name not in index:
+            raise IntegrityError(
+                f"{path}/{name} is not in the manifests of {path}: it was not written by the save; remove it"
+            )
+    for rel, rec in sorted(index.items()):
+        if rel.startswith(layout.EXTRAS_DIR + "/"):
+            continue
+        try:
+            with root.open_read(f"{folder}/{rel}") as f:
+                size, digest = hash_stream(f)
+        except FileNotFoundError as e:
+            raise IntegrityError(f"{path}/{rel} is missing (listed in the manifests of {path})") from e
+        check_record(root.url, folder, f"{folder}/{rel}", rec, size, digest)
+
+
+def _is_folder_name(name: str) -> bool:
+    """Whether ``name`` can be a checkpoint folder of the library (only those have manifests)."""
+    try:
+        layout.validate_tag(name)
+    except InvalidTagError:
+        return False
+    return True
+
+
+def _check_index(path: str, found: Mapping[str, tuple[str, TensorEntry]]) -> None:
+    """The index, where there is one: every file it names is there and holds the tensors it maps to that file."""
+    index = os.path.join(path, INDEX_FILE)
+    if not os.path.exists(index):
+        return
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise IntegrityError(f"{index} is not a safetensors index ({e}); restore or download it again") from e
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not re.fullmatch(r"[^/\\]+\.safetensors", file):
+            raise IntegrityError(f"{index} maps {name} to {file!r}, which is no .safetensors file of the folder")
+        where = found.get(name)
+        if where is None or os.path.basename(where[0]) != file:
+            held = f"it is in {where[0]}" if where else "no shard holds it"
+            missing = "" if os.path.exists(os.path.join(path, file)) else f" ({file} is missing)"
+            raise IntegrityError(f"{index} maps {name} to {path}/{file}, but {held}{missing}")
+
+
+def _check_against_model(
+    path: str, found: Mapping[str, tuple[str, TensorEntry]], expected: Mapping[str, Expected]
+) -> None:
+    """Every tensor the model takes is in a shard, with its shape and a dtype it can be cast from (floating point
+    to floating point, as Hub weights in bf16 load into an fp32 model; anything else must match)."""
+    for name, want in expected.items():
+        where = found.get(name)
+        if where is None:
+            raise ValueError(f"Hugging Face weights {path}: no shard holds {name}, which the model needs")
+        file, entry = where
+        if entry.shape != want.shape:
+            raise ValueError(
+                f"Hugging Face shard {file}: {name} has shape {list(entry.shape)}, but the model's is "
+                f"{list(want.shape)}; these weights are for another model configuration"
+            )
+        if entry.dtype != want.dtype and not (entry.dtype.is_floating_point and want.dtype.is_floating_point):
+            raise ValueError(
+                f"Hugging Face shard {file}: {name} is {entry.dtype}, which does not cast to the model's {want.dtype}"
+            )
