@@ -87,9 +87,7 @@ def plan_files(hf_state: Mapping[str, Any], fqn_to_index: Mapping[str, int] | No
     for name, index in fqn_to_index.items():
         if name in entries:
             by_index.setdefault(int(index), []).append(entries[name])
-    return [
-        HfFile(safetensors_io.shard_file_name(i, count), tuple(by_index[i]), i % world) for i in sorted(by_index)
-    ]
+    return [HfFile(safetensors_io.shard_file_name(i, count), tuple(by_index[i]), i % world) for i in sorted(by_index)]
 
 
 def fqn_to_index_of(sd_adapter: Any) -> dict[str, int] | None:
@@ -115,7 +113,8 @@ def save_hf(
     storage = ChecksummingStorage(
         commit.staged_storage(place.root, place.folder, staged, HF_COMMIT), place.folder, coordinator.rank
     )
-    coordinator.run_all(lambda: _write_rank(storage, place.folder, files, hf_state, coordinator.rank), f"writing {path}")
+    rank = coordinator.rank
+    coordinator.run_all(lambda: _write_rank(storage, place.folder, files, hf_state, rank), f"writing {path}")
     coordinator.master_computes(lambda: _commit(place, staged, files, coordinator.world_size), f"committing {path}")
     return [f.name for f in files]
 
