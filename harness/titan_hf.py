@@ -96,27 +96,29 @@ def expected_hf(version: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, 
 
 
 # ------------------------------------------------------------------------------------------ killed saves
-def _save_child(base: str, assets: str | None, version: int, kill_after: int) -> None:
-    """Our manager saves the last step of the model of seed ``version``, SIGKILLing this process at its
-    ``kill_after``-th mutation (never, if negative); exit status 100 + the mutations a finished save made."""
+def _save_child(base: str, assets: str | None, version: int, kill_after: int, kind: str) -> None:
+    """A manager (``kind``: ``ours`` or TorchTitan's, ``theirs``) saves the last step of the model of seed
+    ``version``, SIGKILLing this process at its ``kill_after``-th mutation (never, if negative); exit status 100 +
+    the mutations a finished save made."""
+    import torch.distributed as dist
+    from torchtitan.components.checkpointer import CheckpointManager as TitanManager
+
     from nxd_ckpt.torchtitan import CheckpointManager
 
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    import torch.distributed as dist
-
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    ckpt = manager(CheckpointManager, base, model(version), assets)
+    ckpt = manager(CheckpointManager if kind == "ours" else TitanManager, base, model(version), assets)
     calls = _kill_at_call(kill_after, _MUTATIONS, None, write_opens=True)
     ckpt.save(STEP, last_step=True)
     os._exit(100 + min(calls[0], 150))
 
 
-def run_hf_save(base: str, assets: str | None, version: int, kill_after: int = -1) -> int:
-    """Save the last step of ``version`` under ``base`` in a forked process killed at its ``kill_after``-th
-    mutation; the mutations a finished save made, or -1 when it was killed."""
+def run_hf_save(base: str, assets: str | None, version: int, kill_after: int = -1, kind: str = "ours") -> int:
+    """Save the last step of ``version`` under ``base`` with ``kind``'s manager (``ours``, ``theirs``) in a forked
+    process killed at its ``kill_after``-th mutation; the mutations a finished save made, or -1 when killed."""
     ctx = rank_context(__name__)
-    p = ctx.Process(target=_save_child, args=(base, assets, version, kill_after), daemon=True)
+    p = ctx.Process(target=_save_child, args=(base, assets, version, kill_after, kind), daemon=True)
     p.start()
     p.join(timeout=120)
     if p.exitcode == -signal.SIGKILL:
