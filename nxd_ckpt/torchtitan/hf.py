@@ -22,9 +22,9 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -37,10 +37,14 @@ from nxd_ckpt.format.integrity import ChecksummingStorage
 from nxd_ckpt.format.layout import HF_COMMIT
 from nxd_ckpt.format.manifests import FileRecord, check_record, hash_stream, manifest_bytes, read_index
 from nxd_ckpt.ranks.coordinator import Coordinator
+from nxd_ckpt.ranks.deadlines import resolve_timeout
 from nxd_ckpt.save import commit
 from nxd_ckpt.storage import Storage, storage_for
 from nxd_ckpt.tools import safetensors_io
 from nxd_ckpt.tools.safetensors_io import FileWriter, SafetensorsError, TensorEntry
+from nxd_ckpt.watchdog import StorageMonitor, run_watched
+
+T = TypeVar("T")
 
 INDEX_FILE = layout.HF_INDEX_FILE
 FILE_METADATA = {"format": "pt"}
@@ -102,58 +106,84 @@ def save_hf(
     hf_state: Mapping[str, Any], path: str, fqn_to_index: Mapping[str, int] | None, timeout_s: float | None = None
 ) -> list[str]:
     """(Collective: every rank, the same ``hf_state`` keys.) Write ``hf_state`` into the folder ``path`` (a local
-    path or ``s3://``) as a Hugging Face safetensors set, committed crash-safely; returns the file names."""
+    path or ``s3://``) as a Hugging Face safetensors set, committed crash-safely; returns the file names. Every
+    storage call runs under the deadline ``timeout_s`` (default ``NXD_CKPT_TIMEOUT_S``), as the DCP writer's."""
     coordinator = Coordinator(timeout_s=timeout_s)
     files = plan_files(hf_state, fqn_to_index, coordinator.world_size)
     place = CheckpointPlace.of(path)
+    deadline = resolve_timeout(timeout_s)
+
+    def watched(what: str, fn: Callable[[CheckpointPlace, StorageMonitor], T]) -> T:
+        monitor = StorageMonitor(f"{what} Hugging Face checkpoint {path}", deadline, url=place.root.url)
+        return run_watched(lambda: fn(place.watched(monitor), monitor), monitor, name="nxd_ckpt_hf")
+
     staged = coordinator.master_computes(
-        lambda: commit.prepare_folder(place.root, place.folder, place.path, HF_COMMIT),
+        lambda: watched("preparing", lambda p, _: commit.prepare_folder(p.root, p.folder, p.path, HF_COMMIT)),
         f"preparing Hugging Face checkpoint {path}",
     )
-    storage = ChecksummingStorage(
-        commit.staged_storage(place.root, place.folder, staged, HF_COMMIT), place.folder, coordinator.rank
-    )
     rank = coordinator.rank
-    coordinator.run_all(lambda: _write_rank(storage, place.folder, files, hf_state, rank), f"writing {path}")
-    coordinator.master_computes(lambda: _commit(place, staged, files, coordinator.world_size), f"committing {path}")
+    coordinator.run_all(
+        lambda: watched("writing", lambda p, m: _write_rank(p, staged, files, hf_state, rank, m)), f"writing {path}"
+    )
+    coordinator.master_computes(
+        lambda: watched("committing", lambda p, _: _commit(p, staged, files, coordinator.world_size)),
+        f"committing {path}",
+    )
     return [f.name for f in files]
 
 
 def _write_rank(
-    storage: ChecksummingStorage, folder: str, files: list[HfFile], hf_state: Mapping[str, Any], rank: int
+    place: CheckpointPlace,
+    staged: bool,
+    files: list[HfFile],
+    hf_state: Mapping[str, Any],
+    rank: int,
+    monitor: StorageMonitor,
 ) -> None:
     """This rank's files, then its manifest. Every rank walks every file's tensors in the same order, so each
     ``DTensor`` is gathered with every rank taking part; a rank that fails to write keeps taking part (so no rank
     waits on it in a gather) and raises at the end."""
+    folder = place.folder
+    storage = ChecksummingStorage(commit.staged_storage(place.root, folder, staged, HF_COMMIT), folder, rank)
     error: BaseException | None = None
     for file in files:
-        mine = file.rank == rank and error is None
+        gathered = [False]
         try:
-            if mine:
+            if file.rank == rank and error is None:
                 with storage.open_write(f"{folder}/{file.name}") as f:
-                    _stream_file(f, file, hf_state, write=True)
+                    _stream_file(f, file, hf_state, monitor, gathered)
                 continue
         except Exception as e:
             error = e
-        _stream_file(None, file, hf_state, write=False)  # take part in the gathers only
+        if not gathered[0]:
+            _stream_file(None, file, hf_state, monitor, gathered)  # take part in the gathers only
     if error is not None:
         raise error
     storage.write_manifest()
 
 
-def _stream_file(f: Any, file: HfFile, hf_state: Mapping[str, Any], write: bool) -> None:
-    """Gather each tensor of ``file`` (a ``DTensor``: from every rank) and, when ``write``, stream it into ``f``;
-    one tensor alive at a time."""
-    writer = FileWriter(f, file.entries, FILE_METADATA) if write else None
+def _stream_file(
+    f: Any, file: HfFile, hf_state: Mapping[str, Any], monitor: StorageMonitor, gathered: list[bool]
+) -> None:
+    """Gather each tensor of ``file`` (a ``DTensor``: from every rank) and, where ``f`` is a file, stream it there;
+    one tensor alive at a time. A failed write stops the writing, not the gathers (``gathered[0]`` is set once
+    they are all done), and is raised after them."""
+    writer = FileWriter(f, file.entries, FILE_METADATA) if f is not None else None
+    error: Exception | None = None
     for entry in file.entries:
         value = hf_state[entry.name]
         if _is_dtensor(value):
-            value = value.full_tensor()
-        elif not write:
-            continue
-        if writer is not None:
-            writer.write(entry.name, value.detach().to("cpu"))
+            with monitor.waiting_off_storage():  # a collective, not storage
+                value = value.full_tensor()
+        if writer is not None and error is None:
+            try:
+                writer.write(entry.name, value.detach().to("cpu"))
+            except Exception as e:
+                error = e
         del value
+    gathered[0] = True
+    if error is not None:
+        raise error
 
 
 def _commit(place: CheckpointPlace, staged: bool, files: list[HfFile], world: int) -> None:
