@@ -286,3 +286,32 @@ def test_fsdp2_state_on_two_ranks_is_written_as_torchtitan_writes_it(tmp_path):
     assert titan_hf.folder_version(ours, (0,)) == 0
     ranks = sorted(os.listdir(os.path.join(ours, "nxd_ckpt")))
     assert ranks == ["manifest_rank_00000.json", "manifest_rank_00001.json"]
+
+
+def _failing_rank_job(base: str, assets: str) -> None:
+    """On each of 2 ranks: a last step saved, then saved again with rank 1's file writes failing: both ranks raise
+    rank 1's error (no rank waits in a gather for it), and the first save stays."""
+    from nxd_ckpt.format.integrity import ChecksummingStorage
+
+    warnings.simplefilter("ignore")
+    titan_hf.manager(CheckpointManager, base, _sharded(0), assets).save(titan_hf.STEP, last_step=True)
+    if dist.get_rank() == 1:
+        real = ChecksummingStorage.open_write
+
+        def failing(self: Any, path: str) -> Any:
+            if path.endswith(".safetensors"):
+                raise OSError(28, "No space left on device (injected)")
+            return real(self, path)
+
+        ChecksummingStorage.open_write = failing  # type: ignore[method-assign]
+    ckpt = titan_hf.manager(CheckpointManager, base, _sharded(1), assets, timeout_s=60)
+    with pytest.raises(OSError, match="injected") as e:
+        ckpt.save(titan_hf.STEP, last_step=True)
+    assert getattr(e.value, "origin_rank", 1) == 1
+    dist.barrier()
+    assert titan_hf.folder_version(os.path.join(base, "ckpt", f"step-{titan_hf.STEP}"), (0, 1)) == 0
+
+
+def test_a_rank_failing_to_write_fails_the_save_on_every_rank_and_the_previous_one_stays(tmp_path):
+    assets = titan_hf.write_assets(str(tmp_path / "assets"), titan_hf.hf_names(titan_hf.model(0)), 3)
+    run_on_ranks(_failing_rank_job, 2, {"base": str(tmp_path / "job"), "assets": assets}, timeout=180)
