@@ -39,7 +39,7 @@ from nxd_ckpt.format.manifests import FileRecord, check_record, hash_stream, man
 from nxd_ckpt.ranks.coordinator import Coordinator
 from nxd_ckpt.ranks.deadlines import resolve_timeout
 from nxd_ckpt.save import commit
-from nxd_ckpt.storage import Storage, storage_for
+from nxd_ckpt.storage import storage_for
 from nxd_ckpt.tools import safetensors_io
 from nxd_ckpt.tools.safetensors_io import FileWriter, SafetensorsError, TensorEntry
 from nxd_ckpt.watchdog import StorageMonitor, run_watched
@@ -199,11 +199,6 @@ def _commit(place: CheckpointPlace, staged: bool, files: list[HfFile], world: in
     storage.write_bytes(manifest, manifest_bytes(place.folder, 0, own))
     storage.sync_dirs([manifest.rsplit("/", 1)[0]])
     commit.complete_folder(storage, place.folder, index, place.root if staged else None, HF_COMMIT)
-
-
-def is_hf_folder(storage: Storage, folder: str) -> bool:
-    """Whether ``folder`` of ``storage`` holds a complete Hugging Face set (its index)."""
-    return storage.exists(f"{folder}/{INDEX_FILE}")
 
 
 # ---------------------------------------------------------------------------------------------------- loading
