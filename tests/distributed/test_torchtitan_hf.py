@@ -123,8 +123,9 @@ def test_saving_the_last_step_again_replaces_it_whole(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------- initial loads
-def _loader(cls: Any, base: str, m: torch.nn.Module, path: str) -> Any:
-    """``cls``'s manager over ``m`` loading the Hugging Face folder ``path`` at its start (an empty folder)."""
+def _loader(cls: Any, base: str, m: torch.nn.Module, path: str | None, assets: str | None = None) -> Any:
+    """``cls``'s manager over ``m`` loading Hugging Face weights at its start (an empty folder): the folder
+    ``path`` (``initial_load_path``), else the adapter's ``hf_assets_path`` (``assets``)."""
     config = cls.Config(
         enable=True, folder="ckpt", initial_load_path=path, initial_load_in_hf=True, initial_load_model_only=True
     )
@@ -134,7 +135,7 @@ def _loader(cls: Any, base: str, m: torch.nn.Module, path: str) -> Any:
         optimizers=None,
         lr_schedulers=None,
         states={},
-        sd_adapter=titan_hf.TinyAdapter(),
+        sd_adapter=titan_hf.TinyAdapter(assets),
         base_folder=base,
     )
 
@@ -224,11 +225,13 @@ def test_a_bad_hub_shard_is_refused_before_the_model_changes_naming_it(tmp_path,
 
 
 def test_a_hub_folder_in_bf16_loads_into_an_fp32_model(tmp_path):
+    """From ``initial_load_path``, and from ``model.hf_assets_path`` (the adapter's) when there is none."""
     folder = _hub_folder(str(tmp_path / "hub"), seed=3)
-    target = titan_hf.model(7)
-    assert _loader(CheckpointManager, str(tmp_path / "job"), target, folder).load()
-    for key, value in titan_hf.model(3).state_dict().items():
-        assert torch.equal(target.state_dict()[key], value.to(torch.bfloat16).float()), key
+    for source, path, assets in (("initial_load_path", folder, None), ("hf_assets_path", None, folder)):
+        target = titan_hf.model(7)
+        assert _loader(CheckpointManager, str(tmp_path / source), target, path, assets).load()
+        for key, value in titan_hf.model(3).state_dict().items():
+            assert torch.equal(target.state_dict()[key], value.to(torch.bfloat16).float()), (source, key)
 
 
 def test_a_flipped_byte_in_our_folder_is_named_by_its_manifest(tmp_path):
