@@ -38,6 +38,7 @@ from nxd_ckpt.ranks.coordinator import new_gloo_group, world_rank
 from nxd_ckpt.storage import storage_for
 from nxd_ckpt.tier.memory import MemoryTier
 from nxd_ckpt.tier.shared import close_runtimes, shared_tier
+from nxd_ckpt.tools.hf_folder import expected_of
 from nxd_ckpt.torchtitan import hf
 from nxd_ckpt.torchtitan.staging import ASYNC_MODES, check_budgets, make_stager, wait_for_staging
 from nxd_ckpt.torchtitan.steps import StepFolders, parse_step
@@ -368,13 +369,13 @@ class CheckpointManager(BaseCheckpointManager):
 
     def _load_hf(self, path: str) -> None:
         """Hugging Face safetensors through the model's state-dict adapter and its reader, as TorchTitan's manager
-        reads them, once rank 0 has checked the folder (``hf.check_hf_folder``: the manifests of a folder the
+        reads them, once rank 0 has checked the folder (``tools.hf_folder.check_folder``: the manifests of a folder the
         library wrote, every header and byte range, each tensor against the model); the model changes only then."""
         if self.sd_adapter is None:
             raise ValueError("checkpoint.initial_load_in_hf needs the model's state-dict adapter (sd_adapter)")
         quantized = self.config.initial_load_in_hf_quantized
         hf_state = self.sd_adapter.to_hf(self.states[MODEL].state_dict())
-        hf.check_hf_folder_on_all_ranks(path, None if quantized else hf.expected_of(hf_state), self.config.timeout_s)
+        hf.check_hf_folder_on_all_ranks(path, None if quantized else expected_of(hf_state), self.config.timeout_s)
         logger.info("loading Hugging Face weights from %s (checked)", path)
         dcp.load(hf_state, storage_reader=self.sd_adapter.get_hf_storage_reader(path, quantized))
         self.states[MODEL].load_state_dict(self.sd_adapter.from_hf(hf_state))

@@ -21,7 +21,7 @@ pytest.importorskip(
 )
 
 from harness import titan_hf
-from nxd_ckpt.torchtitan.hf import check_hf_folder
+from nxd_ckpt.tools.hf_folder import check_folder
 
 pytestmark = [pytest.mark.device_independent, pytest.mark.slow]
 
@@ -35,7 +35,7 @@ def _outcome(ckpt: str, versions: tuple[int, ...]) -> str:
         folder = os.path.join(ckpt, name)
         if titan_hf.folder_version(folder, versions) is None:
             return f"partial: {name}"
-        check_hf_folder(folder, None)  # our initial load's checks agree: its manifests match
+        check_folder(folder, None)  # our initial load's checks agree: its manifests match
     version = titan_hf.folder_version(os.path.join(ckpt, STEP_DIR), versions)
     if version is None:
         return "none"
