@@ -22,6 +22,7 @@ pytest.importorskip(
 
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torchtitan.components.checkpointer import CheckpointManager as TitanManager
@@ -318,3 +319,26 @@ def _failing_rank_job(base: str, assets: str) -> None:
 def test_a_rank_failing_to_write_fails_the_save_on_every_rank_and_the_previous_one_stays(tmp_path):
     assets = titan_hf.write_assets(str(tmp_path / "assets"), titan_hf.hf_names(titan_hf.model(0)), 3)
     run_on_ranks(_failing_rank_job, 2, {"base": str(tmp_path / "job"), "assets": assets}, timeout=180)
+
+
+def test_a_job_restarted_after_its_hf_last_step_resumes_the_newest_dcp_step(tmp_path):
+    """The Hugging Face ``step-N`` is the job's output (model only): a restart resumes the newest DCP step, where
+    TorchTitan's own manager would pick ``step-N`` and fail to load it as DCP."""
+    m = titan_hf.model(0)
+    ckpt = titan_hf.manager(CheckpointManager, str(tmp_path), m, None, interval=2)
+    at_step: dict[int, dict[str, torch.Tensor]] = {}
+    for step in range(1, 6):
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(1.0)
+        at_step[step] = _model_state(m)
+        ckpt.save(step, last_step=step == 5)
+    ckpt.close()
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-2", "step-4", "step-5"]
+    assert INDEX in os.listdir(tmp_path / "ckpt" / "step-5")
+    restarted = titan_hf.model(9)
+    assert titan_hf.manager(CheckpointManager, str(tmp_path), restarted, None, interval=2).load()
+    got = _model_state(restarted)
+    assert all(torch.equal(got[k], at_step[4][k]) for k in got)
+    with pytest.raises((Exception, CheckpointException), match=r"step-5"):
+        titan_hf.manager(TitanManager, str(tmp_path), titan_hf.model(9), None, interval=2).load()
