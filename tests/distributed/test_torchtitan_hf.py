@@ -1,7 +1,9 @@
 """``last_save_in_hf`` and ``initial_load_in_hf`` of nxd_ckpt.torchtitan.CheckpointManager against TorchTitan 0.3.0's
 own manager, with the same model and state-dict adapter (TorchTitan's ``StateDictAdapter``, its file numbers read
 from an ``hf_assets_path`` index by TorchTitan's code): the same files, index, names, dtypes and bytes, in one
-process and with FSDP2 ``DTensor`` state on 2 gloo ranks; Hugging Face folders checked before the model changes."""
+process and with FSDP2 ``DTensor`` state on 2 gloo ranks; a re-save replacing the step whole; a rank's failed write
+raised on every rank; Hugging Face folders (ours, and downloaded ones: truncated, a header past its file, a wrong
+shape) checked before the model changes, naming the shard; a restart after the last step resuming the DCP steps."""
 
 from __future__ import annotations
 
