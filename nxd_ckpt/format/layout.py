@@ -66,6 +66,14 @@ DCP_STAGING_PREFIX = ".nxd-dcp-staging."
 commit renames it into place (stock DCP and TorchTitan's ``step-N`` scan skip it)."""
 DCP_REPLACED_PREFIX = ".nxd-dcp-replaced."
 """Hidden name an older DCP checkpoint has while a save replaces it where directories cannot be exchanged."""
+HF_INDEX_FILE = "model.safetensors.index.json"
+"""A Hugging Face safetensors set's index (``metadata.total_size``, ``weight_map``): the file ``transformers`` opens
+first and TorchTitan's step scan takes as the mark of a complete ``step-N`` in that format."""
+HF_STAGING_PREFIX = ".nxd-hf-staging."
+"""Hidden directory beside a ``step-N`` folder where the TorchTitan manager writes its last step in Hugging Face
+format until the commit renames it into place."""
+HF_REPLACED_PREFIX = ".nxd-hf-replaced."
+"""Hidden name an older Hugging Face folder has while a save replaces it."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +113,10 @@ DCP_COMMIT = CommitLayout(
     DCP_METADATA_FILE, DCP_STAGING_PREFIX, DCP_REPLACED_PREFIX, None, False, None, "DCP checkpoint"
 )
 """DCP checkpoint folders: ``.metadata`` last; every save staged where the storage renames directories."""
+HF_COMMIT = CommitLayout(
+    HF_INDEX_FILE, HF_STAGING_PREFIX, HF_REPLACED_PREFIX, None, False, None, "Hugging Face checkpoint"
+)
+"""Hugging Face safetensors folders: the index last; every save staged where the storage renames directories."""
 
 
 def resave_dir(tag: str) -> str:

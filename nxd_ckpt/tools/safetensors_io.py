@@ -22,9 +22,10 @@ from typing import BinaryIO
 import torch
 
 from nxd_ckpt.errors import CheckpointError, FormatError
+from nxd_ckpt.format import layout
 from nxd_ckpt.storage.local import atomic_file, fsync_path
 
-INDEX_FILE = "model.safetensors.index.json"
+INDEX_FILE = layout.HF_INDEX_FILE
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 """Hugging Face's default ``max_shard_size`` ("5GB", decimal, in ``save_pretrained``)."""
 
@@ -120,6 +121,7 @@ def plan_shards(entries: Sequence[TensorEntry], max_shard_bytes: int) -> list[li
 
 
 def _header(entries: Sequence[TensorEntry], metadata: dict[str, str] | None) -> bytes:
+    """The JSON header of a file holding ``entries`` in order (padded to 8 bytes)."""
     doc: dict[str, object] = {}
     if metadata:
         doc["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -143,8 +145,26 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-class _FileWriter:
-    """One safetensors file, its header written first, then each tensor in header order."""
+def file_size(entries: Sequence[TensorEntry], metadata: dict[str, str] | None = None) -> int:
+    """The bytes of a file holding ``entries`` (header length, header, data), known before it is written."""
+    return 8 + len(_header(entries, metadata)) + sum(e.nbytes for e in entries)
+
+
+def index_document(files: Sequence[tuple[str, Sequence[TensorEntry]]], metadata: dict[str, str] | None = None) -> dict:
+    """A set's index: ``{"metadata": {"total_size": tensor bytes, ...}, "weight_map": {name: file}}``."""
+    weight_map = {e.name: name for name, entries in files for e in entries}
+    total = sum(e.nbytes for _, entries in files for e in entries)
+    return {"metadata": {"total_size": total, **(metadata or {})}, "weight_map": weight_map}
+
+
+def index_bytes(document: dict) -> bytes:
+    """An index as written (indented JSON, as ``transformers`` and DCP's Hugging Face writer write it)."""
+    return (json.dumps(document, indent=2) + "\n").encode()
+
+
+class FileWriter:
+    """One safetensors file streamed into ``f``: its header written first, then each tensor in header order
+    (``write``), so one tensor at a time is held."""
 
     def __init__(self, f: BinaryIO, entries: Sequence[TensorEntry], metadata: dict[str, str] | None) -> None:
         self._f, self._pending = f, list(reversed(entries))
@@ -173,7 +193,7 @@ def write_file(
 ) -> int:
     """Write one safetensors file (temporary name, fsynced, renamed into place); return the tensor bytes."""
     with atomic_file(path) as tmp, open(tmp, "wb") as f:
-        w = _FileWriter(f, entries, metadata)
+        w = FileWriter(f, entries, metadata)
         source = iter(tensors)
         for entry in entries:
             tensor = next(source)  # one tensor alive at a time: the previous one is gone before the next is read
@@ -212,17 +232,11 @@ def write_set(
     os.makedirs(tmp_dir)
     files = [shard_file_name(i + 1, len(groups)) for i in range(len(groups))]
     try:
-        weight_map: dict[str, str] = {}
         for name, group in zip(files, groups, strict=True):
             write_file(os.path.join(tmp_dir, name), group, (next(tensors) for _ in group), metadata)
-            weight_map.update({e.name: name for e in group})
-        index = {
-            "metadata": {"total_size": sum(e.nbytes for e in entries), **(metadata or {})},
-            "weight_map": weight_map,
-        }
-        with atomic_file(os.path.join(tmp_dir, INDEX_FILE)) as tmp, open(tmp, "w") as f:
-            json.dump(index, f, indent=2)
-            f.write("\n")
+        index = index_document(list(zip(files, groups, strict=True)), metadata)
+        with atomic_file(os.path.join(tmp_dir, INDEX_FILE)) as tmp, open(tmp, "wb") as f:
+            f.write(index_bytes(index))
             f.flush()
             os.fsync(f.fileno())
         fsync_path(tmp_dir)
@@ -311,6 +325,29 @@ class SafetensorsSource:
         return torch.frombuffer(buf, dtype=torch.uint8).view(loc.entry.dtype).reshape(loc.entry.shape)
 
 
+def check_file(file: str) -> list[TensorEntry]:
+    """The tensors of the safetensors file ``file``, after the checks its format allows without reading the data
+    (what the ``safetensors`` package checks when it opens a file): the header is parsed and fits in the file,
+    every tensor's byte range holds its dtype and shape and lies inside the file, and the ranges cover the data
+    exactly, without gaps or overlaps. SafetensorsError naming the file and what is wrong."""
+    located = _parse_header(file)
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+    expected = 8 + n
+    for loc in located:  # sorted by offset
+        if loc.start != expected:
+            what = "overlaps the one before it" if loc.start < expected else "leaves a gap before it"
+            raise SafetensorsError(f"{file} has an invalid safetensors header: {loc.entry.name}'s data {what}")
+        expected += loc.entry.nbytes
+    if expected != size:
+        raise SafetensorsError(
+            f"{file} has {size} bytes but its header describes {expected}"
+            + (" (the data ends before the file does)" if expected < size else "")
+        )
+    return [loc.entry for loc in located]
+
+
 def _parse_header(file: str) -> list[_Located]:
     size = os.path.getsize(file)
     with open(file, "rb") as f:
@@ -335,8 +372,12 @@ def _parse_header(file: str) -> list[_Located]:
             shape = tuple(int(d) for d in info["shape"])
             begin, end = (int(x) for x in info["data_offsets"])
             entry = TensorEntry(name, dtype, shape)
-            if end - begin != entry.nbytes or begin < 0 or 8 + n + end > size:
-                raise ValueError(f"{name}: data_offsets {[begin, end]} do not fit {entry.nbytes} bytes in the file")
+            if end - begin != entry.nbytes or begin < 0:
+                raise ValueError(f"{name}: data_offsets {[begin, end]} do not hold its {entry.nbytes} bytes")
+            if 8 + n + end > size:
+                raise ValueError(
+                    f"{name}: data_offsets {[begin, end]} point past the end of the {size}-byte file (truncated?)"
+                )
             out.append((begin, _Located(entry, file, 8 + n + begin)))
     except (ValueError, KeyError, TypeError) as e:
         raise SafetensorsError(f"{file} has an invalid safetensors header: {e}") from e

@@ -38,6 +38,8 @@ from nxd_ckpt.ranks.coordinator import new_gloo_group, world_rank
 from nxd_ckpt.storage import storage_for
 from nxd_ckpt.tier.memory import MemoryTier
 from nxd_ckpt.tier.shared import close_runtimes, shared_tier
+from nxd_ckpt.tools.hf_folder import expected_of
+from nxd_ckpt.torchtitan import hf
 from nxd_ckpt.torchtitan.staging import ASYNC_MODES, check_budgets, make_stager, wait_for_staging
 from nxd_ckpt.torchtitan.steps import StepFolders, parse_step
 
@@ -80,16 +82,20 @@ class CheckpointManager(BaseCheckpointManager):
         step always); loads take the newest complete copy across the tiers."""
 
         def __post_init__(self) -> None:
-            BaseCheckpointManager.Config.__post_init__(self)
+            # TorchTitan refuses last_save_in_hf with a remote folder (its HF writer is local only); ours writes
+            # s3:// as every other save, so its check runs without the flag and the rest of it is repeated here
+            in_hf, self.last_save_in_hf = self.last_save_in_hf, False
+            try:
+                BaseCheckpointManager.Config.__post_init__(self)
+            finally:
+                self.last_save_in_hf = in_hf
+            if in_hf and not self.last_save_model_only:
+                raise ValueError("last_save_in_hf requires last_save_model_only=True.")
+            if in_hf and "://" in self.folder and not self.folder.startswith("s3://"):
+                raise ValueError(f"last_save_in_hf writes a local folder or s3://, not {self.folder}")
             self.async_mode = self.async_mode.lower()  # type: ignore[assignment]
             if self.async_mode not in ASYNC_MODES:
                 raise ValueError(f"Invalid async_mode: {self.async_mode!r}; use one of {', '.join(ASYNC_MODES)}")
-            if self.last_save_in_hf:
-                raise ValueError(
-                    "checkpoint.last_save_in_hf is not supported by nxd_ckpt.torchtitan.CheckpointManager: it saves "
-                    "DCP checkpoints only; set last_save_in_hf=False (and export the last step to safetensors "
-                    "afterwards) or use TorchTitan's own CheckpointManager.Config for that run"
-                )
             if isinstance(self.files_per_rank, bool) or not isinstance(self.files_per_rank, int):
                 raise ValueError(f"checkpoint.files_per_rank must be an int >= 1, got {self.files_per_rank!r}")
             if self.files_per_rank < 1:
@@ -136,6 +142,11 @@ class CheckpointManager(BaseCheckpointManager):
             }
         )
         self.sd_adapter = sd_adapter
+        if config.last_save_in_hf and sd_adapter is None:
+            raise ValueError(
+                "checkpoint.last_save_in_hf is True, but sd_adapter is not provided: the model's state-dict adapter "
+                "names the Hugging Face tensors"
+            )
         self.export_dtype = TORCH_DTYPE_MAP[config.export_dtype]
         self.async_mode = config.async_mode
         self.pg = new_gloo_group() if self.async_mode != "disabled" else None
@@ -206,7 +217,8 @@ class CheckpointManager(BaseCheckpointManager):
             self.save_future = result
 
     def _save_last_step(self, curr_step: int) -> None:
-        """The last step, synchronously: model only in ``export_dtype`` (``last_save_model_only``) or everything."""
+        """The last step, synchronously: model only in ``export_dtype`` (``last_save_model_only``) or everything;
+        with ``last_save_in_hf`` the model only, through the adapter, as a Hugging Face safetensors set."""
         if self.config.last_save_model_only:
             states = {
                 k: v.to(self.export_dtype)
@@ -217,6 +229,11 @@ class CheckpointManager(BaseCheckpointManager):
             logger.info("saving a model-only checkpoint in %s at the last step, step %d", self.export_dtype, curr_step)
         else:
             states = self._flattened(self.states)
+        if self.config.last_save_in_hf:  # export_dtype applied before to_hf, as TorchTitan does
+            path = self.steps.path(curr_step)
+            hf.save_hf(self.sd_adapter.to_hf(states), path, hf.fqn_to_index_of(self.sd_adapter), self.config.timeout_s)
+            logger.info("saved step-%d in Hugging Face safetensors format at %s", curr_step, path)
+            return
         dcp.save(states, storage_writer=self._writer(curr_step, durable=True))
 
     def _purge(self) -> None:
@@ -351,12 +368,15 @@ class CheckpointManager(BaseCheckpointManager):
         self.states[MODEL].load_state_dict(states)  # the model's entries are flattened into ``states``
 
     def _load_hf(self, path: str) -> None:
-        """Hugging Face safetensors through the model's state-dict adapter, as TorchTitan's manager reads them
-        (its reader: not verified by nxd_ckpt)."""
+        """Hugging Face safetensors through the model's state-dict adapter and its reader, as TorchTitan's manager
+        reads them, once rank 0 has checked the folder (``tools.hf_folder.check_folder``: the manifests of a folder the
+        library wrote, every header and byte range, each tensor against the model); the model changes only then."""
         if self.sd_adapter is None:
             raise ValueError("checkpoint.initial_load_in_hf needs the model's state-dict adapter (sd_adapter)")
         quantized = self.config.initial_load_in_hf_quantized
         hf_state = self.sd_adapter.to_hf(self.states[MODEL].state_dict())
+        hf.check_hf_folder_on_all_ranks(path, None if quantized else expected_of(hf_state), self.config.timeout_s)
+        logger.info("loading Hugging Face weights from %s (checked)", path)
         dcp.load(hf_state, storage_reader=self.sd_adapter.get_hf_storage_reader(path, quantized))
         self.states[MODEL].load_state_dict(self.sd_adapter.from_hf(hf_state))
 

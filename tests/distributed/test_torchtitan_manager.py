@@ -309,9 +309,17 @@ def test_a_truncated_step_torchtitans_manager_wrote_is_skipped_with_fallback(tmp
     _assert_same(resumed.snapshot(), at_two)
 
 
-def test_the_config_refuses_last_save_in_hf_and_unsupported_fields():
-    with pytest.raises(ValueError, match="last_save_in_hf is not supported"):
-        CheckpointManager.Config(enable=True, last_save_in_hf=True)
+def test_the_config_checks_last_save_in_hf_and_refuses_unsupported_fields():
+    with pytest.raises(ValueError, match="last_save_in_hf requires last_save_model_only=True"):
+        CheckpointManager.Config(enable=True, last_save_in_hf=True, last_save_model_only=False)
+    with pytest.raises(ValueError, match="last_save_in_hf writes a local folder or s3://"):
+        CheckpointManager.Config(enable=True, last_save_in_hf=True, folder="gs://bucket/ckpt")
+    for folder in ("checkpoint", "s3://bucket/run/ckpt"):  # TorchTitan's own Config refuses the s3:// one
+        assert CheckpointManager.Config(enable=True, last_save_in_hf=True, folder=folder).last_save_in_hf
+    with pytest.raises(ValueError, match="last_save_in_hf is True, but sd_adapter is not provided"):
+        CheckpointManager.Config(enable=True, last_save_in_hf=True).build(
+            dataloader=None, model_parts=[], optimizers=None, lr_schedulers=None, states={}, sd_adapter=None
+        )
     with pytest.raises(ValueError, match="Invalid async_mode"):
         CheckpointManager.Config(enable=True, async_mode="sometimes")
     with pytest.raises(ValueError, match="host_memory_budget='lots' is not a size"):
