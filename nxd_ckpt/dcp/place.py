@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 from nxd_ckpt.errors import InvalidTagError
-from nxd_ckpt.format import layout
+from nxd_ckpt.format import layout, resave
 from nxd_ckpt.save import commit
 from nxd_ckpt.storage import Storage, storage_for
 from nxd_ckpt.watchdog import StorageMonitor, WatchedStorage
@@ -65,6 +65,12 @@ class CheckpointPlace:
     def is_complete(self) -> bool:
         """Whether the folder holds DCP's ``.metadata``."""
         return self.root.exists(f"{self.folder}/{METADATA}")
+
+    def repair(self) -> bool:
+        """Give the folder back the complete checkpoint a save killed between its two renames (storage without an
+        atomic exchange) left under a hidden name: the new copy if it was complete, else the old one. Safe on
+        every rank at once; an unfinished save is left alone. True when the folder is complete afterwards."""
+        return resave.finish_swap(self.root, self.folder, layout.DCP_COMMIT)
 
 
 class FolderId:
