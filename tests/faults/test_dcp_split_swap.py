@@ -139,3 +139,38 @@ def test_torchtitan_resumes_the_newest_complete_step_after_a_kill_between_the_re
         assert stock.checkpointer.load() is True
         titan_job.assert_same_state(new_step_2, stock.state())
         stock.checkpointer.close()
+
+
+def test_retention_deletes_hidden_copies_older_than_the_oldest_kept_step(tmp_path):
+    """keep_latest_k also deletes what killed saves left hidden (a killed new save's staging, an old copy under
+    an earlier version's name) once older than the oldest step kept; a newer hidden copy (a save that may be
+    running) stays."""
+    pytest.importorskip("torchtitan", reason="needs the torchtitan extra")
+    from harness import titan_job
+    from harness.dcp_crash import run_dcp_save
+    from nxd_ckpt.torchtitan import CheckpointManager
+
+    base = str(tmp_path / "job")
+    folder = os.path.join(base, "ckpt")
+    assert run_dcp_save(os.path.join(folder, "step-3"), 3, "nxd_ckpt", kill_after=8) == -1  # killed mid-write
+    legacy = os.path.join(folder, ".nxd-dcp-replaced.step-1")  # what an earlier version named an old copy
+    shutil.copytree(_saved_copy(tmp_path), legacy)
+    newer = os.path.join(folder, DCP_COMMIT.staging_dir("step-9"))
+    os.makedirs(newer)
+    assert _hidden(folder) == sorted([DCP_COMMIT.staging_dir("step-3"), ".nxd-dcp-replaced.step-1", _name(newer)])
+    config = CheckpointManager.Config(enable=True, folder="ckpt", interval=2, keep_latest_k=2)
+    with titan_job.gloo_world_of_one():
+        job = _titan_job(config, base, seed=0)
+        job.train(6)
+        job.checkpointer.close()
+    assert sorted(os.listdir(folder)) == sorted(["step-4", "step-6", _name(newer)])
+
+
+def _saved_copy(tmp_path: Any) -> str:
+    path = str(tmp_path / "copy" / "step-1")
+    _save(path, 1)
+    return path
+
+
+def _name(path: str) -> str:
+    return os.path.basename(path)
