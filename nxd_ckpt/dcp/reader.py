@@ -78,6 +78,8 @@ class StorageReader(FolderId, _DcpStorageReader):
         timeout: the deadline of the memory tier's steps (default ``NXD_CKPT_TIMEOUT_S``).
     """
 
+    _PER_PROCESS = ("place", "tier_view")
+
     def __init__(
         self,
         path: str | os.PathLike[str],

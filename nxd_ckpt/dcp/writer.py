@@ -124,6 +124,8 @@ class StorageWriter(FolderId, _DcpStorageWriter):
             the same point: the node's file server starts and the addresses are exchanged).
     """
 
+    _PER_PROCESS = ("place", "tier", "_tier_save")
+
     def __init__(
         self,
         path: str | os.PathLike[str],
