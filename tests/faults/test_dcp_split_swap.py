@@ -174,3 +174,41 @@ def _saved_copy(tmp_path: Any) -> str:
 
 def _name(path: str) -> str:
     return os.path.basename(path)
+
+
+def _load_on_every_rank(path: str, version: int) -> None:
+    """Every rank loads ``path`` through nxd_ckpt's reader, each one finding the folder missing at first."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    out = empty_state()
+    dcp.load(out, storage_reader=StorageReader(path))
+    expected = dcp_state(version)
+    assert out["step"] == version
+    assert all(torch.equal(out["model"][k], v) for k, v in expected["model"].items())
+
+
+def test_every_rank_repairs_at_once_and_all_load_the_new_copy(tmp_path):
+    from harness.multiprocess import run_on_ranks
+
+    path = str(tmp_path / "step-2")
+    _save(path, 2)
+    kill_dcp_save_between_renames(path, 3)
+    run_on_ranks(_load_on_every_rank, 4, dict(path=path, version=3))
+    assert _hidden(tmp_path) == [] and loaded_version(path) == 3
+
+
+def test_recovery_and_repair_handle_the_names_an_earlier_version_wrote(tmp_path):
+    """An old copy left hidden as ``.nxd-dcp-replaced.step-2`` (before the names hid their dashes) goes back."""
+    from nxd_ckpt.dcp import recover_folder
+
+    for repair in ("reader", "recover_folder"):
+        root = tmp_path / repair
+        _save(str(root / "step-2"), 2)
+        os.rename(root / "step-2", root / ".nxd-dcp-replaced.step-2")
+        if repair == "reader":
+            assert loaded_version(str(root / "step-2"), verified=True) == 2
+        else:
+            recover_folder(str(root / "step-2"))
+            assert loaded_version(str(root / "step-2")) == 2
+        assert _hidden(root) == []
