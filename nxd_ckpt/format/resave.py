@@ -10,7 +10,9 @@ tag -> ``layout.replaced_dir(tag)``, resave_dir -> tag, sync, delete the old cop
 deleted (``done`` first) and the new files are copied to its name (``done`` last). At every moment one complete
 copy exists: the old tag until the new one is complete, then the new one under either name. A crash in the
 middle is finished by ``recover_resaves`` (rank 0, before every save and load): a complete re-save is swapped
-in, an incomplete one is dropped, and an old copy whose replacement never arrived goes back to its name.
+in, an incomplete one is dropped, and an old copy whose replacement never arrived goes back to its name. A DCP
+folder a crash left missing between the two renames is given back its complete copy by ``finish_swap``, which
+every rank of a load may run at once (``dcp.place.CheckpointPlace.repair``).
 """
 
 from __future__ import annotations
