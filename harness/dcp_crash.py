@@ -8,6 +8,7 @@ is checked bit-exactly against the version it claims.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import warnings
@@ -20,6 +21,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from harness.crashloop import _MUTATIONS, _kill_at_call, model_state
 from harness.multiprocess import rank_context
 from nxd_ckpt.dcp import StorageReader, StorageWriter
+from nxd_ckpt.format.layout import DCP_COMMIT
+from nxd_ckpt.storage import local
 
 WRITERS = ("nxd_ckpt", "dcp")
 """``nxd_ckpt``: nxd_ckpt.dcp.StorageWriter; ``dcp``: torch's FileSystemWriter (fsyncs files, renames .metadata)."""
@@ -86,3 +89,68 @@ def loaded_version(path: str, verified: bool = False) -> int | None:
     expected = model_state(version)
     same = all(torch.equal(out["model"][k], expected[k]) for k in expected)
     return version if same else None
+
+
+def split_swaps_and_kill_between_renames(folder: str) -> None:
+    """In this process, directories are swapped as on Lustre or NFS: ``renameat2(RENAME_EXCHANGE)`` fails with
+    EINVAL (so ``LocalStorage.exchange_dirs`` falls back to two renames), and the process SIGKILLs itself at the
+    second rename of a save of ``folder`` (its staged copy taking the name the first rename freed)."""
+
+    def unsupported(a: str, b: str) -> None:
+        raise OSError(errno.EINVAL, "renameat2(RENAME_EXCHANGE) is not supported by this filesystem")
+
+    local.rename_exchange = unsupported  # type: ignore[assignment]
+    staged, real = DCP_COMMIT.staging_dir(folder), os.rename
+
+    def rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if os.path.basename(os.fspath(src)) == staged:
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(src, dst, *args, **kwargs)
+
+    os.rename = rename  # type: ignore[assignment]
+
+
+def _split_swap_child(path: str, version: int) -> None:
+    """Save ``version`` into ``path`` through nxd_ckpt's writer, killed between the two renames of its swap."""
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    split_swaps_and_kill_between_renames(os.path.basename(path))
+    dcp.save(dcp_state(version), storage_writer=StorageWriter(path), no_dist=True)
+    os._exit(100)
+
+
+def _titan_split_swap_child(base: str, step: int, seed: int) -> None:
+    """A TorchTitan job (``harness.titan_job``, nxd_ckpt's manager, a gloo world of one) that trains from step
+    ``step - 1`` with ``seed``'s weights and saves ``step``, killed between the two renames of that save."""
+    from harness import titan_job
+    from nxd_ckpt.torchtitan import CheckpointManager
+
+    torch.set_num_threads(1)
+    split_swaps_and_kill_between_renames(f"step-{step}")
+    config = CheckpointManager.Config(enable=True, folder="ckpt", interval=1, keep_latest_k=0)
+    with titan_job.gloo_world_of_one():
+        job = titan_job.TitanJob(config, seed, base)
+        job.train_state.step = step - 1
+        job.train(1)
+    os._exit(100)
+
+
+def run_killed_between_renames(target: Any, *args: Any) -> None:
+    """Run ``target(*args)`` (``_split_swap_child``, ``_titan_split_swap_child``) in a forked process; it must end
+    SIGKILLed between the renames."""
+    ctx = rank_context(__name__)
+    p = ctx.Process(target=target, args=args, daemon=True)
+    p.start()
+    p.join(timeout=120)
+    if p.exitcode != -signal.SIGKILL:
+        raise AssertionError(f"the save was not killed between its renames (exit code {p.exitcode})")
+
+
+def kill_dcp_save_between_renames(path: str, version: int) -> None:
+    """Save ``version`` into the DCP folder ``path`` (nxd_ckpt's writer), killed between the two renames."""
+    run_killed_between_renames(_split_swap_child, path, version)
+
+
+def kill_titan_save_between_renames(base: str, step: int, seed: int) -> None:
+    """A TorchTitan job under ``base`` saves ``step`` (see ``_titan_split_swap_child``), killed between renames."""
+    run_killed_between_renames(_titan_split_swap_child, base, step, seed)

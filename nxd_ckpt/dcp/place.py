@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 from nxd_ckpt.errors import InvalidTagError
-from nxd_ckpt.format import layout
+from nxd_ckpt.format import layout, resave
 from nxd_ckpt.save import commit
 from nxd_ckpt.storage import Storage, storage_for
 from nxd_ckpt.watchdog import StorageMonitor, WatchedStorage
@@ -66,12 +66,43 @@ class CheckpointPlace:
         """Whether the folder holds DCP's ``.metadata``."""
         return self.root.exists(f"{self.folder}/{METADATA}")
 
+    def repair(self) -> bool:
+        """Give the folder back the complete checkpoint a save killed between its two renames (storage without an
+        atomic exchange) left under a hidden name: the new copy if it was complete, else the old one. Safe on
+        every rank at once; an unfinished save is left alone. True when the folder is complete afterwards."""
+        return resave.finish_swap(self.root, self.folder, layout.DCP_COMMIT)
+
 
 class FolderId:
     """What DCP's ``StorageWriter`` and ``StorageReader`` both say about their ``checkpoint_id``: the folder
-    ``path``, a local path or an ``s3://`` URL."""
+    ``path``, a local path or an ``s3://`` URL; and how either one is pickled (DCP's
+    ``AsyncCheckpointerType.PROCESS`` executor sends the writer to its checkpoint process)."""
 
     path: str
+    place: CheckpointPlace
+
+    _PER_PROCESS: tuple[str, ...] = ("place",)
+    """Attributes that belong to this process (open storage clients, the memory tier's runtime): not pickled;
+    a copy opens the folder's storage again, the others start as None."""
+
+    def __getstate__(self) -> dict[str, object]:
+        """The settings and the ids of the save or load in hand; never what belongs to this process. A memory tier
+        is refused: its copies, file server and save count live in this process's runtime."""
+        if getattr(self, "memory_tier", None) is not None:
+            raise TypeError(
+                f"nxd_ckpt.dcp.{type(self).__name__}({self.path!r}, memory_tier=...) cannot be pickled: the memory "
+                "tier lives in this process (its node's copies, file server and save count), and DCP's "
+                "AsyncCheckpointerType.PROCESS executor would save from another one; use "
+                "async_checkpointer_type=AsyncCheckpointerType.THREAD (the default) with a memory tier, or no "
+                "memory_tier with PROCESS"
+            )
+        return {k: v for k, v in self.__dict__.items() if k not in self._PER_PROCESS}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        for name in self._PER_PROCESS:
+            setattr(self, name, None)
+        self.place = CheckpointPlace.of(self.path)
 
     @property
     def checkpoint_id(self) -> str:

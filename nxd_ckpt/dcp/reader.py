@@ -78,6 +78,8 @@ class StorageReader(FolderId, _DcpStorageReader):
         timeout: the deadline of the memory tier's steps (default ``NXD_CKPT_TIMEOUT_S``).
     """
 
+    _PER_PROCESS = ("place", "tier_view")
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -116,7 +118,7 @@ class StorageReader(FolderId, _DcpStorageReader):
         if kwargs.get("rank") is not None:
             raise FormatError(f"{self.path}: rank-local DCP metadata (use_collectives=False) is not supported")
         path = f"{self.place.folder}/{METADATA}"
-        if not self.place.root.exists(path):
+        if not self.place.root.exists(path) and not self.place.repair():  # a swap a crash cut in two: finished
             raise CheckpointNotFoundError(
                 f"{self.path} holds no DCP checkpoint (no {METADATA}): the save into it never committed, or the path "
                 "is wrong; load another checkpoint (an interrupted save's older copy, if any, is restored by "

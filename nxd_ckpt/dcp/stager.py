@@ -156,6 +156,20 @@ class Stager(AsyncStager):
         self.last_blocked_s = 0.0
         """Seconds the last ``stage`` spent copying (the snapshot, or the copy into host buffers)."""
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Its settings only (a stager pickled with the objects around it): the staged copies, their pool and the
+        threads that move them belong to this process, so a copy starts with its own, empty pool."""
+        return {
+            "host_memory_budget": self.host_memory_budget,
+            "device_snapshot_budget": self.device_snapshot_budget,
+            "timeout_s": self.timeout_s,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        Stager.__init__(self, timeout=state["timeout_s"])
+        self.host_memory_budget = state["host_memory_budget"]
+        self.device_snapshot_budget = state["device_snapshot_budget"]
+
     def stage(self, state_dict: STATE_DICT_TYPE) -> Future[STATE_DICT_TYPE]:  # type: ignore[override]
         """The training-safe copy of ``state_dict``, as a Future done once its host copies have arrived."""
         self._raise_earlier()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import os
 import pickle
 import time
@@ -47,6 +48,7 @@ from nxd_ckpt.format.hashing import hash_bytes
 from nxd_ckpt.format.integrity import ChecksummingStorage
 from nxd_ckpt.format.layout import DCP_COMMIT
 from nxd_ckpt.format.manifests import FileRecord, manifest_bytes
+from nxd_ckpt.ranks.coordinator import Coordinator
 from nxd_ckpt.ranks.deadlines import resolve_timeout
 from nxd_ckpt.save import commit
 from nxd_ckpt.storage import Storage
@@ -70,14 +72,40 @@ class _TierPlan:
 
 @dataclasses.dataclass(frozen=True)
 class _RankFiles:
-    """What the coordinator's global plan tells one rank's writer: its rank and its files' name prefix."""
+    """What the coordinator's global plan tells one rank's writer: its rank and its files' name prefix, the same
+    on every save (DCP's plan caching, ``DefaultSavePlanner(enable_plan_caching=True)``, hands a rank the first
+    save's plan again: nothing of one save may live here; that is ``_SaveFacts``)."""
 
     rank: int
     prefix: str
-    tier: _TierPlan | None = None
-    save_key: str = ""
-    """The save's id on the store (the same on every rank: the coordinator's), for ``checkin``."""
     world_size: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _SaveFacts:
+    """The coordinator's facts of one save, the same on every rank: its id on the store (for ``checkin``) and its
+    memory-tier decision. Decided by the coordinator's ``prepare_global_plan``, which runs on every save, cached
+    plans or not; the other ranks read them from the store under the folder's key (``_facts_key``) in
+    ``write_data``: the coordinator set them before DCP scattered the plans, and cannot set the next save's before
+    every rank's ``write_data`` has ended (DCP gathers their results first)."""
+
+    save_key: str
+    tier: _TierPlan | None = None
+
+    def to_json(self) -> bytes:
+        return json.dumps({"save_key": self.save_key, "tier": None if self.tier is None else list(
+            dataclasses.astuple(self.tier))}).encode()  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: bytes) -> _SaveFacts:
+        raw = json.loads(data)
+        tier = raw["tier"]
+        return cls(raw["save_key"], None if tier is None else _TierPlan(float(tier[0]), bool(tier[1]), int(tier[2])))
+
+
+def _facts_key(place: CheckpointPlace) -> str:
+    """The store key of the save in flight into ``place`` (one save into a folder at a time)."""
+    return f"nxd_ckpt/dcp/save/{place.root.url}/{place.folder}"
 
 
 class StorageWriter(FolderId, _DcpStorageWriter):
@@ -95,6 +123,8 @@ class StorageWriter(FolderId, _DcpStorageWriter):
             ``durable_every``-th save. Collective the first time in a process (every rank builds its writer at
             the same point: the node's file server starts and the addresses are exchanged).
     """
+
+    _PER_PROCESS = ("place", "tier", "_tier_save")
 
     def __init__(
         self,
@@ -117,6 +147,7 @@ class StorageWriter(FolderId, _DcpStorageWriter):
         self._is_coordinator = False
         self._durable = True
         self._tier_save: TierSave | None = None
+        self._facts: _SaveFacts | None = None
         self.reset(path)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -153,17 +184,36 @@ class StorageWriter(FolderId, _DcpStorageWriter):
             self._watched(
                 "preparing", lambda place, _: commit.prepare_folder(place.root, place.folder, place.path, DCP_COMMIT)
             )
-        key, world = uuid.uuid4().hex, len(plans)
-        return [
-            dataclasses.replace(p, storage_data=_RankFiles(i, f"__{i}_", tier, key, world)) for i, p in enumerate(plans)
-        ]
+        self._facts = _SaveFacts(uuid.uuid4().hex, tier)
+        store = Coordinator().store if len(plans) > 1 else None
+        if store is not None:
+            store.set(_facts_key(self.place), self._facts.to_json())
+        world = len(plans)
+        return [dataclasses.replace(p, storage_data=_RankFiles(i, f"__{i}_", world)) for i, p in enumerate(plans)]
+
+    def _save_facts(self, files: _RankFiles) -> _SaveFacts:
+        """This save's facts: the coordinator's own, or, on another rank, those it set on the store."""
+        if self._is_coordinator or files.world_size == 1:
+            assert self._facts is not None, "prepare_global_plan runs on the coordinator before write_data"
+            return self._facts
+        store = Coordinator().store
+        assert store is not None, "a save of several ranks runs in a process group"
+        self._facts = _SaveFacts.from_json(store.get(_facts_key(self.place)))
+        return self._facts
+
+    def _forget_facts(self, world_size: int) -> None:
+        """Coordinator, once every rank's ``write_data`` has ended: the save's facts leave the store."""
+        store = Coordinator().store if world_size > 1 else None
+        if store is not None:
+            store.delete_key(_facts_key(self.place))
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """This rank's files, durable, and its manifest, before the future is returned (already done); the
         coordinator then waits, under the deadline, until every rank's ``write_data`` has ended (``checkin``)."""
         files: _RankFiles = plan.storage_data
         self._rank = files.rank
-        check_in = WrittenCheckIn(files.save_key, files.rank, files.world_size)
+        facts = self._save_facts(files)
+        check_in = WrittenCheckIn(facts.save_key, files.rank, files.world_size)
         try:
             results = self._watched(
                 f"writing rank {files.rank}'s files of",
@@ -186,6 +236,7 @@ class StorageWriter(FolderId, _DcpStorageWriter):
         for info in metadata.storage_data.values():
             needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
         data = pickle.dumps(metadata)
+        self._forget_facts(len(results))
         tier, self._tier_save = self._tier_save, None
         if tier is None or self._durable:
             self._watched("committing", lambda place, _: _commit(place, data, len(results), self._rank, needed))
@@ -203,8 +254,9 @@ class StorageWriter(FolderId, _DcpStorageWriter):
     ) -> list[WriteResult]:
         """This rank's items into the folder (``_write_files``), or through the memory tier (``_write_tier``)."""
         files: _RankFiles = plan.storage_data
-        self._durable = files.tier is None or files.tier.durable
-        if files.tier is None:
+        tier = self._facts.tier if self._facts is not None else None
+        self._durable = tier is None or tier.durable
+        if tier is None:
             storage = ChecksummingStorage(place.staged(), place.folder, files.rank)
             with storage.durability_batch():
                 results = self._write_files(storage, place.folder, plan, planner)
@@ -218,11 +270,12 @@ class StorageWriter(FolderId, _DcpStorageWriter):
         """This rank's files into its node's memory, copied to the folder on a durable save; then (every rank but
         the coordinator, which does it in ``finish`` after ``.metadata``) its marker and the peers' copies."""
         files: _RankFiles = plan.storage_data
-        assert self.tier is not None and files.tier is not None
-        tier = self.tier.runtime.begin_save(place.folder, files.tier.created_at, files.tier.world_size, monitor)
+        decided = self._facts.tier if self._facts is not None else None
+        assert self.tier is not None and decided is not None
+        tier = self.tier.runtime.begin_save(place.folder, decided.created_at, decided.world_size, monitor)
         tier.begin()
         results = self._write_files(tier.storage, place.folder, plan, planner)
-        if files.tier.durable:
+        if decided.durable:
             durable = ChecksummingStorage(place.staged(), place.folder, files.rank)
             with durable.durability_batch():
                 tier.copy_to(durable)

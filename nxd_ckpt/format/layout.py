@@ -63,15 +63,20 @@ REPLACED_PREFIX = ".nxd-replaced."
 """Hidden name the old copy of a re-saved tag has between the swap and its deletion."""
 DCP_STAGING_PREFIX = ".nxd-dcp-staging."
 """Hidden directory beside a DCP checkpoint folder where ``nxd_ckpt.dcp.StorageWriter`` writes a save until its
-commit renames it into place (stock DCP and TorchTitan's ``step-N`` scan skip it)."""
+commit renames it into place; the folder's name follows with each ``-`` written ``~`` (``.nxd-dcp-staging.step~100``)
+so that no scan for ``step-N`` (TorchTitan's ``re.search``, in its loader and its purge) takes it for a checkpoint."""
 DCP_REPLACED_PREFIX = ".nxd-dcp-replaced."
-"""Hidden name an older DCP checkpoint has while a save replaces it where directories cannot be exchanged."""
+"""Hidden name an older DCP checkpoint has while a save replaces it where directories cannot be exchanged (the
+folder's name written as after ``DCP_STAGING_PREFIX``)."""
+HIDDEN_DASH = "~"
+"""What a ``-`` of a folder's name becomes in the names of its hidden DCP siblings (never in a folder name, so the
+name reads back unambiguously)."""
 HF_INDEX_FILE = "model.safetensors.index.json"
 """A Hugging Face safetensors set's index (``metadata.total_size``, ``weight_map``): the file ``transformers`` opens
 first and TorchTitan's step scan takes as the mark of a complete ``step-N`` in that format."""
 HF_STAGING_PREFIX = ".nxd-hf-staging."
 """Hidden directory beside a ``step-N`` folder where the TorchTitan manager writes its last step in Hugging Face
-format until the commit renames it into place."""
+format until the commit renames it into place (its name written as after ``DCP_STAGING_PREFIX``: ``step~N``)."""
 HF_REPLACED_PREFIX = ".nxd-hf-replaced."
 """Hidden name an older Hugging Face folder has while a save replaces it."""
 
@@ -95,14 +100,41 @@ class CommitLayout:
     re-saved copy (None: the folder is wholly the front end's, nothing is carried)."""
     kind: str
     """What a complete folder is called in messages."""
+    hides_dashes: bool = False
+    """Whether the hidden siblings' names write the folder's ``-`` as ``HIDDEN_DASH`` (DCP: see
+    ``DCP_STAGING_PREFIX``); the plain names earlier versions wrote are still recognised (``legacy_dirs``)."""
+
+    def _hidden(self, prefix: str, folder: str) -> str:
+        name = validate_tag(folder)
+        return prefix + (name.replace("-", HIDDEN_DASH) if self.hides_dashes else name)
 
     def staging_dir(self, folder: str) -> str:
         """Where a save of ``folder`` is written until it is complete and swapped in."""
-        return self.staging_prefix + validate_tag(folder)
+        return self._hidden(self.staging_prefix, folder)
 
     def replaced_dir(self, folder: str) -> str:
         """Where the old copy of ``folder`` goes while the staged one takes its name."""
-        return self.replaced_prefix + validate_tag(folder)
+        return self._hidden(self.replaced_prefix, folder)
+
+    def legacy_dirs(self, folder: str) -> tuple[str, str] | None:
+        """The staging and replaced names of ``folder`` that versions before ``hides_dashes`` wrote (None where
+        they are today's names): recovery and retention still handle what such a version left."""
+        name = validate_tag(folder)
+        if not self.hides_dashes or "-" not in name:
+            return None
+        return self.staging_prefix + name, self.replaced_prefix + name
+
+    def folder_of(self, name: str) -> str | None:
+        """The folder whose hidden sibling (staging or replaced, today's name or a legacy one) is called ``name``;
+        None for any other name."""
+        for prefix in (self.staging_prefix, self.replaced_prefix):
+            if name.startswith(prefix):
+                folder = name[len(prefix) :].replace(HIDDEN_DASH, "-") if self.hides_dashes else name[len(prefix) :]
+                try:
+                    return validate_tag(folder)
+                except InvalidTagError:
+                    return None
+        return None
 
 
 NXD_COMMIT = CommitLayout(
@@ -110,11 +142,18 @@ NXD_COMMIT = CommitLayout(
 )
 """NxD tags: ``done`` last; a new tag is written in place, a re-save of a complete one beside it."""
 DCP_COMMIT = CommitLayout(
-    DCP_METADATA_FILE, DCP_STAGING_PREFIX, DCP_REPLACED_PREFIX, None, False, None, "DCP checkpoint"
+    DCP_METADATA_FILE, DCP_STAGING_PREFIX, DCP_REPLACED_PREFIX, None, False, None, "DCP checkpoint", hides_dashes=True
 )
 """DCP checkpoint folders: ``.metadata`` last; every save staged where the storage renames directories."""
 HF_COMMIT = CommitLayout(
-    HF_INDEX_FILE, HF_STAGING_PREFIX, HF_REPLACED_PREFIX, None, False, None, "Hugging Face checkpoint"
+    HF_INDEX_FILE,
+    HF_STAGING_PREFIX,
+    HF_REPLACED_PREFIX,
+    None,
+    False,
+    None,
+    "Hugging Face checkpoint",
+    hides_dashes=True,
 )
 """Hugging Face safetensors folders: the index last; every save staged where the storage renames directories."""
 

@@ -10,7 +10,9 @@ tag -> ``layout.replaced_dir(tag)``, resave_dir -> tag, sync, delete the old cop
 deleted (``done`` first) and the new files are copied to its name (``done`` last). At every moment one complete
 copy exists: the old tag until the new one is complete, then the new one under either name. A crash in the
 middle is finished by ``recover_resaves`` (rank 0, before every save and load): a complete re-save is swapped
-in, an incomplete one is dropped, and an old copy whose replacement never arrived goes back to its name.
+in, an incomplete one is dropped, and an old copy whose replacement never arrived goes back to its name. A DCP
+folder a crash left missing between the two renames is given back its complete copy by ``finish_swap``, which
+every rank of a load may run at once (``dcp.place.CheckpointPlace.repair``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any, BinaryIO
 
-from nxd_ckpt.errors import CheckpointError, FormatError
+from nxd_ckpt.errors import CheckpointError, FormatError, StorageError
 from nxd_ckpt.format import layout
 from nxd_ckpt.format.layout import NXD_COMMIT, CommitLayout
 from nxd_ckpt.format.metadata import TagMetadata, read_metadata
@@ -218,6 +220,7 @@ def recover_resaves(storage: Storage, finish_only: bool = False) -> list[str]:
 def recover_resave(storage: Storage, tag: str, spec: CommitLayout, finish_only: bool = False) -> None:
     """Rank 0: finish or undo the save of ``tag`` a crash interrupted (see above; ``finish_only``: as
     ``recover_resaves``); a hidden directory left empty is removed too."""
+    _adopt_legacy_names(storage, tag, spec)
     staging, old, marker = spec.staging_dir(tag), spec.replaced_dir(tag), spec.marker
     if storage.exists(f"{staging}/{marker}") and not _is_older_copy(storage, staging, tag, spec):
         logger.warning("finishing the interrupted re-save of checkpoint %s in %s", tag, storage.url)
@@ -241,6 +244,59 @@ def recover_resave(storage: Storage, tag: str, spec: CommitLayout, finish_only: 
         delete_copy(storage, old, marker)
         return
     _restore(storage, tag, old)
+
+
+def _adopt_legacy_names(storage: Storage, tag: str, spec: CommitLayout) -> None:
+    """Rank 0: hidden copies of ``tag`` under the names an earlier version wrote take today's names (where those
+    are free), so the recovery below settles them too."""
+    legacy = spec.legacy_dirs(tag)
+    if legacy is None or not storage.renames_dirs:
+        return
+    for old_name, name in zip(legacy, (spec.staging_dir(tag), spec.replaced_dir(tag)), strict=True):
+        if storage.list_dir(old_name) and not storage.list_dir(name):
+            storage.rename_dir(old_name, name)
+            storage.sync_dirs([""])
+
+
+def finish_swap(storage: Storage, tag: str, spec: CommitLayout) -> bool:
+    """Give ``tag`` back its complete checkpoint where a crash between the two renames of a swap (storage without
+    an atomic exchange: Lustre, NFS) left it missing: the complete staged copy takes the name (the old copy is then
+    deleted), else the complete old copy goes back. True when ``tag`` is complete afterwards.
+
+    Safe on several ranks at once (a reader on every rank finding the folder missing): each repair is one rename,
+    a rank whose rename lost the race finds ``tag`` complete, and only the rank whose rename won deletes the old
+    copy. An incomplete staged copy (a save that may still be running) is never touched."""
+    marker = spec.marker
+    if storage.exists(f"{tag}/{marker}"):
+        return True
+    if not storage.renames_dirs:
+        return False  # folders are written in place there: nothing is ever swapped out
+    if storage.list_dir(tag):  # a folder that is there (another rank's repair just now, or a partial one)
+        return storage.exists(f"{tag}/{marker}")
+    legacy = spec.legacy_dirs(tag) or ()
+    staged = [spec.staging_dir(tag), *legacy[:1]]
+    replaced = [spec.replaced_dir(tag), *legacy[1:]]
+    for source in staged + replaced:
+        if not storage.exists(f"{source}/{marker}"):
+            continue
+        try:
+            storage.rename_dir(source, tag)
+        except StorageError:  # another rank's rename came first (or the copy went meanwhile)
+            if storage.exists(f"{tag}/{marker}"):
+                return True
+            continue
+        storage.sync_dirs([""])
+        logger.warning(
+            "finished the interrupted swap of checkpoint %s in %s: it holds the %s copy",
+            tag,
+            storage.url,
+            "new" if source in staged else "old",
+        )
+        if source in staged:
+            for other in replaced:
+                delete_copy(storage, other, marker)
+        return True
+    return storage.exists(f"{tag}/{marker}")
 
 
 def _restore(storage: Storage, tag: str, old: str) -> None:

@@ -34,7 +34,7 @@ from torchtitan.tools import filesystem
 from nxd_ckpt.dcp import StorageReader, StorageWriter
 from nxd_ckpt.dcp.place import METADATA
 from nxd_ckpt.errors import FormatError, IntegrityError
-from nxd_ckpt.ranks.coordinator import new_gloo_group, world_rank
+from nxd_ckpt.ranks.coordinator import Coordinator, new_gloo_group, world_rank
 from nxd_ckpt.storage import storage_for
 from nxd_ckpt.tier.memory import MemoryTier
 from nxd_ckpt.tier.shared import close_runtimes, shared_tier
@@ -280,8 +280,9 @@ class CheckpointManager(BaseCheckpointManager):
     def _load(self, step: int = -1) -> bool:
         """Load ``step`` (-1: the newest complete one; none there: the initial checkpoint, if any). True when a
         checkpoint was loaded."""
-        has_folder = self.steps.exists()
-        complete = self.steps.complete_steps() if has_folder else []
+        has_folder, complete = Coordinator(timeout_s=self.config.timeout_s).master_computes(
+            self._list_steps, "listing the checkpoint steps"
+        )
         in_memory = self._newest_in_memory()
         if in_memory is not None:
             has_folder, complete = True, sorted({*complete, in_memory})
@@ -301,6 +302,14 @@ class CheckpointManager(BaseCheckpointManager):
             self._load_newest(complete)
             return True
         return self._initial_load()
+
+    def _list_steps(self) -> tuple[bool, list[int]]:
+        """Rank 0 (every rank receives it): whether the checkpoint folder exists and its complete steps, after a
+        step a save killed between its two renames got its checkpoint back (``StepFolders.repair``)."""
+        if not self.steps.exists():
+            return False, []
+        self.steps.repair()  # each repair is logged
+        return True, self.steps.complete_steps()
 
     def _newest_in_memory(self) -> int | None:
         """(Collective.) The newest step the memory tier holds a complete copy of, None without a tier or copy."""

@@ -2,8 +2,11 @@
 and retention over them through the library's retention policy (``format.retention.KeepLatest``).
 
 A folder counts as a checkpoint when its name is exactly ``step-N`` and it holds DCP's ``.metadata``, which
-``nxd_ckpt.dcp.StorageWriter`` writes last and TorchTitan's own manager looks for too. The writer's hidden
-``.nxd-dcp-staging.step-N`` folders never count (TorchTitan's own scan uses ``re.search`` and would see them).
+``nxd_ckpt.dcp.StorageWriter`` writes last and TorchTitan's own manager looks for too. The writer's hidden siblings
+(``.nxd-dcp-staging.step~N``, ``.nxd-dcp-replaced.step~N``: ``layout.DCP_COMMIT``) never count, here or in
+TorchTitan's own scan (``re.search(r"step-(\\d+)")``, which the hidden names do not match). ``repair`` gives a step
+back the checkpoint a save killed between its two renames left hidden (storage without an atomic exchange);
+retention deletes hidden siblings older than the oldest step it keeps.
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ import logging
 import re
 from dataclasses import dataclass
 
-from nxd_ckpt.dcp.place import METADATA
+from nxd_ckpt.dcp.place import METADATA, CheckpointPlace
 from nxd_ckpt.format import tags
+from nxd_ckpt.format.layout import DCP_COMMIT
 from nxd_ckpt.format.retention import KeepLatest
 from nxd_ckpt.format.tags import TagInfo
 from nxd_ckpt.storage import Storage, storage_for
@@ -67,12 +71,40 @@ class StepFolders:
         """The steps holding a complete checkpoint, oldest first."""
         return sorted(step for step, complete in self.steps().items() if complete)
 
+    def hidden(self) -> dict[str, int]:
+        """The hidden siblings of step folders a save leaves (staging and replaced copies, today's names and
+        earlier versions'): name -> step."""
+        found = {}
+        for name in self.storage.list_dir(""):
+            folder = DCP_COMMIT.folder_of(name)
+            step = parse_step(folder) if folder is not None else None
+            if step is not None:
+                found[name] = step
+        return found
+
+    def repair(self) -> list[int]:
+        """Rank 0, before the steps are listed: each step whose folder a save killed between its two renames left
+        missing gets its complete checkpoint back (``CheckpointPlace.repair``: the new copy, else the old one).
+        Unfinished saves are left alone (retention deletes them once older than every step kept). Returns the
+        steps repaired."""
+        repaired = []
+        for step in sorted(set(self.hidden().values())):
+            place = CheckpointPlace(self.storage, step_name(step), self.path(step))
+            if not place.is_complete() and place.repair():
+                repaired.append(step)
+        return repaired
+
     def apply_retention(self, keep: int, protect: frozenset[int] = frozenset()) -> list[str]:
         """Keep the ``keep`` newest complete steps (``KeepLatest``: older complete steps go, and incomplete ones
-        older than the oldest kept); never the steps in ``protect``. Each goes ``.metadata`` first, durably, so a
-        half-deleted step never counts as a checkpoint. Returns the folders deleted; a failure is logged."""
-        infos = [TagInfo(step_name(s), complete, float(s), None) for s, complete in self.steps().items()]
+        older than the oldest kept, hidden staging and replaced copies included); never the steps in ``protect``.
+        Each goes ``.metadata`` first, durably, so a half-deleted step never counts as a checkpoint. Returns the
+        folders deleted; a failure is logged."""
+        steps = self.steps()
+        infos = [TagInfo(step_name(s), complete, float(s), None) for s, complete in steps.items()]
         doomed = KeepLatest(keep).to_delete(infos, frozenset(step_name(s) for s in protect))
+        kept = sorted(s for s, complete in steps.items() if complete)[-keep:]
+        if kept:
+            doomed += [n for n, s in sorted(self.hidden().items()) if s < kept[0] and s not in protect]
         deleted = []
         for name in doomed:
             try:

@@ -21,6 +21,7 @@ pytest.importorskip(
 )
 
 from harness import titan_hf
+from nxd_ckpt.format.layout import HF_COMMIT
 from nxd_ckpt.tools.hf_folder import check_folder
 
 pytestmark = [pytest.mark.device_independent, pytest.mark.slow]
@@ -69,7 +70,7 @@ def _kill_at_every_mutation(tmp_path: str, case: str, kind: str = "ours") -> lis
             shutil.rmtree(root)
             continue
         if case == "resave" and outcomes[-1] == "none":  # between the two renames: the old copy is kept aside
-            assert titan_hf.folder_version(os.path.join(ckpt, f".nxd-hf-replaced.{STEP_DIR}"), versions) == 1
+            assert titan_hf.folder_version(os.path.join(ckpt, HF_COMMIT.replaced_dir(STEP_DIR)), versions) == 1
         assert titan_hf.run_hf_save(root, None, 3) > 0  # the next save settles what the kill left
         assert titan_hf.folder_version(os.path.join(ckpt, STEP_DIR), (3,)) == 3
         assert sorted(os.listdir(ckpt)) == [STEP_DIR], kill_after
