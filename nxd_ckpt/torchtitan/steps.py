@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from nxd_ckpt.dcp.place import METADATA, CheckpointPlace
 from nxd_ckpt.format import tags
-from nxd_ckpt.format.layout import DCP_COMMIT
+from nxd_ckpt.format.layout import DCP_COMMIT, HF_COMMIT
 from nxd_ckpt.format.retention import KeepLatest
 from nxd_ckpt.format.tags import TagInfo
 from nxd_ckpt.storage import Storage, storage_for
@@ -72,11 +72,11 @@ class StepFolders:
         return sorted(step for step, complete in self.steps().items() if complete)
 
     def hidden(self) -> dict[str, int]:
-        """The hidden siblings of step folders a save leaves (staging and replaced copies, today's names and
-        earlier versions'): name -> step."""
+        """The hidden siblings of step folders a save leaves (DCP's and the Hugging Face last step's staging and
+        replaced copies, today's names and earlier versions'): name -> step."""
         found = {}
         for name in self.storage.list_dir(""):
-            folder = DCP_COMMIT.folder_of(name)
+            folder = DCP_COMMIT.folder_of(name) or HF_COMMIT.folder_of(name)
             step = parse_step(folder) if folder is not None else None
             if step is not None:
                 found[name] = step

@@ -27,7 +27,7 @@ from harness.dcp_crash import (
     loaded_version,
 )
 from nxd_ckpt.dcp import StorageReader, StorageWriter
-from nxd_ckpt.format.layout import DCP_COMMIT
+from nxd_ckpt.format.layout import DCP_COMMIT, HF_COMMIT
 
 pytestmark = [
     pytest.mark.device_independent,
@@ -157,7 +157,11 @@ def test_retention_deletes_hidden_copies_older_than_the_oldest_kept_step(tmp_pat
     shutil.copytree(_saved_copy(tmp_path), legacy)
     newer = os.path.join(folder, DCP_COMMIT.staging_dir("step-9"))
     os.makedirs(newer)
-    assert _hidden(folder) == sorted([DCP_COMMIT.staging_dir("step-3"), ".nxd-dcp-replaced.step-1", _name(newer)])
+    hf_staging = HF_COMMIT.staging_dir("step-2")  # a killed Hugging Face last step's staging
+    os.makedirs(os.path.join(folder, hf_staging, "half-written"))
+    assert _hidden(folder) == sorted(
+        [DCP_COMMIT.staging_dir("step-3"), ".nxd-dcp-replaced.step-1", _name(newer), hf_staging]
+    )
     config = CheckpointManager.Config(enable=True, folder="ckpt", interval=2, keep_latest_k=2)
     with titan_job.gloo_world_of_one():
         job = _titan_job(config, base, seed=0)
