@@ -238,3 +238,4 @@ def test_list_of_an_hf_folder_does_not_import_torch(ck):
                               timeout=120, env=env)  # fmt: skip
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.rstrip().endswith("TORCH_NOT_IMPORTED"), proc.stdout[-300:]
+        assert target != ck / "step-4" or "step-4  hf      complete, latest" in proc.stdout, proc.stdout
