@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from nxd_ckpt.cli.output import PROG
 from nxd_ckpt.errors import CheckpointError
-from nxd_ckpt.format import dcp_folders, layout
+from nxd_ckpt.format import dcp_folders, layout, tags
 from nxd_ckpt.inspection import Checkpoint, open_checkpoint
 from nxd_ckpt.storage import Storage, storage_for
 
@@ -45,7 +45,11 @@ def locate(directory: str, command: str, tag: str | None = None) -> Target:
         parent, name = split
         storage = storage_for(parent)
         info = dcp_folders.folder_info(storage, name)
-        if info.complete or info.kind == dcp_folders.HF:
+        dcp_folder = info.complete and info.kind == dcp_folders.DCP
+        # safetensors files beside the library's tags (an export into the checkpoint directory) leave it a
+        # directory of tags
+        hf_folder = info.kind == dcp_folders.HF and not tags.list_tags(storage_for(directory), include_incomplete=True)
+        if dcp_folder or hf_folder:
             if tag is not None and tag != name:
                 raise CheckpointError(
                     f"{directory} is one checkpoint folder ({info.kind.upper()}), so --tag {tag} does not apply; "

@@ -71,14 +71,16 @@ def folder_info(storage: Storage, name: str) -> DcpFolder:
 
 
 def list_folders(storage: Storage) -> list[DcpFolder]:
-    """The checkpoint folders of ``storage``, oldest first: the complete ones (DCP or HF), and ``step-N`` folders
-    that are not (a save that never finished). Hidden folders (a save being staged) are not listed."""
+    """The checkpoint folders of ``storage``, oldest first: the complete DCP ones, HF ones named ``step-N`` (as
+    TorchTitan writes its last step; another HF folder beside them, e.g. an export, is not a step: never listed or
+    pruned), and ``step-N`` folders that are not complete (a save that never finished). Hidden folders (a save
+    being staged) are not listed."""
     found = []
     for name in storage.list_dir(""):
         if name.startswith(".") or not storage.list_dir(name):
             continue
         info = folder_info(storage, name)
-        if info.complete or info.step is not None:
+        if info.step is not None or (info.complete and info.kind == DCP):
             found.append(info)
     return sorted(found, key=lambda f: f.sort_key)
 

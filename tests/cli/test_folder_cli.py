@@ -239,3 +239,22 @@ def test_list_of_an_hf_folder_does_not_import_torch(ck):
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.rstrip().endswith("TORCH_NOT_IMPORTED"), proc.stdout[-300:]
         assert target != ck / "step-4" or "step-4  hf      complete, latest" in proc.stdout, proc.stdout
+
+
+def test_safetensors_beside_tags_or_steps_are_no_checkpoint_folder(ck, tmp_path_factory, capsys):
+    """An export into a directory of the library's tags leaves it a directory of tags; an HF folder not named
+    step-N beside TorchTitan's steps is no step: not listed, never pruned."""
+    import nxd_ckpt as nxd
+
+    tags_dir = tmp_path_factory.mktemp("nxd")
+    nxd.save_checkpoint(tags_dir, "step_1", model={"w": torch.zeros(4)})
+    save_file({"w": torch.zeros(4)}, tags_dir / "model.safetensors")
+    doc = json.loads(_cli(capsys, "list", str(tags_dir), "--json")[0])
+    assert [t["tag"] for t in doc["tags"]] == ["step_1"] and "format" not in doc
+    _save_hf(ck / "exported")
+    doc = json.loads(_cli(capsys, "list", str(ck), "--json")[0])
+    assert "exported" not in [t["tag"] for t in doc["tags"]]
+    _cli(capsys, "prune", str(ck), "--keep", "1")
+    assert sorted(os.listdir(ck)) == ["exported", "step-4"]
+    out, _ = _cli(capsys, "verify", str(ck / "exported"))  # named itself, it is an HF folder
+    assert out.startswith("exported: OK")
