@@ -25,7 +25,8 @@ for lane in $lanes; do
     [ "$xla_setup_rc" -eq 0 ] || { echo "[xla] setting up the environment failed ($xla_setup_rc)" >&2; exit 1; }
     py="$(tail -n 1 "$setup_dir/xla.out")"
   else
-    py="$(bash scripts/setup_env.sh "$lane" | tail -n 1)"
+    # --fuse3: the power-loss suite's filesystem (device_independent: it runs in the cpu lane only)
+    py="$(bash scripts/setup_env.sh "$lane" $([ "$lane" = cpu ] && echo --fuse3) | tail -n 1)"
   fi
   if [ "$lane" = cpu ] && [[ " $lanes " == *" xla "* ]]; then
     # the XLA environment (a ~3 GB download on a fresh machine) builds while the cpu lane runs

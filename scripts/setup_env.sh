@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
 # Create (or reuse) a virtual environment for one test lane and print its python path on the last line.
+#   bash scripts/setup_env.sh [cpu|xla] [--fuse3]
+# --fuse3 (the test command's): also install fuse3 for the power-loss suite; the main job does not need it.
+# Quiet: pip's and apt-get's output goes to a log beside the environment ($NXD_CKPT_ENV_DIR/<lane>.setup.log),
+# shown only when a step fails; stderr gets one [setup] line per step.
 #   cpu: torch 2.13.0 (CPU build) + nxd_ckpt[test,s3,torchtitan] (the torchtitan extra needs Python >= 3.11; on 3.10
 #        it installs nothing and tests/torchtitan skips)
 #   xla: torch 2.9.0 + torch-xla 2.9.0 + nxd_ckpt[test,s3,frameworks] + optimum-neuron 0.4.2 (--no-deps: its own
@@ -18,9 +22,18 @@
 #      CPU build there too.
 # Needs: python3 >= 3.10 with the venv module (Debian/Ubuntu: apt-get install python3-venv), flock (util-linux).
 set -euo pipefail
-lane="${1:-cpu}"
+lane=cpu
+fuse3=0
+for arg in "$@"; do
+  case "$arg" in
+    --fuse3) fuse3=1 ;;
+    -*) echo "setup_env.sh: unknown option '$arg' (expected --fuse3)" >&2; exit 2 ;;
+    *) lane="$arg" ;;
+  esac
+done
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 env_dir="${NXD_CKPT_ENV_DIR:-$HOME/.cache/nxd-ckpt/envs}/$lane"
+log="$env_dir.setup.log"
 cpu_index="https://download.pytorch.org/whl/cpu"
 case "$lane" in
   cpu) torch_version=2.13.0; extra_pins=(); extras="test,s3,torchtitan"; no_deps=(); default_index="$cpu_index"; installed_size="~1.8 GB" ;;
@@ -38,17 +51,31 @@ python3 -c 'import venv, ensurepip' 2>/dev/null \
   || { say "python3's venv module is missing: install it (Debian/Ubuntu: apt-get install python3-venv)"; exit 1; }
 command -v flock >/dev/null || { say "flock is required (package util-linux)"; exit 1; }
 
-# The power-loss suite (tests/faults/test_power_loss.py) needs libfuse 3 and fusermount3 (Debian: fuse3). As root
-# with /dev/fuse present they are installed here when missing; elsewhere that suite says why it is skipped.
-if [ -e /dev/fuse ] && ! { command -v fusermount3 >/dev/null && ldconfig -p 2>/dev/null | grep -q 'libfuse3\.so'; }; then
+# Runs "$@" with its output appended to the log; on failure says which command failed and shows the log's end.
+quietly() {
+  local rc=0
+  "$@" >>"$log" 2>&1 || rc=$?
+  [ "$rc" = 0 ] && return 0
+  say "failed (exit $rc): $*"
+  say "its output, the end of $log:"
+  tail -n 40 "$log" >&2
+  return "$rc"
+}
+
+# The power-loss suite (tests/faults/test_power_loss.py) needs libfuse 3 and fusermount3 (Debian: fuse3): with
+# --fuse3 (the test command), as root with /dev/fuse present, they are installed when missing; elsewhere that suite
+# says why it is skipped. The main job never needs them.
+install_fuse3() {
+  [ -e /dev/fuse ] || return 0
+  command -v fusermount3 >/dev/null && ldconfig -p 2>/dev/null | grep -q 'libfuse3\.so' && return 0
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    echo "[setup] installing fuse3 + libfuse3 (power-loss test filesystem) ..." >&2
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 libfuse3-3; } >&2 \
-      || echo "[setup] could not install fuse3; the power-loss suite will fail with the reason" >&2
+    say "installing fuse3 + libfuse3 (the power-loss tests' filesystem) ..."
+    { quietly apt-get update -qq && quietly env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 libfuse3-3; } \
+      || say "could not install fuse3; the power-loss suite will fail with the reason"
   else
-    echo "[setup] fuse3/libfuse3 missing and not root: install them (apt-get install fuse3) for the power-loss suite" >&2
+    say "fuse3/libfuse3 missing and not root: install them (apt-get install fuse3) for the power-loss suite"
   fi
-fi
+}
 
 stamp_src="$(cat "$root/pyproject.toml" "$root/scripts/setup_env.sh" | sha256sum | cut -c1-16)"
 stamp_file="$env_dir/.nxd_ckpt_stamp"
@@ -59,6 +86,8 @@ if ! flock -n 9; then
   say "waiting for another run that is setting up the $lane environment ..."
   flock 9
 fi
+: >"$log"
+[ "$fuse3" = 0 ] || install_fuse3
 
 # Prints the torch version importable by python "$1" when it is the pinned one (any build: +cpu, +cu128 ...).
 pinned_torch() {
@@ -79,10 +108,10 @@ install_torch() {
   if [ "$torch_index" = pypi ]; then
     say "downloading torch $torch_version from PyPI: on Linux x86_64 this is the CUDA build, ~0.9 GB plus"
     say "  ~3.5 GB of NVIDIA packages (set NXD_CKPT_TORCH_INDEX=$cpu_index for the ~190 MB CPU build)"
-    "$py" -m pip install -q "torch==$torch_version" >&2
+    quietly "$py" -m pip install -q "torch==$torch_version"
   else
     say "downloading the torch $torch_version CPU build from $torch_index (~190 MB; NXD_CKPT_TORCH_INDEX=pypi for PyPI's)"
-    if ! "$py" -m pip install -q --no-deps --index-url "$torch_index" "torch==$torch_version" >&2; then
+    if ! quietly "$py" -m pip install -q --no-deps --index-url "$torch_index" "torch==$torch_version"; then
       say "could not install torch $torch_version from $torch_index. Install a CPU build yourself, e.g."
       say "  $py -m pip install torch==$torch_version --index-url $cpu_index"
       say "or set NXD_CKPT_TORCH_INDEX=pypi to take PyPI's (CUDA) build, then run this again."
@@ -103,12 +132,13 @@ else
     say "python3 already has torch $system_torch: the environment uses it (--system-site-packages, no download)"
     venv_opts=(--system-site-packages)
   fi
-  python3 -m venv "${venv_opts[@]}" "$env_dir"
-  "$env_dir/bin/python" -m pip install -q --upgrade pip >&2
+  quietly python3 -m venv "${venv_opts[@]}" "$env_dir"
+  quietly "$env_dir/bin/python" -m pip install -q --upgrade pip
   # torch first and pinned, so nothing later can pull another (CUDA) build through a version range.
   install_torch
-  "$env_dir/bin/python" -m pip install -q "torch==$torch_version" "${extra_pins[@]}" -e "$root[$extras]" >&2
-  if [ ${#no_deps[@]} -gt 0 ]; then "$env_dir/bin/python" -m pip install -q --no-deps "${no_deps[@]}" >&2; fi
+  say "installing nxd_ckpt[$extras] and its dependencies (pip's output: $log) ..."
+  quietly "$env_dir/bin/python" -m pip install -q "torch==$torch_version" "${extra_pins[@]}" -e "$root[$extras]"
+  if [ ${#no_deps[@]} -gt 0 ]; then quietly "$env_dir/bin/python" -m pip install -q --no-deps "${no_deps[@]}"; fi
   echo "$stamp_src" > "$stamp_file"
   say "$lane environment ready in $(( $(date +%s) - start )) s, $(du -sh "$env_dir" 2>/dev/null | cut -f1) on disk"
 fi
@@ -116,6 +146,7 @@ fi
 # the working directory (often this clone) cannot stand in for an install pointing at another, maybe deleted, one:
 # the nxd-ckpt console script does not run from the clone.
 if ! (cd / && "$env_dir/bin/python" -c "import nxd_ckpt, os, sys; sys.exit(0 if os.path.realpath(nxd_ckpt.__path__[0]).startswith(os.path.realpath('$root')) else 1)") 2>/dev/null; then
-  "$env_dir/bin/python" -m pip install -q --no-deps -e "$root" >&2
+  say "installing this clone ($root) into the $lane environment (editable) ..."
+  quietly "$env_dir/bin/python" -m pip install -q --no-deps -e "$root"
 fi
 echo "$env_dir/bin/python"

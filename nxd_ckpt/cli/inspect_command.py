@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from nxd_ckpt.cli import dcp_commands
-from nxd_ckpt.cli.locate import dir_storage, open_tag
+from nxd_ckpt.cli.locate import locate, open_tag
 from nxd_ckpt.cli.output import EXIT_FAILED, EXIT_OK, print_err, print_json, print_table
 from nxd_ckpt.errors import CheckpointError, UnsafeCheckpointError
 from nxd_ckpt.format import dcp_folders, layout
@@ -18,10 +18,11 @@ from nxd_ckpt.log import format_bytes
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     """``inspect``: one object (``--object``), the tag's metadata (``--metadata``), or every state file's contents;
-    exit status 1 if a state file is damaged."""
-    storage = dir_storage(args.dir, args.command)
-    if dcp_folders.is_dcp_directory(storage):
-        return dcp_commands.dcp_inspect(args, storage)
+    exit status 1 if a state file is damaged. A DCP or HF checkpoint folder (named itself, or by ``--tag``): its
+    entries or tensors."""
+    target = locate(args.dir, args.command, args.tag)
+    if target.folder is not None or dcp_folders.is_dcp_directory(target.storage):
+        return dcp_commands.dcp_inspect(args, target.storage, target.folder)
     ckpt = open_tag(args)
     if args.object:
         return _show_object(ckpt, args.object, args.json)

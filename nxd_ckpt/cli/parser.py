@@ -13,12 +13,19 @@ from nxd_ckpt.cli.output import PROG
 from nxd_ckpt.cli.tag_commands import cmd_list, cmd_prune, cmd_verify
 from nxd_ckpt.tools import zero1_cli
 
+DIR_OR_FOLDER = shared_arg(
+    "dir",
+    help="checkpoint directory (the one holding the tag or step-N directories) or s3://bucket/prefix; or one DCP "
+    "checkpoint folder (dcp.load's checkpoint_id) or Hugging Face safetensors folder itself",
+)
+"""DIR of ``list``, ``inspect`` and ``verify``, which also take one checkpoint folder (``locate.locate``)."""
+
 COMMANDS = (
     Command(
         "list",
         cmd_list,
         "list the tags of a checkpoint directory, oldest first: complete or not, latest, size, layout",
-        ("dir", "json"),
+        (DIR_OR_FOLDER, "json"),
     ),
     Command(
         "inspect",
@@ -26,7 +33,7 @@ COMMANDS = (
         "show a checkpoint's state files and, per file, every tensor's shape, dtype and bytes, without loading "
         "tensor data",
         (
-            "dir",
+            DIR_OR_FOLDER,
             "tag",
             "json",
             Arg.of("--files", action="store_true", help="list every file (default: one line per xser .tensors dir)"),
@@ -43,9 +50,10 @@ COMMANDS = (
         "verify",
         cmd_verify,
         "check a checkpoint: done marker, every state file the layout needs, readable files, CRC-32s and recorded "
-        "checksums; exit status 1 if anything is wrong",
+        "checksums (a DCP or Hugging Face folder: its manifests' checksums, else what its format allows, and it says "
+        "which); exit status 1 if anything is wrong",
         (
-            "dir",
+            DIR_OR_FOLDER,
             "tag",
             Arg.of("--all", action="store_true", help="verify every complete tag"),
             Arg.of("--quick", action="store_true", help="check structure only, without reading tensor data"),

@@ -7,7 +7,7 @@ import datetime
 from typing import Any
 
 from nxd_ckpt.cli import dcp_commands
-from nxd_ckpt.cli.locate import dir_storage, open_tag
+from nxd_ckpt.cli.locate import locate, open_tag, refuse_folder
 from nxd_ckpt.cli.output import EXIT_FAILED, EXIT_OK, print_err, print_json, print_table
 from nxd_ckpt.cli.progress import ReadProgressStorage, progress_bar
 from nxd_ckpt.errors import CheckpointError
@@ -33,10 +33,12 @@ def _created(info: tags.TagInfo) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    """``list``: every tag, oldest first, complete or not, latest, size, layout and creation time."""
-    storage = dir_storage(args.dir, args.command)
-    if dcp_folders.is_dcp_directory(storage):
-        return dcp_commands.dcp_list(args, storage)
+    """``list``: every tag, oldest first, complete or not, latest, size, layout and creation time (of a DCP or HF
+    checkpoint folder named itself: that one)."""
+    target = locate(args.dir, args.command)
+    storage = target.storage
+    if target.folder is not None or dcp_folders.is_dcp_directory(storage):
+        return dcp_commands.dcp_list(args, storage, target.folder)
     infos = tags.list_tags(storage, include_incomplete=True)
     latest = tags.latest_tag(storage)
     entries = []
@@ -93,10 +95,12 @@ def _verify_one(ckpt: Checkpoint, quick: bool, progress: bool) -> dict[str, Any]
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """``verify``: one tag (or ``--all`` complete ones), fully or ``--quick``; exit status 1 if any has a problem."""
-    storage = dir_storage(args.dir, args.command)
-    if dcp_folders.is_dcp_directory(storage):
-        return dcp_commands.dcp_verify(args, storage)
+    """``verify``: one tag (or ``--all`` complete ones), fully or ``--quick`` (a DCP or HF checkpoint folder named
+    itself: that one); exit status 1 if any has a problem."""
+    target = locate(args.dir, args.command, args.tag)
+    storage = target.storage
+    if target.folder is not None or dcp_folders.is_dcp_directory(storage):
+        return dcp_commands.dcp_verify(args, storage, target.folder)
     if args.all:
         names = [t.name for t in tags.list_tags(storage)]
         if not names:
@@ -135,7 +139,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_prune(args: argparse.Namespace) -> int:
     """``prune``: delete all but the newest ``--keep`` complete tags (``--dry-run``: only say which)."""
-    storage = dir_storage(args.dir, args.command)
+    storage = refuse_folder(args.dir, args.command)
     if dcp_folders.is_dcp_directory(storage):
         return dcp_commands.dcp_prune(args, storage)
     doomed = retention.KeepLatest(args.keep).to_delete(tags.list_tags(storage, include_incomplete=True))

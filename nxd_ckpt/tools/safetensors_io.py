@@ -287,18 +287,8 @@ class SafetensorsSource:
                 self._tensors[located.entry.name] = located
 
     def _index_files(self, index: str) -> list[str]:
-        try:
-            with open(index) as f:
-                doc = json.load(f)
-            weight_map = doc["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("weight_map is not an object")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise SafetensorsError(f"{index} is not a safetensors index ({e})") from e
         files = []
-        for name in dict.fromkeys(weight_map.values()):
-            if not isinstance(name, str) or "/" in name or name.startswith("."):
-                raise SafetensorsError(f"{index} names a file {name!r} outside its directory")
+        for name in dict.fromkeys(read_weight_map(index).values()):
             full = os.path.join(os.path.dirname(index), name)
             if not os.path.isfile(full):
                 raise SafetensorsError(f"{index} lists {name}, which is missing")
@@ -346,6 +336,23 @@ def check_file(file: str) -> list[TensorEntry]:
             + (" (the data ends before the file does)" if expected < size else "")
         )
     return [loc.entry for loc in located]
+
+
+def read_weight_map(index: str) -> dict[str, str]:
+    """The ``weight_map`` of the index file ``index`` (tensor name -> file name in the index's directory);
+    SafetensorsError naming the file when it is not an index or names a file outside its directory."""
+    try:
+        with open(index) as f:
+            doc = json.load(f)
+        weight_map = doc["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SafetensorsError(f"{index} is not a safetensors index ({e})") from e
+    for name in weight_map.values():
+        if not isinstance(name, str) or "/" in name or name.startswith("."):
+            raise SafetensorsError(f"{index} names a file {name!r} outside its directory")
+    return weight_map
 
 
 def _parse_header(file: str) -> list[_Located]:

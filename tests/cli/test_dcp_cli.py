@@ -56,7 +56,7 @@ def test_list_shows_the_folders_in_step_order(titan_dir, capsys):
         ("step-11", False, False),
     ]  # fmt: skip
     out, _ = _cli(capsys, "list", str(titan_dir))
-    assert "step-10  complete, latest" in out and "none (stock DCP)" in out
+    assert "step-10  dcp     complete, latest" in out and "none (stock DCP)" in out
 
 
 def test_inspect_shows_the_entries_of_metadata(titan_dir, capsys):

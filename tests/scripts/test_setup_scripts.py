@@ -129,3 +129,90 @@ def test_main_job_recognises_its_planned_crash_and_names_its_files_honestly(tmp_
     monkeypatch.setenv("NXD_CKPT_XSER_INLINE_BYTES", "0")
     nxd.save_checkpoint(tmp_path, "split", model=small, use_xser=True)
     assert "1 of them xser (one file per tensor)" in main_job.describe_files(str(tmp_path), "split")
+
+
+PACKAGE_LOG = "Collecting torch==2.13.0 (the package log)"
+BANNER = "!! ****** setuptools' editable-install banner ****** !!"
+APT_LOG = "Get:1 http://deb.example fuse3 (apt-get's log)"
+
+
+def _fake_tools(tmp_path: Path) -> Path:
+    """A folder for the front of PATH: ``apt-get`` (records its arguments in apt-get.calls and prints a package
+    log), ``ldconfig`` (lists no libfuse3, so fuse3 counts as missing), and ``python3``: the real one, except that
+    ``-m venv DIR`` makes a stub environment whose pip prints a package log and setuptools' banner (and fails when
+    STUB_PIP_FAILS is set), whose torch is the pinned one, and whose python runs main_job.py as a one-line job."""
+    bin_dir = tmp_path / "fake-bin"
+    bin_dir.mkdir()
+    stub_python = tmp_path / "stub-venv-python"
+    stub_python.write_text(
+        "#!/usr/bin/env bash\n"
+        'case "$*" in\n'
+        f'  "-m pip "*) echo "{PACKAGE_LOG}"; echo "{BANNER}" >&2\n'
+        '    if [ -n "${STUB_PIP_FAILS:-}" ]; then echo "ERROR: no matching distribution" >&2; exit 1; fi; exit 0 ;;\n'
+        '  *"import nxd_ckpt"*) exit 1 ;;\n'
+        '  *"print(torch"*) echo 2.13.0; exit 0 ;;\n'
+        "  *torch*) exit 0 ;;\n"
+        '  *main_job.py*) echo "MAIN JOB STARTS"; exit 0 ;;\n'
+        "esac\nexit 0\n"
+    )
+    real_python = subprocess.run(
+        ["python3", "-c", "import sys; print(sys.executable)"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    tools = {
+        "apt-get": f'echo "$*" >> {tmp_path}/apt-get.calls\necho "{APT_LOG}"\nexit 0\n',
+        "ldconfig": "exit 0\n",
+        "python3": 'if [ "$1" = -m ] && [ "$2" = venv ]; then\n'
+        '  dir="${@: -1}"; mkdir -p "$dir/bin"; cp ' + f'{stub_python} "$dir/bin/python"; exit 0\nfi\n'
+        f'exec {real_python} "$@"\n',
+    }
+    for name, body in [*tools.items(), ("stub-venv-python", None)]:
+        path = bin_dir / name if body is not None else stub_python
+        if body is not None:
+            path.write_text("#!/usr/bin/env bash\n" + body)
+        path.chmod(0o755)
+    return bin_dir
+
+
+def _with_fakes(bin_dir: Path, env_dir: Path, **extra: str) -> dict[str, str]:
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "NXD_CKPT_ENV_DIR": str(env_dir), **extra}
+
+
+def test_the_main_job_installs_no_fuse3_and_shows_no_package_log(tmp_path):
+    """On a fresh machine the main job builds its environment with one [setup] line per step: no apt-get (fuse3
+    is the test command's), pip's package log and setuptools' banner only in the log beside the environment."""
+    bin_dir = _fake_tools(tmp_path)
+    proc = _run("run_main_job.sh", env=_with_fakes(bin_dir, tmp_path / "envs"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert proc.stdout.startswith("MAIN JOB STARTS")
+    assert not (tmp_path / "apt-get.calls").exists(), "the main job ran apt-get"
+    assert PACKAGE_LOG not in out and BANNER not in out and "fuse" not in out
+    assert all(line.startswith(("[setup] ", "[main job] ")) for line in proc.stderr.splitlines()), proc.stderr
+    assert "building the cpu environment" in proc.stderr
+    log = (tmp_path / "envs" / "cpu.setup.log").read_text()
+    assert PACKAGE_LOG in log and BANNER in log
+
+
+def test_a_failed_install_shows_the_command_and_its_log(tmp_path):
+    bin_dir = _fake_tools(tmp_path)
+    proc = _run("run_main_job.sh", env=_with_fakes(bin_dir, tmp_path / "envs", STUB_PIP_FAILS="1"))
+    assert proc.returncode != 0 and "MAIN JOB STARTS" not in proc.stdout
+    assert "[setup] failed (exit 1): " in proc.stderr and "-m pip install -q --upgrade pip" in proc.stderr
+    log = tmp_path / "envs" / "cpu.setup.log"
+    assert f"[setup] its output, the end of {log}:" in proc.stderr
+    assert "ERROR: no matching distribution" in proc.stderr and BANNER in proc.stderr
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/dev/fuse") or os.geteuid() != 0, reason="fuse3 is installed only as root with /dev/fuse"
+)
+def test_the_test_command_still_installs_fuse3_quietly(tmp_path):
+    bin_dir = _fake_tools(tmp_path)
+    _stub_env(tmp_path / "envs", "cpu", pytest_status=0)
+    proc = _run("run_tests.sh", env=_with_fakes(bin_dir, tmp_path / "envs", NXD_CKPT_LANES="cpu"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = (tmp_path / "apt-get.calls").read_text().splitlines()
+    assert calls == ["update -qq", "install -y -qq fuse3 libfuse3-3"]
+    assert "[setup] installing fuse3 + libfuse3" in proc.stderr and APT_LOG not in proc.stdout + proc.stderr
+    proc = _run("setup_env.sh", "cpu", "--fuse4", env=_with_fakes(bin_dir, tmp_path / "envs"))
+    assert proc.returncode == 2 and "unknown option '--fuse4' (expected --fuse3)" in proc.stderr
