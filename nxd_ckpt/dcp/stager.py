@@ -41,14 +41,15 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from nxd_ckpt import xla
 from nxd_ckpt.device import kept_budget
 from nxd_ckpt.device.backend import SnapshotBudget, nbytes, resolve_snapshot_budget
-from nxd_ckpt.device.kept_budget import KeptSnapshotBudget, device_tensors
+from nxd_ckpt.device.backend import on_device as is_on_device
+from nxd_ckpt.device.kept_budget import KeptSnapshotBudget
 from nxd_ckpt.device.transfer import run_on_transfer_thread
 from nxd_ckpt.errors import CheckpointError
 from nxd_ckpt.options import resolve_budget
 from nxd_ckpt.ranks.coordinator import world_rank
 from nxd_ckpt.ranks.deadlines import Deadline, resolve_timeout
 from nxd_ckpt.save.staging import StagedState, StagingPool
-from nxd_ckpt.tree import children, iter_tensors, map_leaves, map_tensors
+from nxd_ckpt.tree import children, leaves, map_leaves, map_tensors
 
 MAX_IN_FLIGHT = 2
 """Saves whose staged copies may exist at once (one being written, one staged): the pool's buffer sets."""
@@ -117,17 +118,17 @@ class _Lease:
         self._staged: StagedState | None = staged
         self.nbytes = nbytes
         self._alive = 0
+        self._refs: list[weakref.ref] = []
         self._lock = threading.Lock()
 
     def watch(self, tensors: list[torch.Tensor]) -> None:
         """Give the copies back once all of ``tensors`` (the staged state dict's) are garbage."""
         self._alive = len(tensors)
-        for t in tensors:
-            weakref.finalize(t, self._one_gone).atexit = False
+        self._refs = [weakref.ref(t, self._one_gone) for t in tensors]  # cheaper than weakref.finalize per tensor
         if not tensors:
             self.end()
 
-    def _one_gone(self) -> None:
+    def _one_gone(self, _ref: weakref.ref | None = None) -> None:
         with self._lock:
             self._alive -= 1
             last = self._alive == 0
@@ -195,11 +196,14 @@ class Stager(AsyncStager):
     def stage(self, state_dict: STATE_DICT_TYPE) -> Future[STATE_DICT_TYPE]:  # type: ignore[override]
         """The training-safe copy of ``state_dict``, as a Future done once its host copies have arrived."""
         self._raise_earlier()
-        local = map_tensors(state_dict, _local)
-        size = sum(nbytes(t) for t in {id(t): t for _, t in iter_tensors(local)}.values())
+        originals = [t for _, t in leaves(state_dict)]  # one walk serves the size, the device state and _Finish
+        sharded = any(_is_dtensor(t) for t in originals)
+        local = map_tensors(state_dict, _local) if sharded else state_dict
+        distinct = list({id(t): t for t in ([t for _, t in leaves(local)] if sharded else originals)}.values())
+        size = sum(nbytes(t) for t in distinct)
         deadline = Deadline(self.timeout_s, world_rank())
         self._wait_for_room(size, deadline)
-        on_device = device_tensors([local])
+        on_device = [t for t in distinct if is_on_device(t)]  # as device_tensors: distinct, in tree order
         ran_pending_step = xla.run_pending_step(on_device)  # before the snapshot reads the state: once, as a sync
         budget = self._snapshot_budget(on_device)
         staged = self.pool.stage([local], timeout=self.timeout_s, device_budget=budget, rank=deadline.rank)
@@ -214,7 +218,6 @@ class Stager(AsyncStager):
         except BaseException:
             lease.end()
             raise
-        originals = [t for _, t in iter_tensors(state_dict)]
         future: Future[STATE_DICT_TYPE] = Future()
         job = _Finish(future, lease, staged, skeleton, originals)
         if staged.transfer is None:
