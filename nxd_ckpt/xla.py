@@ -151,13 +151,22 @@ def run_pending_step(tensors: Sequence[torch.Tensor], *, wait: bool = False) -> 
     same graph (already compiled by the steps before), executed once, after which the user's sync has nothing left
     to run. No step is marked (the device RNG seed and step closures advance at the user's sync, as without the
     save). Syncing only the state's tensors, as NxD's save does, cuts another graph: the step ran 2.4x its own
-    device time in ``python -m benchmarks device``'s probe, against 1.03x this way (docs/async.md)."""
+    device time in ``python -m benchmarks device``'s probe, against 1.03x this way (docs/async.md).
+
+    The device's all-reduce token is reset, as ``torch_xla.sync()`` resets it (torch_xla 2.9: ``sync`` ends with
+    ``_set_all_reduce_token(device, None)``): the token of the step's last token-ordered collective (reduce-scatter,
+    all-gather: ZeRO-1's) is an IR value of the graph just run, so a collective traced between the save and the
+    user's sync would otherwise carry the whole executed step into the next graph (run again, or failing on the
+    buffers the step donated)."""
     xla_tensors = [t for t in tensors if is_xla(t)]
     if not xla_tensors or not pending(xla_tensors):
         return False
     xla = require("running the pending step before a save")
+    reset_token = getattr(xla._XLAC, "_set_all_reduce_token", None)
     for device in sorted({str(t.device) for t in xla_tensors}):
         xla._XLAC._xla_sync_live_tensors(device, [], wait)
+        if reset_token is not None:
+            reset_token(device, None)
     return True
 
 

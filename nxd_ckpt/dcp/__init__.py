@@ -10,12 +10,21 @@ from __future__ import annotations
 from nxd_ckpt.dcp.contents import DcpDescription, describe, verify
 from nxd_ckpt.dcp.place import CheckpointPlace
 from nxd_ckpt.dcp.reader import StorageReader
-from nxd_ckpt.dcp.stager import Stager
+from nxd_ckpt.dcp.stager import Stager, StageReport
 from nxd_ckpt.dcp.writer import StorageWriter
 from nxd_ckpt.format.layout import DCP_COMMIT
 from nxd_ckpt.save import commit
 
-__all__ = ["DcpDescription", "Stager", "StorageReader", "StorageWriter", "describe", "recover_folder", "verify"]
+__all__ = [
+    "DcpDescription",
+    "StageReport",
+    "Stager",
+    "StorageReader",
+    "StorageWriter",
+    "describe",
+    "recover_folder",
+    "verify",
+]
 
 
 def recover_folder(path: str) -> None:

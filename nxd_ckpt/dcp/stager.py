@@ -10,6 +10,14 @@ copies. ``stage`` returns a ``Future`` of the staged state dict, done when every
 CPU state): DCP's upload thread waits for it, the training thread does not; training may change the live state as
 soon as ``stage`` (``dcp.async_save``) returns.
 
+The device snapshot follows the NxD path's rules (docs/async.md): its budget is one decision per state layout
+(``device.kept_budget``), agreed as the ranks' least in DCP's own plan gather of a save and kept from the next save
+on (``StorageWriter`` carries it: no round of its own; DCP stages before any collective of the save, so the first
+save of a layout snapshots within this rank's own proposal); an out-of-memory in the snapshot moves the rest by the
+direct transfer, is logged and reported (``last_report.device_snapshot_fallback``) and halves the kept budget; on
+XLA a save called before the step's sync first runs the pending step once (``xla.run_pending_step``), as the
+user's sync would, instead of a sync of the state alone that would run the step a second time at the user's sync.
+
 The staged copies are the pool's buffers: they go back to it when DCP drops the staged state dict (the upload
 ended, or failed), which the stager sees through a weak reference to each staged tensor. A save waits (under the
 deadline) while two earlier saves, or more than ``host_memory_budget`` bytes of them, still hold their copies.
@@ -18,7 +26,9 @@ deadline) while two earlier saves, or more than ``host_memory_budget`` bytes of 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
+import logging
 import threading
 import weakref
 from concurrent.futures import Future
@@ -28,18 +38,43 @@ import torch
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
 from torch.distributed.checkpoint.staging import AsyncStager
 
+from nxd_ckpt import xla
+from nxd_ckpt.device import kept_budget
 from nxd_ckpt.device.backend import SnapshotBudget, nbytes, resolve_snapshot_budget
-from nxd_ckpt.device.kept_budget import KeptSnapshotBudget, device_tensors
+from nxd_ckpt.device.backend import on_device as is_on_device
+from nxd_ckpt.device.kept_budget import KeptSnapshotBudget
 from nxd_ckpt.device.transfer import run_on_transfer_thread
 from nxd_ckpt.errors import CheckpointError
 from nxd_ckpt.options import resolve_budget
 from nxd_ckpt.ranks.coordinator import world_rank
 from nxd_ckpt.ranks.deadlines import Deadline, resolve_timeout
 from nxd_ckpt.save.staging import StagedState, StagingPool
-from nxd_ckpt.tree import children, iter_tensors, map_leaves, map_tensors
+from nxd_ckpt.tree import children, leaves, map_leaves, map_tensors
 
 MAX_IN_FLIGHT = 2
 """Saves whose staged copies may exist at once (one being written, one staged): the pool's buffer sets."""
+
+logger = logging.getLogger("nxd_ckpt")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageReport:
+    """What one ``Stager.stage`` did (``Stager.last_report``), as ``SaveReport`` says it for ``save_checkpoint``."""
+
+    blocked_s: float = 0.0
+    """Seconds the call spent copying (the device snapshot, or the copy into host buffers)."""
+    allocated_bytes: int = 0
+    """Host bytes newly allocated for CPU state (0 once the pool's buffers are reused)."""
+    ran_pending_step: bool = False
+    """The XLA state had a pending graph (a save before the step's sync): the step ran once, here."""
+    device_budget_bytes: int = 0
+    """The device snapshot budget this save used (the ranks' agreed one once a save's plan gather brought it)."""
+    device_snapshot_bytes: int = 0
+    """Bytes copied on the device (the snapshot)."""
+    device_direct_bytes: int = 0
+    """Bytes moved to the host by the call itself (beyond the budget, or after an out-of-memory)."""
+    device_snapshot_fallback: str | None = None
+    """The snapshot ran out of device memory: what was not cloned moved directly, and the kept budget shrank."""
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -83,17 +118,17 @@ class _Lease:
         self._staged: StagedState | None = staged
         self.nbytes = nbytes
         self._alive = 0
+        self._refs: list[weakref.ref] = []
         self._lock = threading.Lock()
 
     def watch(self, tensors: list[torch.Tensor]) -> None:
         """Give the copies back once all of ``tensors`` (the staged state dict's) are garbage."""
         self._alive = len(tensors)
-        for t in tensors:
-            weakref.finalize(t, self._one_gone).atexit = False
+        self._refs = [weakref.ref(t, self._one_gone) for t in tensors]  # cheaper than weakref.finalize per tensor
         if not tensors:
             self.end()
 
-    def _one_gone(self) -> None:
+    def _one_gone(self, _ref: weakref.ref | None = None) -> None:
         with self._lock:
             self._alive -= 1
             last = self._alive == 0
@@ -155,6 +190,8 @@ class Stager(AsyncStager):
         """Host bytes the last ``stage`` newly allocated for CPU state (0 once the pool's buffers are reused)."""
         self.last_blocked_s = 0.0
         """Seconds the last ``stage`` spent copying (the snapshot, or the copy into host buffers)."""
+        self.last_report = StageReport()
+        """What the last ``stage`` did: its device snapshot, a fallback after an out-of-memory, a pending step."""
 
     def __getstate__(self) -> dict[str, Any]:
         """Its settings only (a stager pickled with the objects around it): the staged copies, their pool and the
@@ -173,12 +210,20 @@ class Stager(AsyncStager):
     def stage(self, state_dict: STATE_DICT_TYPE) -> Future[STATE_DICT_TYPE]:  # type: ignore[override]
         """The training-safe copy of ``state_dict``, as a Future done once its host copies have arrived."""
         self._raise_earlier()
-        local = map_tensors(state_dict, _local)
-        size = sum(nbytes(t) for t in {id(t): t for _, t in iter_tensors(local)}.values())
+        originals = [t for _, t in leaves(state_dict)]  # one walk serves the size, the device state and _Finish
+        sharded = any(_is_dtensor(t) for t in originals)
+        local = map_tensors(state_dict, _local) if sharded else state_dict
+        distinct = list({id(t): t for t in ([t for _, t in leaves(local)] if sharded else originals)}.values())
+        size = sum(nbytes(t) for t in distinct)
         deadline = Deadline(self.timeout_s, world_rank())
         self._wait_for_room(size, deadline)
-        budget = self._snapshot_budget(local)
+        on_device = [t for t in distinct if is_on_device(t)]  # as device_tensors: distinct, in tree order
+        ran_pending_step = xla.run_pending_step(on_device)  # before the snapshot reads the state: once, as a sync
+        budget = self._snapshot_budget(on_device)
         staged = self.pool.stage([local], timeout=self.timeout_s, device_budget=budget, rank=deadline.rank)
+        self.last_report = self._report(staged, ran_pending_step, deadline.rank)
+        if on_device:
+            kept_budget.offer(self._kept.ticket, self._kept.bytes or 0)  # for this save's plan gather to carry
         lease = _Lease(self, staged, size)
         with self._cond:
             self._leases.add(lease)
@@ -187,8 +232,6 @@ class Stager(AsyncStager):
         except BaseException:
             lease.end()
             raise
-        self.last_allocated_bytes, self.last_blocked_s = staged.allocated_bytes, staged.copy_s
-        originals = [t for _, t in iter_tensors(state_dict)]
         future: Future[STATE_DICT_TYPE] = Future()
         job = _Finish(future, lease, staged, skeleton, originals)
         if staged.transfer is None:
@@ -197,12 +240,33 @@ class Stager(AsyncStager):
             run_on_transfer_thread(job)  # after the transfer the snapshot queued there
         return future
 
-    def _snapshot_budget(self, local: Any) -> SnapshotBudget | None:
-        """The device snapshot budget, decided once per state layout (``KeptSnapshotBudget``; each rank its own)."""
-        on_device = device_tensors([local])
+    def _snapshot_budget(self, on_device: list[torch.Tensor]) -> SnapshotBudget | None:
+        """The device snapshot budget of the device tensors ``on_device``: one decision per state layout
+        (``KeptSnapshotBudget``), this rank's proposal until a save's plan gather brings the ranks' agreement
+        (``kept_budget.answer_for``), which is kept from then on."""
         if not on_device:
             return None
-        return self._kept.agree(self._kept.proposal(self.device_snapshot_budget, on_device))
+        kept = self._kept
+        proposal = kept.proposal(self.device_snapshot_budget, on_device)
+        kept.take_answer(kept_budget.answer_for(kept.ticket))
+        return SnapshotBudget(kept.bytes if kept.bytes is not None else proposal)
+
+    def _report(self, staged: StagedState, ran_pending_step: bool, rank: int) -> StageReport:
+        """What the staging did; a snapshot that ran out of device memory is logged and shrinks the kept budget
+        (``KeptSnapshotBudget.shrink``: the next saves propose half of what was cloned)."""
+        self.last_allocated_bytes, self.last_blocked_s = staged.allocated_bytes, staged.copy_s
+        snapshot = staged.snapshot
+        if snapshot is None:
+            return StageReport(staged.copy_s, staged.allocated_bytes, ran_pending_step)
+        fallback = snapshot.fallback
+        if fallback is not None:
+            smaller = self._kept.shrink(snapshot.snapshot_bytes)
+            fallback = f"{fallback}; the next saves propose a budget of {smaller} bytes"
+            logger.warning("async DCP save on rank %d: %s", rank, fallback)
+        return StageReport(
+            staged.copy_s, staged.allocated_bytes, ran_pending_step, snapshot.budget_bytes, snapshot.snapshot_bytes,
+            snapshot.direct_bytes, fallback,
+        )  # fmt: skip
 
     def _wait_for_room(self, size: int, deadline: Deadline) -> None:
         """Wait (under ``deadline``, whose error names this rank) until the saves in flight leave room for ``size``

@@ -42,6 +42,7 @@ from torch.futures import Future
 
 from nxd_ckpt.dcp.checkin import WrittenCheckIn, recorded_files
 from nxd_ckpt.dcp.place import METADATA, CheckpointPlace, FolderId
+from nxd_ckpt.device import kept_budget
 from nxd_ckpt.errors import CheckpointError
 from nxd_ckpt.format import layout
 from nxd_ckpt.format.hashing import hash_bytes
@@ -79,6 +80,9 @@ class _RankFiles:
     rank: int
     prefix: str
     world_size: int = 1
+    snapshot_budget: tuple[int, int] | None = None
+    """(this rank's offer's ticket, the least of the ranks' offers): the device snapshot budget the ranks' stagers
+    agreed on in this save's plan gather (``device.kept_budget``), None when no rank offered one."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +176,9 @@ class StorageWriter(FolderId, _DcpStorageWriter):
             )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        """Carries this rank's device snapshot budget offer (``nxd_ckpt.dcp.Stager``'s, if it staged this save) to
+        the coordinator in DCP's own plan gather: the ranks agree on it without a round of their own."""
+        return dataclasses.replace(plan, storage_data=kept_budget.take_offer())
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator, before any rank writes: settle an interrupted save, empty the staging directory (unless
@@ -189,7 +195,17 @@ class StorageWriter(FolderId, _DcpStorageWriter):
         if store is not None:
             store.set(_facts_key(self.place), self._facts.to_json())
         world = len(plans)
-        return [dataclasses.replace(p, storage_data=_RankFiles(i, f"__{i}_", world)) for i, p in enumerate(plans)]
+        offers = [p.storage_data if isinstance(p.storage_data, kept_budget.Offer) else None for p in plans]
+        agreed = kept_budget.agree([o.bytes if o is not None else None for o in offers])
+        return [
+            dataclasses.replace(
+                p,
+                storage_data=_RankFiles(
+                    i, f"__{i}_", world, (o.ticket, agreed) if o is not None and agreed is not None else None
+                ),
+            )
+            for i, (p, o) in enumerate(zip(plans, offers, strict=True))
+        ]
 
     def _save_facts(self, files: _RankFiles) -> _SaveFacts:
         """This save's facts: the coordinator's own, or, on another rank, those it set on the store."""
@@ -211,6 +227,8 @@ class StorageWriter(FolderId, _DcpStorageWriter):
         """This rank's files, durable, and its manifest, before the future is returned (already done); the
         coordinator then waits, under the deadline, until every rank's ``write_data`` has ended (``checkin``)."""
         files: _RankFiles = plan.storage_data
+        if files.snapshot_budget is not None:  # the stager keeps it from its next save on
+            kept_budget.answer(*files.snapshot_budget)
         self._rank = files.rank
         facts = self._save_facts(files)
         check_in = WrittenCheckIn(facts.save_key, files.rank, files.world_size)

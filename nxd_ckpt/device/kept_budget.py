@@ -7,10 +7,19 @@ budget measured anew at each save (free memory shifts from step to step) would m
 Trainium a neuronx-cc compile inside the save call), and ranks measuring their own would clone different sets
 (some ranks block, others do not). Kept and agreed, every save of a fixed model compiles nothing after the first.
 Only the training thread touches it (saves, ``prepare_async_save``, a resume's preparation).
+
+The NxD path agrees inside the save's first collective, before its snapshot. DCP's ``async_save`` stages before
+any collective of the save, so the DCP front end agrees one save late, in DCP's own plan gather (no round of its
+own): ``nxd_ckpt.dcp.Stager`` posts this process's ``Offer`` (``offer``), the writer's local plan carries it to
+the coordinator (``take_offer``), which sends back the least of the ranks' offers, and the writer hands it to the
+stager (``answer``), which keeps it from its next save on (``answer_for``). Each offer has a ticket, new whenever
+this process's proposal changes (a new layout measured, a shrink), so an answer to an older proposal is not taken.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,11 +54,23 @@ class _Decision:
     """Made by a save's agreement over the ranks (else: this rank's proposal, from a warm-up or a save)."""
 
 
+_tickets = itertools.count(1)
+
+
 class KeptSnapshotBudget:
-    """This process's device snapshot budget for the state it saves (``CheckpointManager`` holds one)."""
+    """This process's device snapshot budget for the state it saves (``CheckpointManager`` and each
+    ``nxd_ckpt.dcp.Stager`` hold one)."""
 
     def __init__(self) -> None:
         self._decision: _Decision | None = None
+        self.ticket = 0
+        """Names this rank's current proposal (new at each ``proposal`` measured anew and each ``shrink``; kept by
+        ``agree``): an ``Offer``'s, so that the answer to an older proposal is told apart."""
+
+    @property
+    def bytes(self) -> int | None:
+        """The budget kept now (None before any proposal)."""
+        return self._decision.bytes if self._decision is not None else None
 
     def proposal(self, asked: SnapshotBudget, state: Sequence[torch.Tensor]) -> int:
         """What this rank proposes at a save of ``state`` (its device tensors): the kept budget when one holds
@@ -57,6 +78,7 @@ class KeptSnapshotBudget:
         key = (asked, layout_of(state))
         if self._decision is None or self._decision.key != key:
             self._decision = _Decision(key, asked.resolve(state)[0], agreed=False)
+            self.ticket = next(_tickets)
         return self._decision.bytes
 
     def agree(self, agreed: int) -> SnapshotBudget:
@@ -77,6 +99,7 @@ class KeptSnapshotBudget:
         if source == SOURCE_PEAK:
             return None
         self._decision = _Decision(key, limit, agreed=False)
+        self.ticket = next(_tickets)
         return SnapshotBudget(limit)
 
     def shrink(self, cloned_bytes: int) -> int:
@@ -86,10 +109,70 @@ class KeptSnapshotBudget:
             return 0
         smaller = (cloned_bytes or self._decision.bytes) // 2
         self._decision = _Decision(self._decision.key, min(smaller, self._decision.bytes), agreed=False)
+        self.ticket = next(_tickets)
         return self._decision.bytes
+
+    def take_answer(self, agreed: int | None) -> None:
+        """The ranks' answer to this rank's current proposal (``answer_for``), kept when it is less than the kept
+        budget, or when nothing was agreed yet (the answer is the least offer, this rank's included)."""
+        if agreed is None or self._decision is None:
+            return
+        if agreed < self._decision.bytes or not self._decision.agreed:
+            self.agree(min(agreed, self._decision.bytes))
 
 
 def agree(proposals: Sequence[int | None]) -> int | None:
     """The budget every rank uses: the smallest proposed (ranks without device state propose None)."""
     given = [p for p in proposals if p is not None]
     return min(given) if given else None
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A rank's proposal as it travels in DCP's plan gather: the budget and the ticket that names it on its rank."""
+
+    ticket: int
+    bytes: int
+
+
+class _Round:
+    """This process's side of the DCP front end's agreement: the latest offer, taken by the next writer's local
+    plan, and the answers the writers brought back, by ticket (the few latest)."""
+
+    KEPT_ANSWERS = 16
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.offered: Offer | None = None
+        self.answers: dict[int, int] = {}
+
+
+_ROUND = _Round()
+
+
+def offer(ticket: int, budget: int) -> None:
+    """Stager, at a save of device state: this rank's proposal, for the save's plan gather to carry."""
+    with _ROUND.lock:
+        _ROUND.offered = Offer(ticket, budget)
+
+
+def take_offer() -> Offer | None:
+    """Writer, in its local plan (DCP's upload thread): the latest offer of this process, once (a later save
+    without a stager's offer, a sync ``dcp.save``, carries none)."""
+    with _ROUND.lock:
+        taken, _ROUND.offered = _ROUND.offered, None
+        return taken
+
+
+def answer(ticket: int, agreed: int) -> None:
+    """Writer, once the coordinator's plan reached it: the ranks' least offer, answering this rank's ``ticket``."""
+    with _ROUND.lock:
+        _ROUND.answers[ticket] = agreed
+        while len(_ROUND.answers) > _Round.KEPT_ANSWERS:
+            del _ROUND.answers[next(iter(_ROUND.answers))]
+
+
+def answer_for(ticket: int) -> int | None:
+    """Stager, at its next save: the agreed budget answering ``ticket``, if a save's plan gather brought one."""
+    with _ROUND.lock:
+        return _ROUND.answers.get(ticket)

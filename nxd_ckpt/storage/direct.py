@@ -8,7 +8,11 @@ address is congruent to the file position modulo the block size goes to the disk
 (``tensorfile`` pads tensor records so that this holds: no copy at all). The last partial chunk
 of a file of at least ``DIRECT_MIN_BYTES`` is zero-padded to a block, written with O_DIRECT too, and the file
 truncated to its length; smaller files go through the page cache. The caller fsyncs as usual. Filesystems
-without O_DIRECT (tmpfs, some network filesystems) fall back to buffered writes silently.
+without O_DIRECT (tmpfs, some network filesystems) fall back to buffered writes silently. A full chunk goes to the
+disk on a helper thread (``nxd_direct_write``, one write in flight per file) while the writer fills a second
+buffer: the copy into the chunk and the caller's hashing of the next bytes overlap the disk's write, which a
+synchronous O_DIRECT write (unlike a buffered one, whose writeback the kernel runs beside the writer) would
+otherwise add to them. An error of that write is raised by the writer's next call.
 
 Loads read the same way in reverse (``DirectReader``): a large ``readinto`` whose destination address is
 congruent to the file position modulo the block size reads its block-aligned middle with O_DIRECT, straight
@@ -21,11 +25,13 @@ how a resumed model's parameters are allocated too.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import mmap
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -71,15 +77,56 @@ class _BufferPool:
 
 _pool = _BufferPool()
 
+_WRITE_THREADS = 32
+"""Helper threads writing full chunks (each file has at most one write in flight: more writers than threads wait)."""
+_writes: ThreadPoolExecutor | None = None
+_writes_lock = threading.Lock()
+
+
+def _write_threads() -> ThreadPoolExecutor:
+    """The process's chunk-writing threads, started on first use."""
+    global _writes
+    with _writes_lock:
+        if _writes is None:
+            _writes = ThreadPoolExecutor(max_workers=_WRITE_THREADS, thread_name_prefix="nxd_direct_write")
+        return _writes
+
+
+def _forget_write_threads() -> None:
+    """In a forked child: the parent's threads do not exist there."""
+    global _writes
+    _writes = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_write_threads)
+
+
+class _Chunk:
+    """One page-aligned chunk buffer of the pool with its byte views."""
+
+    def __init__(self) -> None:
+        self.buf: mmap.mmap = _pool.get()
+        self.view = memoryview(self.buf)
+        self.array = np.frombuffer(self.buf, dtype=np.uint8)
+
+    def release(self) -> None:
+        del self.array  # releases its export of the buffer
+        self.view.release()
+        _pool.put(self.buf)
+
 
 class DirectWriter(ForwardWriter):
     """A write-only binary stream onto ``fd``; ``finish`` writes the tail and fsyncs, ``close`` releases."""
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
-        self._buf: mmap.mmap | None = _pool.get()
-        self._view = memoryview(self._buf)
-        self._array = np.frombuffer(self._buf, dtype=np.uint8)
+        self._chunk: _Chunk | None = _Chunk()
+        self._view = self._chunk.view
+        self._array = self._chunk.array
+        self._spare: _Chunk | None = None
+        """The buffer whose chunk is being written (``_in_flight``), filled next."""
+        self._in_flight: Future | None = None
         self._pos = 0
         self._size = 0
         self._direct: bool | None = None  # unknown until the first full chunk
@@ -104,6 +151,7 @@ class DirectWriter(ForwardWriter):
             self._direct = _set_direct(self._fd, True)
         if not self._direct:
             return head
+        self._wait()  # in file order: the chunk in flight first
         if self._pos:  # whole blocks: everything before the aligned position
             _write_all(self._fd, self._view[: self._pos])
             self._pos = 0
@@ -128,10 +176,22 @@ class DirectWriter(ForwardWriter):
         self._size += n
 
     def _flush_chunk(self) -> None:
+        """Hand the full chunk to a helper thread (after the one before it is written) and go on in the spare."""
         if self._direct is None:
             self._direct = _set_direct(self._fd, True)
-        _write_all(self._fd, self._view[: self._pos])
+        self._wait()
+        full, self._spare = self._chunk, self._spare or _Chunk()
+        assert full is not None
+        self._in_flight = _write_threads().submit(_write_chunk, self._fd, full, self._pos)
+        self._chunk, self._spare = self._spare, full
+        self._view, self._array = self._chunk.view, self._chunk.array
         self._pos = 0
+
+    def _wait(self) -> None:
+        """Until the chunk in flight is on the disk; its error is raised here."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            in_flight.result()
 
     def finish(self, fsync: bool = True) -> None:
         """Write what is buffered and fsync the file (unless the caller defers it).
@@ -140,6 +200,7 @@ class DirectWriter(ForwardWriter):
         block, written with O_DIRECT, and the file truncated back to its length. Smaller files and tails are
         written through the page cache (one small write and its flush cost less than the alignment dance).
         """
+        self._wait()
         if self._pos:
             if self._direct is None and self._pos >= DIRECT_MIN_BYTES:
                 self._direct = _set_direct(self._fd, True)
@@ -156,12 +217,20 @@ class DirectWriter(ForwardWriter):
             os.fsync(self._fd)
 
     def close(self) -> None:
-        if self._buf is not None:
-            del self._array  # releases its export of the buffer
-            self._view.release()
-            _pool.put(self._buf)
-            self._buf = None
-            os.close(self._fd)
+        """Release the buffers and the file (after a write still in flight: on an error path, its own error is
+        left to the error being raised)."""
+        if self._chunk is None:
+            return
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            with contextlib.suppress(OSError):
+                in_flight.result()
+        del self._array, self._view
+        for chunk in (self._chunk, self._spare):
+            if chunk is not None:
+                chunk.release()
+        self._chunk = self._spare = None
+        os.close(self._fd)
 
     def flush(self) -> None:
         """Nothing to do: data is written in chunks, and by ``finish``."""
@@ -174,7 +243,7 @@ class DirectWriter(ForwardWriter):
 
     @property
     def closed(self) -> bool:
-        return self._buf is None
+        return self._chunk is None
 
 
 def open_writer(path: str) -> DirectWriter:
@@ -290,6 +359,16 @@ def _write_all(fd: int, view: memoryview) -> None:
                 _set_direct(fd, False)
                 continue
             raise
+
+
+def _write_chunk(fd: int, chunk: _Chunk, length: int) -> None:
+    """``_write_all`` of the first ``length`` bytes of ``chunk`` (on a helper thread); the view made for it is gone
+    when this returns, so that the buffer can be given back (and closed) at once."""
+    view = chunk.view[:length]
+    try:
+        _write_all(fd, view)
+    finally:
+        view.release()
 
 
 def _is_direct(fd: int) -> bool:

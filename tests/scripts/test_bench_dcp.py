@@ -48,11 +48,15 @@ def test_a_tiny_cpu_run_reports_every_path_load_and_ratio(tmp_path):
     assert cpu["checks"] == dict.fromkeys(expected & LOADS, "bit-exact")
     lines = "\n".join(report["markdown"])
     for ratio in ("CPU state blocked: nxd async_save / memcpy", "time to durable: nxd async_save / DCP's sync",
+                  "CPU state blocked: nxd async_save / DCP async_save + DefaultStager",
                   "load speed: dcp.load's seconds / nxd StorageReader's"):  # fmt: skip
         assert f"| {ratio}" in lines and ("| MET |" in lines or "| NOT MET |" in lines)
     assert "sync_files=True" in lines
     assert cpu["ratios"]["CPU state blocked: nxd async_save / memcpy of the state"] == pytest.approx(
         row["nxd_async"]["blocked_s"] / row["baseline"]
+    )
+    assert cpu["ratios"]["CPU state blocked: nxd async_save / DCP async_save + DefaultStager"] == pytest.approx(
+        row["nxd_async"]["blocked_s"] / row["dcp_stager"]["blocked_s"]
     )
 
 

@@ -1,7 +1,9 @@
 """A save called after ``optimizer.step()`` but before the step's ``torch_xla.sync()``: the state's values are still a
 pending graph. The save runs that graph once, as the user's own sync would (``xla.run_pending_step``), so the tag
 holds the stepped state, the user's sync has nothing left to run, no new graph is compiled for it, and the device
-RNG seed advances at the user's sync exactly as without the save.
+RNG seed advances at the user's sync exactly as without the save. The same holds for ``nxd_ckpt.dcp.Stager`` (the
+DCP front end), and in both front ends the run resets the all-reduce token as ``torch_xla.sync()`` does: a
+collective traced between the save and the user's sync does not carry the executed step into the next graph.
 """
 
 from __future__ import annotations
@@ -41,13 +43,17 @@ def _training(width: int, kind: str = "plain") -> tuple[torch.nn.Module, object]
     return model, opt
 
 
-def _step(model: torch.nn.Module, opt, width: int, seed: int) -> None:
-    """One optimizer step, not synced: the parameters' new values are a pending graph."""
+def _step(model: torch.nn.Module, opt, width: int, seed: int, *, scatter: bool = False) -> None:
+    """One optimizer step, not synced: the parameters' new values are a pending graph. With ``scatter`` the
+    gradients go through a reduce-scatter (a collective ordered by the device's all-reduce token, as ZeRO-1's)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(8, width, generator=g).to(torch_xla.device())
     loss = torch.nn.functional.mse_loss(model(x), x)
     opt.zero_grad()
     loss.backward()
+    if scatter:
+        for p in model.parameters():
+            p.grad = xm.reduce_scatter(xm.REDUCE_SUM, p.grad, 1.0, 0, 1)
     opt.step()
 
 
@@ -130,3 +136,68 @@ def test_a_save_of_synced_state_runs_no_step(tmp_path):
     nxd.finalize_checkpoint()
     assert not report.ran_pending_step
     assert xla_graph_executions() - before == 1  # the snapshot's clones only
+
+
+def _dcp_save(path: str, model: torch.nn.Module, opt, stager) -> object:
+    """An async DCP save of the model and optimizer through ``nxd_ckpt.dcp``'s writer and ``stager``."""
+    import torch.distributed.checkpoint as dcp
+
+    from nxd_ckpt.dcp import StorageWriter
+
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    return dcp.async_save(state, storage_writer=StorageWriter(path), async_stager=stager)
+
+
+def test_a_dcp_stager_save_before_the_sync_runs_the_step_once_and_saves_the_stepped_state(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from nxd_ckpt.dcp import Stager
+
+    width = 167
+    model, opt = _training(width)
+    _step(model, opt, width, seed=7)
+    assert xla.pending(list(model.parameters()))
+    stager = Stager()
+    response = _dcp_save(str(tmp_path / "step-1"), model, opt, stager)
+    assert not xla.pending(list(model.parameters())), "the stager left the step's graph pending"
+    assert _sync_executions() == 0, "the user's sync ran the step again"
+    assert stager.last_report.ran_pending_step
+    response.upload_completion.result(timeout=120)
+    expected = host_copy(model.state_dict())
+    loaded = {"model": {k: torch.zeros_like(v) for k, v in expected.items()}}
+    dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(tmp_path / "step-1")))
+    assert_state_equal(loaded["model"], expected)  # the stepped state, not the step before
+    _step(model, opt, width, seed=8)
+    torch_xla.sync()  # a save of synced state: nothing pending, no step run
+    _dcp_save(str(tmp_path / "step-2"), model, opt, stager).upload_completion.result(timeout=120)
+    assert not stager.last_report.ran_pending_step
+    stager.close()
+
+
+@pytest.mark.parametrize("front_end", ["save_checkpoint", "dcp_stager"])
+def test_a_collective_between_the_save_and_the_sync_does_not_trace_the_executed_step(tmp_path, front_end):
+    from nxd_ckpt.dcp import Stager
+
+    width = 169 + (front_end == "dcp_stager")
+    model, opt = _training(width)
+    _step(model, opt, width, seed=1, scatter=True)
+    torch_xla.sync()
+    _step(model, opt, width, seed=2, scatter=True)  # the token is now an IR value of this step's graph
+    if front_end == "save_checkpoint":
+        report = nxd.save_checkpoint(str(tmp_path), "pending", model=model, optimizer=opt, async_save=True)
+        assert report.ran_pending_step
+    else:
+        stager = Stager()
+        response = _dcp_save(str(tmp_path / "step-2"), model, opt, stager)
+    gathered = xm.reduce_scatter(xm.REDUCE_SUM, torch.ones(4, device=torch_xla.device()), 1.0, 0, 1)
+    graph = torch_xla._XLAC._get_xla_tensors_text([gathered])
+    assert "addmm" not in graph and "aten::mm" not in graph, f"the collective traced the executed step:\n{graph}"
+    torch_xla.sync()  # with the step in its graph: run again, on buffers the step donated (torch_xla raises)
+    assert torch.equal(gathered.cpu(), torch.ones(4))
+    assert front_end == "save_checkpoint" or stager.last_report.ran_pending_step
+    if front_end == "save_checkpoint":
+        report.wait()
+        nxd.finalize_checkpoint()
+    else:
+        response.upload_completion.result(timeout=120)
+        stager.close()

@@ -1,7 +1,8 @@
 """The device snapshot budget of XLA state as one decision (``device.kept_budget``): for a fixed model and budget no
 save after the first compiles anything, however the memory figure behind ``auto`` shifts; an out-of-memory in the
 snapshot moves the state by the direct transfer and the save succeeds; ``prepare_async_save`` and a resume's
-warm-up snapshot within the saves' budget. Shapes no other test uses: XLA's graph cache is the process's."""
+warm-up snapshot within the saves' budget. The same for ``nxd_ckpt.dcp.Stager`` (DCP's ``async_save``). Shapes no
+other test uses: XLA's graph cache is the process's."""
 
 from __future__ import annotations
 
@@ -153,3 +154,74 @@ def test_a_resume_warms_up_within_the_managers_budget(tmp_path):
         report.wait()
         assert (report.device_snapshot_bytes > 0) == bool(graphs)
         manager.finalize()
+
+
+def _dcp_async_save(path: str, model: torch.nn.Module, opt, stager):
+    import torch.distributed.checkpoint as dcp
+
+    from nxd_ckpt.dcp import StorageWriter
+
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    return dcp.async_save(state, storage_writer=StorageWriter(path), async_stager=stager)
+
+
+def test_stager_saves_compile_nothing_after_the_first_while_the_memory_figure_behind_auto_shifts(tmp_path, monkeypatch):
+    from nxd_ckpt.dcp import Stager
+
+    width = 107
+    model, opt = _training(width)
+    state = _xla_state_bytes(model, opt)
+    figures = itertools.cycle([2 * state * (10 - k) // 10 for k in range(10)])
+    monkeypatch.setattr(backend, "_host_available_bytes", lambda: next(figures))
+    monkeypatch.delenv(backend.BUDGET_ENV, raising=False)
+    stager = Stager()
+    compiles, budgets = [], set()
+    for i in range(6):
+        next(figures)
+        before = xla_graph_compiles()
+        response = _dcp_async_save(str(tmp_path / f"step-{i}"), model, opt, stager)
+        compiles.append(xla_graph_compiles() - before)
+        budgets.add(stager.last_report.device_budget_bytes)
+        assert stager.last_report.device_snapshot_bytes > 0
+        response.upload_completion.result(timeout=120)  # its plan gather brought the agreed budget back
+        _step(model, opt, width)
+    stager.close()
+    assert compiles[1:] == [0] * 5, f"saves after the first compiled: {compiles}"
+    assert len(budgets) == 1
+
+
+def test_stager_out_of_memory_in_the_snapshot_is_reported_and_the_kept_budget_shrinks(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    from nxd_ckpt.dcp import Stager
+
+    width = 109
+    model, opt = _training(width)
+    real_launch = device_snapshot._launch_xla_copies
+    refused: list[int] = []
+
+    def full_device(tensors, fit, rest, *, wait):
+        if not refused:
+            refused.append(len(fit))
+            raise RuntimeError(
+                "Bad StatusOr access: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1099511627776 bytes."
+            )
+        return real_launch(tensors, fit, rest, wait=wait)
+
+    monkeypatch.setattr(device_snapshot, "_launch_xla_copies", full_device)
+    stager = Stager(device_snapshot_budget="1TiB")  # a budget larger than the device allows
+    expected = host_copy(model.state_dict())
+    response = _dcp_async_save(str(tmp_path / "step-1"), model, opt, stager)
+    failed = stager.last_report
+    _step(model, opt, width)  # training goes on
+    response.upload_completion.result(timeout=120)
+    assert refused and "RESOURCE_EXHAUSTED" in (failed.device_snapshot_fallback or "")
+    assert failed.device_snapshot_bytes == 0 and failed.device_direct_bytes == _xla_state_bytes(model, opt)
+    loaded = {"model": {k: torch.zeros_like(v) for k, v in expected.items()}}
+    dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(tmp_path / "step-1")))
+    assert_state_equal(loaded["model"], expected)
+    _dcp_async_save(str(tmp_path / "step-2"), model, opt, stager).upload_completion.result(timeout=120)
+    after = stager.last_report
+    assert after.device_snapshot_fallback is None and after.device_snapshot_bytes > 0
+    assert after.device_budget_bytes == (1 << 40) // 2  # nothing was cloned: the kept budget halved
+    stager.close()

@@ -44,6 +44,32 @@ def test_a_kept_budget_is_measured_once_per_layout_agreed_and_shrunk_after_an_ou
     assert kept.shrink(cloned_bytes=0) == 1  # nothing cloned: half the budget
 
 
+def test_a_proposal_has_a_ticket_and_only_the_answer_to_the_current_one_is_kept(monkeypatch):
+    """The DCP front end's agreement (one save late, through the plan gather): an answer is taken for the ticket
+    it answers, never raises the kept budget, and a shrink or a new layout makes the older answers stale."""
+    from nxd_ckpt.device import kept_budget
+
+    figures = iter([1000, 800])
+    monkeypatch.setattr(backend.SnapshotBudget, "resolve", lambda self, tensors: (next(figures), "measured"))
+    kept, auto = KeptSnapshotBudget(), backend.SnapshotBudget(None)
+    kept.proposal(auto, _meta(10))
+    first = kept.ticket
+    kept_budget.offer(first, kept.bytes)
+    assert kept_budget.take_offer() == kept_budget.Offer(first, 1000)
+    assert kept_budget.take_offer() is None  # taken once: a later save without a stager's offer carries none
+    kept_budget.answer(first, 600)  # the least of the ranks' offers
+    kept.take_answer(kept_budget.answer_for(first))
+    assert kept.bytes == 600 and kept.proposal(auto, _meta(10)) == 600 and kept.ticket == first
+    kept.take_answer(900)  # an answer never raises the kept budget
+    assert kept.bytes == 600
+    kept.shrink(cloned_bytes=400)
+    assert kept.ticket != first and kept.bytes == 200
+    kept.take_answer(kept_budget.answer_for(kept.ticket))  # no answer to the shrunk proposal yet
+    assert kept.bytes == 200
+    kept.proposal(auto, _meta(11))  # a new layout: measured anew, a new ticket
+    assert kept.bytes == 800 and kept_budget.answer_for(kept.ticket) is None
+
+
 def test_a_warm_up_snapshots_within_the_saves_budget_and_leaves_a_peak_sized_auto_to_the_first_save(monkeypatch):
     kept, state = KeptSnapshotBudget(), _meta(10)
     assert kept.for_warm_up(backend.SnapshotBudget(0), state) == backend.SnapshotBudget(0)

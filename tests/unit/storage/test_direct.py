@@ -143,3 +143,48 @@ def test_large_writes_lined_up_with_the_file_skip_the_chunk_buffer(direct_dir, m
     from_tensor_memory = [a for a in sources if body.ctypes.data <= a < body.ctypes.data + body.nbytes]
     assert bool(from_tensor_memory) == lined_up
     assert prefix_len == 768
+
+
+def test_a_full_chunk_goes_to_the_disk_while_the_writer_fills_the_next_one(direct_dir, monkeypatch):
+    """The write of a full chunk runs on a helper thread: the writer copies the next bytes meanwhile (a synchronous
+    O_DIRECT write would add the disk's time to the copy's and the hashing's); the bytes stay exact and in order."""
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+    threads: list[str] = []
+    real_write_all = direct._write_all
+
+    def held_write_all(fd, view):
+        threads.append(threading.current_thread().name)
+        started.set()
+        assert release.wait(30), "the test never released the chunk's write"
+        real_write_all(fd, view)
+
+    monkeypatch.setattr(direct, "_write_all", held_write_all)
+    data = os.urandom(2 * CHUNK + 12345)
+    storage = LocalStorage(direct_dir)
+    with storage.open_write("f.bin") as f:
+        f.write(memoryview(data)[:CHUNK])  # one full chunk: handed to a helper thread
+        assert started.wait(30)
+        f.write(memoryview(data)[CHUNK : 2 * CHUNK - 1])  # returns while the first chunk's write is held
+        assert not release.is_set()
+        release.set()
+        f.write(memoryview(data)[2 * CHUNK - 1 :])
+    assert storage.read_bytes("f.bin") == data
+    assert threads[0].startswith("nxd_direct_write"), threads
+
+
+def test_an_error_of_a_chunk_write_reaches_the_writer(direct_dir, monkeypatch):
+    import errno
+
+    from nxd_ckpt.errors import StorageError
+
+    def full_disk(fd, view):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(direct, "_write_all", full_disk)
+    storage = LocalStorage(direct_dir)
+    with pytest.raises(StorageError, match="No space left on device"), storage.open_write("f.bin") as f:
+        f.write(os.urandom(CHUNK))  # the chunk fails on the helper thread
+        f.write(b"x")  # the next call that waits for it, or the end of the file, raises
+    assert os.listdir(direct_dir) == [], "a failed file left something behind"
