@@ -107,8 +107,8 @@ def survey_folder(path: str, expected: Mapping[str, Expected] | None = None, *, 
 
 
 def _check_manifests(check: FolderCheck) -> None:
-    """A folder with the library's manifests: every listed file's size and checksum, and every shard and the
-    index listed."""
+    """A folder with the library's manifests: every shard and the index listed (checked first: it costs no
+    read), and every listed file's size and checksum."""
     parent, folder = os.path.split(os.path.abspath(check.path))
     if not os.path.isdir(check.file(layout.EXTRAS_DIR)):
         return
@@ -124,16 +124,6 @@ def _check_manifests(check: FolderCheck) -> None:
     check.manifests = len(found.ranks)
     if not found.index:
         return
-    for rel, rec in sorted(found.index.items()):
-        try:
-            with root.open_read(f"{folder}/{rel}") as f:
-                check_record(root.url, folder, f"{folder}/{rel}", rec, *hash_stream(f))
-        except FileNotFoundError:
-            check.add(IntegrityError(f"{check.file(rel)} is missing (listed in rank {rec.rank}'s manifest); {RESTORE}"))
-            continue
-        except IntegrityError as e:
-            check.add(e)
-        check.checksummed_bytes += rec.size
     unlisted = [n for n in check.shards if n not in found.index]
     if os.path.exists(check.file(INDEX_FILE)) and INDEX_FILE not in found.index:
         unlisted.append(INDEX_FILE)
@@ -144,6 +134,16 @@ def _check_manifests(check: FolderCheck) -> None:
                 "contents cannot be checked; remove it, or restore the folder from a copy"
             )
         )
+    for rel, rec in sorted(found.index.items()):
+        try:
+            with root.open_read(f"{folder}/{rel}") as f:
+                check_record(root.url, folder, f"{folder}/{rel}", rec, *hash_stream(f))
+        except FileNotFoundError:
+            check.add(IntegrityError(f"{check.file(rel)} is missing (listed in rank {rec.rank}'s manifest); {RESTORE}"))
+            continue
+        except IntegrityError as e:
+            check.add(e)
+        check.checksummed_bytes += rec.size
 
 
 def _is_folder_name(name: str) -> bool:

@@ -124,3 +124,15 @@ def test_not_a_local_folder_of_safetensors(tmp_path):
     os.makedirs(tmp_path / "empty")
     with pytest.raises(ValueError, match="holds no .safetensors file"):
         check_folder(str(tmp_path / "empty"), None)
+
+
+def test_manifests_under_a_name_the_library_never_writes_are_a_note(tmp_path):
+    """Only a folder the library can have written (a valid tag name) is checked against ``nxd_ckpt/``; another
+    one says why its manifests were not read, and still gets every other check."""
+    folder = tmp_path / "my model"
+    os.makedirs(folder / "nxd_ckpt")
+    save_file({"w": torch.ones(2)}, folder / "model.safetensors")
+    check = survey_folder(str(folder))
+    assert check.problems == [] and check.manifests == 0
+    assert check.notes == [f"{folder}/nxd_ckpt was not read: 'my model' is no folder name the library writes"]
+    assert check_folder(str(folder), {"w": Expected(torch.float32, (2,))}) == [str(folder / "model.safetensors")]
