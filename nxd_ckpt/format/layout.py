@@ -24,7 +24,8 @@ EXTRAS_DIR = "nxd_ckpt"
 DCP_METADATA_FILE = ".metadata"
 """torch Distributed Checkpoint's index, found in ``<tag>/optim`` when NxD saved ZeRO-1 state with use_zero1_dcp."""
 HF_INDEX_FILE = "model.safetensors.index.json"
-"""A Hugging Face safetensors set's index (``weight_map``: tensor name -> file), written last."""
+"""A Hugging Face safetensors set's index (``metadata.total_size``, ``weight_map``: tensor name -> file), written last:
+the file ``transformers`` opens first and TorchTitan's step scan takes as the mark of a complete ``step-N``."""
 HF_SINGLE_FILE = "model.safetensors"
 """A Hugging Face model saved as one file, without an index."""
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -76,9 +77,6 @@ folder's name written as after ``DCP_STAGING_PREFIX``)."""
 HIDDEN_DASH = "~"
 """What a ``-`` of a folder's name becomes in the names of its hidden DCP siblings (never in a folder name, so the
 name reads back unambiguously)."""
-HF_INDEX_FILE = "model.safetensors.index.json"
-"""A Hugging Face safetensors set's index (``metadata.total_size``, ``weight_map``): the file ``transformers`` opens
-first and TorchTitan's step scan takes as the mark of a complete ``step-N`` in that format."""
 HF_STAGING_PREFIX = ".nxd-hf-staging."
 """Hidden directory beside a ``step-N`` folder where the TorchTitan manager writes its last step in Hugging Face
 format until the commit renames it into place (its name written as after ``DCP_STAGING_PREFIX``: ``step~N``)."""

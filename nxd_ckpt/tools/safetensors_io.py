@@ -340,7 +340,8 @@ def check_file(file: str) -> list[TensorEntry]:
 
 def read_weight_map(index: str) -> dict[str, str]:
     """The ``weight_map`` of the index file ``index`` (tensor name -> file name in the index's directory);
-    SafetensorsError naming the file when it is not an index or names a file outside its directory."""
+    SafetensorsError naming the file when it is not an index or maps a tensor to anything but a ``.safetensors``
+    file of its directory."""
     try:
         with open(index) as f:
             doc = json.load(f)
@@ -349,9 +350,9 @@ def read_weight_map(index: str) -> dict[str, str]:
             raise TypeError("weight_map is not an object")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SafetensorsError(f"{index} is not a safetensors index ({e})") from e
-    for name in weight_map.values():
-        if not isinstance(name, str) or "/" in name or name.startswith("."):
-            raise SafetensorsError(f"{index} names a file {name!r} outside its directory")
+    for tensor, name in weight_map.items():
+        if not isinstance(name, str) or name.startswith(".") or not re.fullmatch(r"[^/\\]+\.safetensors", name):
+            raise SafetensorsError(f"{index} maps {tensor} to {name!r}, which is no .safetensors file of its folder")
     return weight_map
 
 

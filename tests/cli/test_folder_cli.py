@@ -136,10 +136,28 @@ def test_a_truncated_shard_is_named(tmp_path, capsys):
     shard = folder / "model-00002-of-00002.safetensors"
     os.truncate(shard, shard.stat().st_size - 4)
     out, err = _cli(capsys, "verify", str(folder), check=1)
-    assert f"{shard} has an invalid safetensors header" in err and "do not fit" in err
+    assert f"{shard} has an invalid safetensors header" in err and "point past the end" in err
+    assert "the shard is damaged: restore it from a copy or download it again" in err
     assert "model-00001" not in err and out.startswith("llama: FAILED (1 problems)")
     _, err = _cli(capsys, "inspect", str(folder), check=1)
     assert str(shard) in err
+
+
+def test_bytes_after_the_last_tensor_are_named_as_a_load_would(tmp_path, capsys):
+    """``verify`` runs the checks an initial load runs (``tools.hf_folder``): a shard whose header leaves bytes
+    after its last tensor parses, but the header does not describe the file, and the two agree on the message."""
+    from nxd_ckpt.tools.hf_folder import check_folder
+
+    folder = tmp_path / "llama"
+    _save_hf(folder)
+    shard = folder / "model-00001-of-00002.safetensors"
+    with open(shard, "ab") as f:
+        f.write(b"\0" * 8)
+    _, err = _cli(capsys, "verify", str(folder), check=1)
+    assert f"{shard} has {shard.stat().st_size} bytes but its header describes {shard.stat().st_size - 8}" in err
+    with pytest.raises(nxd_ckpt.IntegrityError) as e:
+        check_folder(str(folder), None)
+    assert f"nxd-ckpt: problem: {e.value}" in err
 
 
 def test_a_header_pointing_past_its_file_is_named(tmp_path, capsys):

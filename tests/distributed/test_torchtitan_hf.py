@@ -206,8 +206,8 @@ def _wrong_shape(path: str) -> None:
 
 
 DAMAGE = {
-    "truncated": (_truncate, r"is damaged: .*point past the end"),
-    "header_past_the_file": (_header_past_the_file, r"is damaged: .*point past the end"),
+    "truncated": (_truncate, r"point past the end.*; the shard is damaged"),
+    "header_past_the_file": (_header_past_the_file, r"point past the end.*; the shard is damaged"),
     "wrong_shape": (_wrong_shape, r"has shape \[\d+\], but the model's is \[\d+, \d+\]"),
 }
 
