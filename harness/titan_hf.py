@@ -78,6 +78,12 @@ def manager(config_class: Any, base: str, m: torch.nn.Module, assets: str | None
     (``export_dtype`` bf16 unless ``fields`` say otherwise), built with the trainer's keyword arguments."""
     fields = {"export_dtype": "bfloat16", "keep_latest_k": 0, **fields}
     config = config_class.Config(enable=True, folder="ckpt", last_save_in_hf=True, last_save_model_only=True, **fields)
+    return build(config, base, m, assets)
+
+
+def build(config: Any, base: str, m: torch.nn.Module, assets: str | None) -> Any:
+    """The manager ``config`` describes (TorchTitan's or ours) over ``m`` alone, built with the trainer's keyword
+    arguments and the Hugging Face adapter of ``assets``."""
     return config.build(
         dataloader=None,
         model_parts=[m],

@@ -132,15 +132,7 @@ def _loader(cls: Any, base: str, m: torch.nn.Module, path: str | None, assets: s
     config = cls.Config(
         enable=True, folder="ckpt", initial_load_path=path, initial_load_in_hf=True, initial_load_model_only=True
     )
-    return config.build(
-        dataloader=None,
-        model_parts=[m],
-        optimizers=None,
-        lr_schedulers=None,
-        states={},
-        sd_adapter=titan_hf.TinyAdapter(assets),
-        base_folder=base,
-    )
+    return titan_hf.build(config, base, m, assets)
 
 
 def _model_state(m: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -80,14 +80,14 @@ def test_no_save_after_the_first_compiles_anything_while_the_memory_figure_behin
     assert len(budgets) == 1
 
 
-def test_an_out_of_memory_in_the_snapshot_moves_the_state_directly_and_the_save_succeeds(tmp_path, monkeypatch):
-    width = 97
-    model, opt = _training(width)
+def _device_refuses_the_first_snapshot(monkeypatch) -> list[int]:
+    """The snapshot's first graph asks for more than the device holds (XLA's RESOURCE_EXHAUSTED); later ones run.
+    Returns the list that records the refusal (how many tensors it was to clone)."""
     real_launch = device_snapshot._launch_xla_copies
     refused: list[int] = []
 
     def full_device(tensors, fit, rest, *, wait):
-        if not refused:  # the snapshot's first graph: more than the device holds
+        if not refused:
             refused.append(len(fit))
             raise RuntimeError(
                 "Bad StatusOr access: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1099511627776 bytes."
@@ -95,6 +95,13 @@ def test_an_out_of_memory_in_the_snapshot_moves_the_state_directly_and_the_save_
         return real_launch(tensors, fit, rest, wait=wait)
 
     monkeypatch.setattr(device_snapshot, "_launch_xla_copies", full_device)
+    return refused
+
+
+def test_an_out_of_memory_in_the_snapshot_moves_the_state_directly_and_the_save_succeeds(tmp_path, monkeypatch):
+    width = 97
+    model, opt = _training(width)
+    refused = _device_refuses_the_first_snapshot(monkeypatch)
     manager = CheckpointManager(device_snapshot_budget="1TiB")  # a budget larger than the device allows
     expected_model, expected_opt = host_copy(model.state_dict()), host_copy(opt.state_dict())
     report = manager.save(str(tmp_path), "full", model=model, optimizer=opt, async_save=True, use_xser=True)
@@ -197,18 +204,7 @@ def test_stager_out_of_memory_in_the_snapshot_is_reported_and_the_kept_budget_sh
 
     width = 109
     model, opt = _training(width)
-    real_launch = device_snapshot._launch_xla_copies
-    refused: list[int] = []
-
-    def full_device(tensors, fit, rest, *, wait):
-        if not refused:
-            refused.append(len(fit))
-            raise RuntimeError(
-                "Bad StatusOr access: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1099511627776 bytes."
-            )
-        return real_launch(tensors, fit, rest, wait=wait)
-
-    monkeypatch.setattr(device_snapshot, "_launch_xla_copies", full_device)
+    refused = _device_refuses_the_first_snapshot(monkeypatch)
     stager = Stager(device_snapshot_budget="1TiB")  # a budget larger than the device allows
     expected = host_copy(model.state_dict())
     response = _dcp_async_save(str(tmp_path / "step-1"), model, opt, stager)
