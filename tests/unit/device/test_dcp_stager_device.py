@@ -178,12 +178,7 @@ def _ranks_agree_in_the_plan_gather(path: str) -> None:
             assert calls == sync_calls, f"save {n} took collectives of its own: {calls} against {sync_calls}"
             calls.clear()
             _set_memory(256 * MiB, 0)  # both ranks would now propose all of it: the agreed budget is kept
-        got = {key: {k: torch.zeros_like(v) for k, v in want[key].items()} for key in ("model", "optim")}
-        got["train_state"] = {"step": -1}
-        dcp.load(got, storage_reader=dcp.FileSystemReader(f"{path}/step-2"))
-        for key in ("model", "optim"):
-            for k, v in want[key].items():
-                assert torch.equal(got[key][k], v), (key, k)
+        _assert_stock_dcp_reads(f"{path}/step-2", want)
     snapshots = [None, None]
     dist.all_gather_object(snapshots, [r.device_snapshot_bytes for r in reports[1:]])  # before a rank may fail
     assert reports[0].device_budget_bytes == own  # DCP stages before its first collective: the rank's own
@@ -195,6 +190,18 @@ def _ranks_agree_in_the_plan_gather(path: str) -> None:
 
 def test_ranks_agree_on_the_least_budget_in_dcps_plan_gather_and_keep_it(tmp_path):
     run_on_ranks(_ranks_agree_in_the_plan_gather, 2, {"path": str(tmp_path)})
+
+
+def _assert_stock_dcp_reads(folder: str, want: dict) -> None:
+    """Stock ``dcp.load`` (``FileSystemReader``) reads ``folder``'s model and optimizer as ``want`` holds them."""
+    import torch.distributed.checkpoint as dcp
+
+    got = {key: {k: torch.zeros_like(v) for k, v in want[key].items()} for key in ("model", "optim")}
+    got["train_state"] = {"step": -1}
+    dcp.load(got, storage_reader=dcp.FileSystemReader(folder))
+    for key in ("model", "optim"):
+        for k, v in want[key].items():
+            assert torch.equal(got[key][k], v), (key, k)
 
 
 def _out_of_memory_shrinks_the_budget(path: str) -> None:
@@ -221,12 +228,7 @@ def _out_of_memory_shrinks_the_budget(path: str) -> None:
     failed = stager.last_report
     native_state.steps(model, opt, 1, seed=3, autograd=False)  # training goes on
     response.upload_completion.result(timeout=60)
-    got = {key: {k: torch.zeros_like(v) for k, v in want[key].items()} for key in ("model", "optim")}
-    got["train_state"] = {"step": -1}
-    dcp.load(got, storage_reader=dcp.FileSystemReader(f"{path}/step-0"))
-    for key in ("model", "optim"):
-        for k, v in want[key].items():
-            assert torch.equal(got[key][k], v), (key, k)
+    _assert_stock_dcp_reads(f"{path}/step-0", want)
     assert "ran out of memory" in (failed.device_snapshot_fallback or ""), failed
     assert failed.device_snapshot_bytes > 0 and failed.device_direct_bytes > 0  # two clones, the rest direct
     assert any("ran out of memory" in m for m in warned), warned
