@@ -3,15 +3,21 @@
 Reads any stock DCP checkpoint (``torch.save`` serialization, no stream transforms). Where the writer left
 manifests (``nxd_ckpt.dcp.StorageWriter``), ``.metadata`` is checked against its record (in the committing rank's
 manifest) before it is unpickled; the coordinator reads the manifests once while DCP plans the load and hands each
-rank the records of the files it reads (in the plan's ``storage_data``); each rank then reads every such file
-once, front to back (``open_sequential``, as DCP's FileSystemReader reads without threads), hashing each piece as
-it arrives and parsing each item from a buffer of that item alone (memory held: the largest item, not a file),
-and checks the file's size and xxh3_64 digest (``integrity.VerifyingStorage``) at its end, before any of its
-items is committed or a non-tensor value loaded: a truncated or corrupted file raises IntegrityError naming it
-(tensor bytes have been copied into the state dict by then, as with stock DCP; the load fails). Without manifests
-(a checkpoint stock DCP wrote, or one whose ``nxd_ckpt/`` folder is gone) every file the metadata points into must
-hold the bytes it points at: a truncated file is named too; a flipped byte is found only where ``torch.load``
-notices it.
+rank the records of the files it reads (in the plan's ``storage_data``).
+
+What a load reads: the byte ranges its plan asks for, rounded to the checksum blocks that hold them
+(``manifests.FileRecord.blocks``: one item's bytes are whole blocks, at most 1 MiB each), never a whole file for
+one item. A large tensor item's zip header is parsed first (its first, 64 KiB block and its last block) so that a
+load of part of a saved chunk (re-sharding onto more ranks) reads only the bytes of that part. The ranges are read
+by ``thread_count`` threads, each block hashed right after its read (xxh3 without the GIL).
+
+What is verified when: every block is checked against its digest as it is read, before any of its bytes is used;
+values are built and copied into the state dict (a non-tensor value unpickled) only once every range of the
+rank's load is read and checked, so a damaged or truncated file raises IntegrityError naming it and leaves every
+target as it was. A checkpoint written before block digests (whole-file digests only) has each file it reads
+hashed whole and checked first. Without manifests (a checkpoint stock DCP wrote, or one whose ``nxd_ckpt/``
+folder is gone) ranges are read unchecked: a truncated file is named; a flipped byte is found only where
+``torch.load`` notices it.
 
 With ``memory_tier=`` the folder is read from the memory tier where it holds a complete copy (each rank's files
 from its own node's memory, else from a peer node's replica), verified the same way; else from the folder.
@@ -19,12 +25,15 @@ from its own node's memory, else from a peer node's replica), verified the same 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import io
+import itertools
 import os
 import uuid
 from collections.abc import Callable
-from typing import Any, BinaryIO
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,17 +46,16 @@ from torch.futures import Future
 from nxd_ckpt.dcp.place import METADATA, CheckpointPlace, FolderId
 from nxd_ckpt.errors import CheckpointNotFoundError, FormatError, IntegrityError
 from nxd_ckpt.format.hashing import hash_bytes
-from nxd_ckpt.format.integrity import VerifyingStorage
+from nxd_ckpt.format.integrity import VerifiedFile
 from nxd_ckpt.format.manifests import (
     RESTORE_HINT,
     FileRecord,
-    IndexShare,
     check_record,
     manifest_paths,
     parse_manifest,
     read_manifests,
 )
-from nxd_ckpt.storage.base import read_fully
+from nxd_ckpt.serialization import structure as zip_structure
 from nxd_ckpt.tier.memory import MemoryTier
 from nxd_ckpt.tier.shared import shared_tier
 from nxd_ckpt.tier.view import TierView
@@ -76,6 +84,7 @@ class StorageReader(FolderId, _DcpStorageReader):
             one is complete. Collective: every rank builds its reader at the same point (the nodes report what
             they hold).
         timeout: the deadline of the memory tier's steps (default ``NXD_CKPT_TIMEOUT_S``).
+        thread_count: threads reading (and checking) each rank's byte ranges in parallel.
     """
 
     def __init__(
@@ -85,8 +94,14 @@ class StorageReader(FolderId, _DcpStorageReader):
         allow_pickle: bool = False,
         memory_tier: MemoryTier | None = None,
         timeout: float | None = None,
+        thread_count: int = 4,
     ) -> None:
         super().__init__()
+        if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
+            raise ValueError(f"thread_count must be a positive int, got {thread_count!r}")
+        self.thread_count = thread_count
+        self.bytes_read = 0
+        """Bytes the last ``read_data`` read from storage (its ranges rounded to blocks)."""
         if memory_tier is not None and not isinstance(memory_tier, MemoryTier):
             raise TypeError(f"memory_tier must be a nxd_ckpt.MemoryTier, got {type(memory_tier).__name__}")
         self.allow_pickle = allow_pickle
@@ -175,10 +190,16 @@ class StorageReader(FolderId, _DcpStorageReader):
         return [dataclasses.replace(p, storage_data=s) for p, s in zip(plans, shares, strict=True)]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read this rank's items, file by file, each file once front to back (checked in the same pass, where it
-        has a record, before any item of it is committed)."""
+        """Read this rank's items: only the byte ranges the plan needs, checked before any byte is used.
+
+        Three steps: each large tensor item's zip header is parsed (its record's offset, dtype and strides) to
+        find the bytes of the part the plan reads; the ranges are read in parallel (``thread_count``) and each
+        block checked right after its read (``VerifiedFile``); only when every range of the load is read and
+        checked are the values built and copied into the state dict: a failed check leaves every target as it
+        was."""
         share: _ReadShare = plan.storage_data if isinstance(plan.storage_data, _ReadShare) else _ReadShare(None)
-        per_file: dict[str, list[ReadItem]] = {}
+        files: dict[str, VerifiedFile] = {}
+        pairs: list[tuple[VerifiedFile, Any, ReadItem]] = []
         for item in plan.items:
             info = self.storage_data[item.storage_index]
             if getattr(info, "transform_descriptors", None):
@@ -187,96 +208,130 @@ class StorageReader(FolderId, _DcpStorageReader):
                     f"transforms ({info.transform_descriptors}), which this reader does not undo; read it with "
                     "FileSystemReader"
                 )
-            per_file.setdefault(info.relative_path, []).append(item)
-        scratch = _Scratch()
-        for rel, items in per_file.items():
-            self._read_file(rel, items, share.records, planner, scratch)
+            rel = info.relative_path
+            if rel not in files:
+                files[rel] = self._file(rel, share.records)
+            pairs.append((files[rel], info, item))
+        with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nxd_dcp_read") as pool:
+            wanted = list(pool.map(lambda p: _locate(*p), pairs))
+            spans = _spans(wanted)
+            list(pool.map(_Piece.read, [piece for span in spans for piece in span.pieces()]))
+        values = [_value(w, planner) for w in wanted]  # everything read is checked: now build and copy
+        for commit in values:
+            commit()
+        self.bytes_read = sum(f.bytes_read for f in files.values())
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
-    def _read_file(
-        self, rel: str, items: list[ReadItem], records: dict[str, FileRecord] | None, planner: LoadPlanner,
-        scratch: _Scratch,
-    ) -> None:  # fmt: skip
-        """``rel``'s items into the state dict from one sequential read of the file. With a record, every byte is
-        hashed as it is read and the file checked at the end (IntegrityError naming it, before anything that
-        failed to parse is reported and before any item is committed)."""
-        folder = self.place.folder
-        path = f"{folder}/{rel}"
-        storage = self.place.root
+    def _file(self, rel: str, records: dict[str, FileRecord] | None) -> VerifiedFile:
+        """``rel`` for checked range reads: by its record where the checkpoint has manifests."""
+        record = None
         if records is not None:
-            storage = VerifyingStorage(self.place.root, folder, IndexShare(records, frozenset([rel])))
-        commits: list[Callable[[], None]] = []
-        failure: Exception | None = None
-        with storage.open_sequential(path) as stream:
-            try:
-                self._serve(stream, path, items, planner, scratch, commits)
-            except Exception as e:  # damaged bytes mostly fail to parse; the check as the block ends names them
-                failure = e
-        if failure is not None:
-            raise failure
-        for commit in commits:
-            commit()
-
-    def _serve(
-        self, stream: BinaryIO, path: str, items: list[ReadItem], planner: LoadPlanner, scratch: _Scratch,
-        commits: list[Callable[[], None]],
-    ) -> None:  # fmt: skip
-        """Read ``stream`` front to back, span by span (the byte ranges of the items, overlapping ones merged),
-        skipping the gaps, and hand each item its bytes; commits are queued in ``commits``."""
-        position = 0
-        for start, end, span_items in _spans([(self.storage_data[i.storage_index], i) for i in items]):
-            if start > position:
-                position += _skip(stream, start - position, scratch)
-            view = scratch.view(end - start)
-            got = read_fully(stream, view) if position == start else 0
-            position += got
-            if got != end - start:
-                raise FormatError(
-                    f"{self.place.root.url}/{path} is truncated: {METADATA} points at bytes up to {end} but it has "
-                    f"{position}; {RESTORE_HINT}"
+            record = records.get(rel)
+            if record is None:
+                raise IntegrityError(
+                    f"{self.place.root.url}/{self.place.folder}/{rel} is read by this load but in no manifest of "
+                    f"{self.path}: a rank's manifest is missing or the folder was altered; {RESTORE_HINT}"
                 )
-            for info, item in span_items:
-                commits.append(_apply(planner, item, view[info.offset - start : info.offset + info.length - start]))
+        return VerifiedFile(self.place.root, f"{self.place.folder}/{rel}", record, tag=self.place.folder)
 
 
-class _Scratch:
-    """One reusable buffer for the span being parsed: memory held is the largest item, not a whole file."""
-
-    def __init__(self) -> None:
-        self._buffer = np.empty(0, dtype=np.uint8)
-
-    def view(self, size: int) -> memoryview:
-        if self._buffer.nbytes < size:
-            self._buffer = np.empty(0, dtype=np.uint8)  # the old one freed first
-            self._buffer = np.empty(size, dtype=np.uint8)
-        return memoryview(self._buffer)[:size]
+_WHOLE_ITEM_BYTES = 1 << 20
+"""Tensor items up to this size are read whole and ``torch.load``ed (parsing their header first saves nothing)."""
+_PIECE_BYTES = 16 << 20
+"""The most one thread reads in one task: a large range is split at block ends into pieces of about this size."""
 
 
-def _spans(pairs: list[tuple[Any, ReadItem]]) -> list[tuple[int, int, list[tuple[Any, ReadItem]]]]:
-    """The items' byte ranges in file order, overlapping ones merged: ``(start, end, [(info, item)])``."""
-    spans: list[tuple[int, int, list[tuple[Any, ReadItem]]]] = []
-    for info, item in sorted(pairs, key=lambda p: p[0].offset):
-        end = info.offset + info.length
-        if spans and info.offset < spans[-1][1]:
-            start, last_end, members = spans[-1]
-            spans[-1] = (start, max(last_end, end), [*members, (info, item)])
+@dataclasses.dataclass
+class _Wanted:
+    """One read item's bytes: ``[start, end)`` of ``file``; ``layout`` the saved tensor part they hold (dtype,
+    size, strides in elements from ``start``), None for a whole item (raw bytes, or a tensor ``torch.load``ed)."""
+
+    file: VerifiedFile
+    item: ReadItem
+    start: int
+    end: int
+    layout: tuple[torch.dtype, tuple[int, ...], tuple[int, ...]] | None = None
+    data: np.ndarray | None = None
+
+
+def _locate(file: VerifiedFile, info: Any, item: ReadItem) -> _Wanted:
+    """The byte range ``item`` needs: for a large tensor item only the elements of the part it reads (its
+    header parsed through the checked stream), else the whole item."""
+    start, end = info.offset, info.offset + info.length
+    whole = _Wanted(file, item, start, end)
+    if item.type == LoadItemType.BYTE_IO or info.length <= _WHOLE_ITEM_BYTES:
+        return whole
+    try:
+        saved, offsets = zip_structure.load_layout(file.stream(start, end), file.where)
+    except IntegrityError:
+        raise
+    except Exception:  # not the plain layout (an unusual torch.save): torch.load reads the whole item instead
+        return whole
+    key = getattr(saved.untyped_storage(), zip_structure.RECORD_ATTR, None) if torch.is_tensor(saved) else None
+    if key not in offsets or saved.layout != torch.strided:
+        return whole
+    part = saved
+    for dim, (first, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+        part = part.narrow(dim, first, length)
+    if part.numel() == 0:
+        return whole
+    size = part.element_size()
+    extent = 1 + sum((n - 1) * stride for n, stride in zip(part.size(), part.stride(), strict=True))
+    first_byte = start + offsets[key] + part.storage_offset() * size
+    if offsets[key] + saved.untyped_storage().nbytes() > info.length or extent * size > end - first_byte:
+        raise IntegrityError(f"{file.where}: {item.storage_index.fqn}'s tensor record runs past its item")
+    return _Wanted(file, item, first_byte, first_byte + extent * size, (part.dtype, part.size(), part.stride()))
+
+
+@dataclasses.dataclass
+class _Span:
+    """Overlapping or touching ranges of one file, read into one buffer."""
+
+    file: VerifiedFile
+    start: int
+    end: int
+    members: list[_Wanted]
+
+    def pieces(self) -> list[_Piece]:
+        """The span's reads for the thread pool, each about ``_PIECE_BYTES``, split where a block ends."""
+        buffer = np.empty(self.end - self.start, dtype=np.uint8)
+        for w in self.members:
+            w.data = buffer[w.start - self.start : w.end - self.start]
+        cuts = [self.start]
+        record = self.file.record
+        ends = [e for e, _ in record.blocks] if record is not None and record.blocks else None
+        while cuts[-1] < self.end:
+            cut = min(self.end, cuts[-1] + _PIECE_BYTES)
+            if ends is not None and cut < self.end:
+                cut = min(self.end, ends[min(len(ends) - 1, bisect.bisect_left(ends, cut))])
+            cuts.append(cut)
+        view = memoryview(buffer)
+        return [_Piece(self.file, a, view[a - self.start : b - self.start]) for a, b in itertools.pairwise(cuts)]
+
+
+@dataclasses.dataclass
+class _Piece:
+    file: VerifiedFile
+    start: int
+    view: memoryview
+
+    def read(self) -> None:
+        self.file.read_into(self.start, self.view)
+
+
+def _spans(wanted: list[_Wanted]) -> list[_Span]:
+    """The ranges of each file in file order, overlapping or touching ones merged."""
+    spans: list[_Span] = []
+    for w in sorted(wanted, key=lambda w: (id(w.file), w.start)):
+        last = spans[-1] if spans else None
+        if last is not None and last.file is w.file and w.start <= last.end:
+            last.end = max(last.end, w.end)
+            last.members.append(w)
         else:
-            spans.append((info.offset, end, [(info, item)]))
+            spans.append(_Span(w.file, w.start, w.end, [w]))
     return spans
-
-
-def _skip(stream: BinaryIO, count: int, scratch: _Scratch) -> int:
-    """Read (and so hash, on a checked stream) ``count`` bytes nobody uses; returns how many there were."""
-    done = 0
-    while done < count:
-        view = scratch.view(min(count - done, 1 << 20))
-        n = read_fully(stream, view)
-        done += n
-        if n < len(view):
-            break
-    return done
 
 
 class _BufferStream(io.RawIOBase):
@@ -310,19 +365,28 @@ class _BufferStream(io.RawIOBase):
         return self._pos
 
 
-def _apply(planner: LoadPlanner, item: ReadItem, data: memoryview) -> Callable[[], None]:
-    """One item's bytes into the state dict, as DCP's FileSystemReader does; returns the commit, which the caller
-    makes once the file is checked (a non-tensor item is loaded only then)."""
+def _value(wanted: _Wanted, planner: LoadPlanner) -> Callable[[], None]:
+    """One item's value from its checked bytes, and its commit (the copy into the state dict, or a non-tensor
+    value's load), which the caller makes once every item of the load is built."""
+    item, data = wanted.item, wanted.data
+    assert data is not None
     if item.type == LoadItemType.BYTE_IO:
-        kept = bytes(data)  # the buffer is reused for the next span
-        return lambda: planner.load_bytes(item, io.BytesIO(kept))
-    tensor = torch.load(_BufferStream(data), map_location="cpu", weights_only=True)
-    for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
-        tensor = tensor.narrow(dim, start, length)  # the part of the saved chunk this item reads
+        return lambda: planner.load_bytes(item, io.BytesIO(data.tobytes()))
+    if wanted.layout is not None:
+        dtype, size, stride = wanted.layout
+        tensor = torch.frombuffer(memoryview(data), dtype=dtype).as_strided(size, stride)
+    else:
+        tensor = torch.load(_BufferStream(memoryview(data)), map_location="cpu", weights_only=True)
+        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+            tensor = tensor.narrow(dim, start, length)  # the part of the saved chunk this item reads
     target = planner.resolve_tensor(item).detach()
     if target.size() != tensor.size():
         raise FormatError(
             f"{item.storage_index.fqn}: saved chunk {tuple(tensor.size())} does not fit {tuple(target.size())}"
         )
-    target.copy_(tensor)
-    return lambda: planner.commit_tensor(item, target)
+
+    def commit() -> None:
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
+
+    return commit
