@@ -6,7 +6,7 @@ manifest) before it is unpickled; the coordinator reads the manifests once while
 rank the records of the files it reads (in the plan's ``storage_data``).
 
 What a load reads: the byte ranges its plan asks for, rounded to the checksum blocks that hold them
-(``manifests.FileRecord.blocks``: one item's bytes are whole blocks, at most 1 MiB each), never a whole file for
+(``manifests.FileRecord.blocks``: one item's bytes are whole blocks, at most 256 KiB each), never a whole file for
 one item. A large tensor item's zip header is parsed first (its first, 64 KiB block and its last block) so that a
 load of part of a saved chunk (re-sharding onto more ranks) reads only the bytes of that part. The ranges are read
 by ``thread_count`` threads, each block hashed right after its read (xxh3 without the GIL).

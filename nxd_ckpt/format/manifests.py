@@ -31,7 +31,7 @@ ALGORITHM = "xxh3_64"
 MANIFEST_FORMAT = "nxd_ckpt.manifest"
 MANIFEST_VERSION = 2
 """2: records carry block digests (1: whole-file digests only; still read)."""
-BLOCK_BYTES = 1 << 20
+BLOCK_BYTES = 256 << 10
 """Longest block with its own digest: the most a load reads beyond the byte range it needs, at each end."""
 HEAD_BYTES = 64 << 10
 """Length of an item's first block (``BlockHasher.cut``): its zip header and pickle, read on their own."""
