@@ -264,7 +264,8 @@ def _locate(file: VerifiedFile, info: Any, item: ReadItem) -> _Wanted:
     if item.type == LoadItemType.BYTE_IO or info.length <= _WHOLE_ITEM_BYTES:
         return whole
     try:
-        saved, offsets = zip_structure.load_layout(file.stream(start, end), file.where)
+        with file.stream(start, end).parsing() as stream:
+            saved, offsets = zip_structure.load_layout(stream, file.where)
     except IntegrityError:
         raise
     except Exception:  # not the plain layout (an unusual torch.save): torch.load reads the whole item instead

@@ -528,6 +528,7 @@ class VerifiedStream(io.RawIOBase):
         super().__init__()
         self.file, self._start, self._end = file, start, end
         self._pos = 0
+        self.error: Exception | None = None
 
     def readable(self) -> bool:
         return True
@@ -546,6 +547,21 @@ class VerifiedStream(io.RawIOBase):
     def readinto(self, b: Any) -> int:
         view = memoryview(b).cast("B")
         n = max(0, min(len(view), self._end - self._start - self._pos))
-        self.file.read_into(self._start + self._pos, view[:n])
+        try:
+            self.file.read_into(self._start + self._pos, view[:n])
+        except Exception as e:
+            self.error = e  # torch's zip reader replaces it with an error of its own: see ``parsing``
+            raise
         self._pos += n
         return n
+
+    @contextlib.contextmanager
+    def parsing(self) -> Iterator[VerifiedStream]:
+        """Parse through this stream: a failed check raises as itself, not as what the parser made of it
+        (``torch._C.PyTorchFileReader`` reports any exception of its stream as a missing ``read``)."""
+        try:
+            yield self
+        except Exception:
+            if self.error is not None:
+                raise self.error from None
+            raise

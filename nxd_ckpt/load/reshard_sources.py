@@ -54,7 +54,7 @@ def _partial(storage: Storage, path: str) -> contextlib.AbstractContextManager[A
     """A seekable stream of ``path`` for reading parts of it: under verification every byte it returns is
     checked first (``VerifiedFile``: by its blocks, or the whole file once for an older manifest)."""
     if isinstance(storage, VerifyingStorage):
-        return contextlib.nullcontext(storage.verified_file(path).stream())
+        return storage.verified_file(path).stream().parsing()
     return open_for_partial_reads(storage, path)
 
 
