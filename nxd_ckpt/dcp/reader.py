@@ -200,6 +200,11 @@ class StorageReader(FolderId, _DcpStorageReader):
         share: _ReadShare = plan.storage_data if isinstance(plan.storage_data, _ReadShare) else _ReadShare(None)
         files: dict[str, VerifiedFile] = {}
         pairs: list[tuple[VerifiedFile, Any, ReadItem]] = []
+        large: dict[str, int] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            if info.length > _WHOLE_ITEM_BYTES:
+                large[info.relative_path] = large.get(info.relative_path, 0) + 1
         for item in plan.items:
             info = self.storage_data[item.storage_index]
             if getattr(info, "transform_descriptors", None):
@@ -209,8 +214,8 @@ class StorageReader(FolderId, _DcpStorageReader):
                     "FileSystemReader"
                 )
             rel = info.relative_path
-            if rel not in files:
-                files[rel] = self._file(rel, share.records)
+            if rel not in files:  # a large item's first and last block are kept from its parse to its read
+                files[rel] = self._file(rel, share.records, 4 + 2 * large.get(rel, 0))
             pairs.append((files[rel], info, item))
         with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nxd_dcp_read") as pool:
             wanted = list(pool.map(lambda p: _locate(*p), pairs))
@@ -224,7 +229,7 @@ class StorageReader(FolderId, _DcpStorageReader):
         future.set_result(None)
         return future
 
-    def _file(self, rel: str, records: dict[str, FileRecord] | None) -> VerifiedFile:
+    def _file(self, rel: str, records: dict[str, FileRecord] | None, kept_blocks: int) -> VerifiedFile:
         """``rel`` for checked range reads: by its record where the checkpoint has manifests."""
         record = None
         if records is not None:
@@ -234,7 +239,8 @@ class StorageReader(FolderId, _DcpStorageReader):
                     f"{self.place.root.url}/{self.place.folder}/{rel} is read by this load but in no manifest of "
                     f"{self.path}: a rank's manifest is missing or the folder was altered; {RESTORE_HINT}"
                 )
-        return VerifiedFile(self.place.root, f"{self.place.folder}/{rel}", record, tag=self.place.folder)
+        path = f"{self.place.folder}/{rel}"
+        return VerifiedFile(self.place.root, path, record, tag=self.place.folder, kept_blocks=kept_blocks)
 
 
 _WHOLE_ITEM_BYTES = 1 << 20

@@ -415,10 +415,12 @@ class VerifiedFile:
     Safe to use from several threads (each read opens its own stream: the file on local disk, ranged GETs on S3).
     """
 
-    _KEPT_BLOCKS = 4
-
-    def __init__(self, storage: Storage, path: str, record: FileRecord | None, *, tag: str) -> None:
+    def __init__(
+        self, storage: Storage, path: str, record: FileRecord | None, *, tag: str, kept_blocks: int = 4
+    ) -> None:
         self.storage, self.path, self.record, self.tag = storage, path, record, tag
+        self.kept_blocks = kept_blocks
+        """How many blocks read in part are kept for the next range (each at most ``BLOCK_BYTES``)."""
         self.where = f"{storage.url}/{path}"
         self._lock = threading.Lock()
         self._whole_checked = False
@@ -498,7 +500,7 @@ class VerifiedFile:
         self._read_block(stream, start, end, digest, memoryview(block))
         with self._lock:
             self._kept[start] = block
-            while len(self._kept) > self._KEPT_BLOCKS:
+            while len(self._kept) > self.kept_blocks:
                 self._kept.popitem(last=False)
         return block
 
