@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from nxd_ckpt import knobs
 from nxd_ckpt.dcp.place import METADATA, CheckpointPlace, FolderId
 from nxd_ckpt.errors import CheckpointNotFoundError, FormatError, IntegrityError
 from nxd_ckpt.format.hashing import hash_bytes
@@ -85,6 +86,9 @@ class StorageReader(FolderId, _DcpStorageReader):
             they hold).
         timeout: the deadline of the memory tier's steps (default ``NXD_CKPT_TIMEOUT_S``).
         thread_count: threads reading (and checking) each rank's byte ranges in parallel.
+        buffer_bytes: the most bytes of a rank's load held until every range of it is checked (default
+            ``NXD_CKPT_DCP_LOAD_BUFFER``, 4 GiB). Ranges past it are checked first, then read (and checked)
+            again one item at a time as they are used: twice the reads for them, memory one item.
     """
 
     def __init__(
@@ -95,8 +99,12 @@ class StorageReader(FolderId, _DcpStorageReader):
         memory_tier: MemoryTier | None = None,
         timeout: float | None = None,
         thread_count: int = 4,
+        buffer_bytes: int | None = None,
     ) -> None:
         super().__init__()
+        if buffer_bytes is not None and (isinstance(buffer_bytes, bool) or not isinstance(buffer_bytes, int)):
+            raise TypeError(f"buffer_bytes must be an int (bytes) or None, got {buffer_bytes!r}")
+        self.buffer_bytes = buffer_bytes
         if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count must be a positive int, got {thread_count!r}")
         self.thread_count = thread_count
@@ -217,13 +225,21 @@ class StorageReader(FolderId, _DcpStorageReader):
             if rel not in files:  # a large item's first and last block are kept from its parse to its read
                 files[rel] = self._file(rel, share.records, 4 + 2 * large.get(rel, 0))
             pairs.append((files[rel], info, item))
+        budget = self.buffer_bytes if self.buffer_bytes is not None else knobs.dcp_load_buffer_bytes()
         with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nxd_dcp_read") as pool:
             wanted = list(pool.map(lambda p: _locate(*p), pairs))
-            spans = _spans(wanted)
-            list(pool.map(_Piece.read, [piece for span in spans for piece in span.pieces()]))
-        values = [_value(w, planner) for w in wanted]  # everything read is checked: now build and copy
-        for commit in values:
+            held, later = _within(_spans(wanted), budget)
+            pieces = [p for span in held for p in span.pieces(keep=True)]
+            pieces += [p for span in later if span.file.record is not None for p in span.pieces(keep=False)]
+            list(pool.map(_Piece.read, pieces))  # every range of the load read and checked (``later``: not kept)
+        commits = [_value(w, planner) for span in held for w in span.members]
+        for commit in commits:
             commit()
+        for span in later:  # over the budget: read again (checked again), one item at a time, and used
+            for w in span.members:
+                w.data = w.file.read(w.start, w.end)
+                _value(w, planner)()
+                w.data = None
         self.bytes_read = sum(f.bytes_read for f in files.values())
         future: Future[None] = Future()
         future.set_result(None)
@@ -301,10 +317,11 @@ class _Span:
     end: int
     members: list[_Wanted]
 
-    def pieces(self) -> list[_Piece]:
-        """The span's reads for the thread pool, each about ``_PIECE_BYTES``, split where a block ends."""
-        buffer = np.empty(self.end - self.start, dtype=np.uint8)
-        for w in self.members:
+    def pieces(self, keep: bool) -> list[_Piece]:
+        """The span's reads for the thread pool, each about ``_PIECE_BYTES``, split where a block ends; into one
+        buffer the members then use (``keep``), else each into a scratch buffer of its own, dropped once checked."""
+        buffer = np.empty(self.end - self.start if keep else 0, dtype=np.uint8)
+        for w in self.members if keep else ():
             w.data = buffer[w.start - self.start : w.end - self.start]
         cuts = [self.start]
         record = self.file.record
@@ -314,18 +331,40 @@ class _Span:
             if ends is not None and cut < self.end:
                 cut = min(self.end, ends[min(len(ends) - 1, bisect.bisect_left(ends, cut))])
             cuts.append(cut)
-        view = memoryview(buffer)
-        return [_Piece(self.file, a, view[a - self.start : b - self.start]) for a, b in itertools.pairwise(cuts)]
+        view = memoryview(buffer) if keep else None
+        return [
+            _Piece(self.file, a, b, view[a - self.start : b - self.start] if view is not None else None)
+            for a, b in itertools.pairwise(cuts)
+        ]
 
 
 @dataclasses.dataclass
 class _Piece:
+    """Bytes ``[start, end)`` of ``file``, read and checked into ``view`` (None: a scratch buffer, then dropped)."""
+
     file: VerifiedFile
     start: int
-    view: memoryview
+    end: int
+    view: memoryview | None
 
     def read(self) -> None:
-        self.file.read_into(self.start, self.view)
+        if self.view is not None:
+            self.file.read_into(self.start, self.view)
+        else:
+            self.file.read(self.start, self.end)
+
+
+def _within(spans: list[_Span], budget: int) -> tuple[list[_Span], list[_Span]]:
+    """The spans held in memory until the load is checked (in order, while they fit ``budget`` bytes), and the
+    rest, which are checked first and read again when used."""
+    held: list[_Span] = []
+    total = 0
+    for n, span in enumerate(spans):
+        if total + span.end - span.start > budget:
+            return held, spans[n:]
+        held.append(span)
+        total += span.end - span.start
+    return held, []
 
 
 def _spans(wanted: list[_Wanted]) -> list[_Span]:

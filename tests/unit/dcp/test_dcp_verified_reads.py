@@ -275,3 +275,29 @@ def test_a_checkpoint_with_whole_file_digests_only_still_loads_and_verifies(tmp_
     with pytest.raises(CheckpointException, match="__0_0.distcp is corrupt"):  # the one key it reads is intact
         dcp.load({"b": targets["b"]}, storage_reader=StorageReader(path), no_dist=True)
     assert torch.equal(targets["b"], torch.full_like(targets["b"], -1.0))
+
+
+def test_a_load_larger_than_its_buffer_is_checked_whole_before_any_target_changes(tmp_path, monkeypatch):
+    """Past ``buffer_bytes`` the ranges are checked first and read again as they are used: the same guarantee,
+    memory one item, twice the reads for what did not fit."""
+    path = str(tmp_path / "step-1")
+    _save(path, _three(8))
+    out = _minus_ones()
+    reader = StorageReader(path, buffer_bytes=1 << 20)
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    assert all(torch.equal(out[k], v) for k, v in _three(8).items())
+    size = os.path.getsize(os.path.join(path, "__0_0.distcp"))
+    assert 1.9 * size <= reader.bytes_read <= 2 * size + MB
+    _flip(os.path.join(path, "__0_0.distcp"), _items(path)["c"][1] - 100)
+    monkeypatch.setenv("NXD_CKPT_DCP_LOAD_BUFFER", "1MiB")  # the knob, when the keyword is not given
+    targets = _minus_ones()
+    with pytest.raises(CheckpointException, match="__0_0.distcp is corrupt"):
+        dcp.load(targets, storage_reader=StorageReader(path), no_dist=True)
+    assert all(torch.equal(v, torch.full_like(v, -1.0)) for v in targets.values())
+
+
+def test_bad_reader_options_are_refused():
+    with pytest.raises(ValueError, match="thread_count must be a positive int"):
+        StorageReader("/tmp/x", thread_count=0)
+    with pytest.raises(TypeError, match="buffer_bytes must be an int"):
+        StorageReader("/tmp/x", buffer_bytes="1GiB")
