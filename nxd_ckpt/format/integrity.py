@@ -404,6 +404,10 @@ class VerifyingStorage(DelegatingStorage):
         return found
 
 
+_RUN_BYTES = 16 << 20
+"""Bytes of whole blocks read in one request from ranged storage (S3) before they are checked."""
+
+
 class VerifiedFile:
     """One file read by byte ranges (``read_into``), every byte checked against the file's record before it is
     handed out, so a caller may copy it straight into live memory.
@@ -459,13 +463,34 @@ class VerifiedFile:
                     self._check_whole(rec)
                 self._read_raw(stream(), start, view, None)
                 return
+            whole: list[tuple[int, int, str]] = []  # consecutive blocks the range covers entirely
             for block_start, block_end, digest in rec.blocks_over(start, end):
                 lo, hi = max(block_start, start), min(block_end, end)
                 if lo == block_start and hi == block_end:
-                    self._read_block(stream, block_start, block_end, digest, view[lo - start : hi - start])
-                else:
-                    block = self._kept_block(stream, block_start, block_end, digest)
-                    view[lo - start : hi - start] = memoryview(block)[lo - block_start : hi - block_start]
+                    whole.append((block_start, block_end, digest))
+                    if not self.storage.ranged_reads or whole[-1][1] - whole[0][0] >= _RUN_BYTES:
+                        self._read_blocks(stream, whole, view, start)
+                    continue
+                self._read_blocks(stream, whole, view, start)
+                block = self._kept_block(stream, block_start, block_end, digest)
+                view[lo - start : hi - start] = memoryview(block)[lo - block_start : hi - block_start]
+            self._read_blocks(stream, whole, view, start)
+
+    def _read_blocks(self, stream: Any, blocks: list[tuple[int, int, str]], view: memoryview, base: int) -> None:
+        """Read ``blocks`` (consecutive, whole) into ``view`` (which starts at byte ``base``) in one request, then
+        check each; ``blocks`` is emptied. Local files are read a block at a time (each hashed while it is still
+        in the CPU cache); ranged storage (S3) a run at a time (one request per run, not per block)."""
+        if not blocks:
+            return
+        first, last = blocks[0][0], blocks[-1][1]
+        rec = self.record
+        assert rec is not None
+        self._read_raw(stream(), first, view[first - base : last - base], rec)
+        for block_start, block_end, digest in blocks:
+            found = hash_bytes(view[block_start - base : block_end - base])[1]
+            if found != digest:
+                raise block_error(self.storage.url, self.tag, self.path, rec, block_start, block_end, found)
+        blocks.clear()
 
     def _read_raw(self, f: BinaryIO, start: int, view: memoryview, rec: FileRecord | None) -> int:
         f.seek(start)
