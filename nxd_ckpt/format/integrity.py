@@ -6,9 +6,15 @@ about it. Before arriving at the commit barrier each rank makes its files' direc
 ``<tag>/nxd_ckpt/manifest_rank_XXXXX.json`` (a folder NxD ignores): ``{path within the tag: [size, digest]}``
 plus a checksum of the manifest itself. ``done`` comes after every manifest, so a complete tag has all of them.
 
+Saving also records each file's block digests (``manifests.BlockHasher``: a block every 256 KiB and at each item a
+writer marks with ``cut_block``), beside the whole file's.
+
 Loading: ``VerifyingStorage`` wraps the load's storage for one tag; ``read_buffer`` of a listed file hashes the
 whole-file buffer the loader then parses (each byte read once), ``open_read`` hashes the stream to the end and
 seeks back; both compare size and digest with the manifest and raise IntegrityError naming the file on a mismatch.
+``VerifiedFile`` reads byte ranges (re-sharded loads, the DCP reader): each range by the blocks holding it, every
+block checked before any of its bytes is handed out (a file of an older manifest, without block digests: the whole
+file once, first).
 A load hands each rank only the records of the files it reads (``IndexShare``), not every rank's manifests.
 Tags without manifests (written by NxD, or by nxd_ckpt before manifests existed) are read unverified.
 """
