@@ -33,7 +33,7 @@ import os
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -61,6 +61,8 @@ from nxd_ckpt.tier.memory import MemoryTier
 from nxd_ckpt.tier.shared import shared_tier
 from nxd_ckpt.tier.view import TierView
 from nxd_ckpt.tools.dcp_io import unpickle_metadata
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,11 +229,11 @@ class StorageReader(FolderId, _DcpStorageReader):
             pairs.append((files[rel], info, item))
         budget = self.buffer_bytes if self.buffer_bytes is not None else knobs.dcp_load_buffer_bytes()
         with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nxd_dcp_read") as pool:
-            wanted = list(pool.map(lambda p: _locate(*p), pairs))
+            wanted = _all(pool, lambda p: _locate(*p), pairs)
             held, later = _within(_spans(wanted), budget)
             pieces = [p for span in held for p in span.pieces(keep=True)]
             pieces += [p for span in later if span.file.record is not None for p in span.pieces(keep=False)]
-            list(pool.map(_Piece.read, pieces))  # every range of the load read and checked (``later``: not kept)
+            _all(pool, _Piece.read, pieces)  # every range of the load read and checked (``later``: not kept)
         commits = [_value(w, planner) for span in held for w in span.members]
         for commit in commits:
             commit()
@@ -257,6 +259,18 @@ class StorageReader(FolderId, _DcpStorageReader):
                 )
         path = f"{self.place.folder}/{rel}"
         return VerifiedFile(self.place.root, path, record, tag=self.place.folder, kept_blocks=kept_blocks)
+
+
+def _all(pool: ThreadPoolExecutor, fn: Callable[[Any], T], args: list[Any]) -> list[T]:
+    """``fn`` of each argument on the pool, results in order; the first failure cancels what has not started
+    and is raised (a damaged file stops the load without reading the rest)."""
+    futures = [pool.submit(fn, a) for a in args]
+    try:
+        return [f.result() for f in futures]
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        raise
 
 
 _WHOLE_ITEM_BYTES = 1 << 20
@@ -422,7 +436,13 @@ def _value(wanted: _Wanted, planner: LoadPlanner) -> Callable[[], None]:
         dtype, size, stride = wanted.layout
         tensor = torch.frombuffer(memoryview(data), dtype=dtype).as_strided(size, stride)
     else:
-        tensor = torch.load(_BufferStream(memoryview(data)), map_location="cpu", weights_only=True)
+        try:
+            tensor = torch.load(_BufferStream(memoryview(data)), map_location="cpu", weights_only=True)
+        except Exception as e:  # only files without a record get here damaged: nothing checked them
+            raise FormatError(
+                f"{wanted.file.where}: {item.storage_index.fqn} cannot be read ({type(e).__name__}: {e}); "
+                f"{RESTORE_HINT}"
+            ) from e
         for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
             tensor = tensor.narrow(dim, start, length)  # the part of the saved chunk this item reads
     target = planner.resolve_tensor(item).detach()
