@@ -135,6 +135,7 @@ class StorageReader(FolderId, _DcpStorageReader):
                 self.place = dataclasses.replace(self.place, root=self.tier_view)
         self.load_id = str(uuid.uuid4())
         self.storage_data: dict[MetadataIndex, Any] = {}
+        self._chunk_sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's ``.metadata`` (rank-local metadata, ``rank=``, is not read: the writer never writes it)."""
@@ -176,6 +177,11 @@ class StorageReader(FolderId, _DcpStorageReader):
         if metadata.storage_data is None:
             raise FormatError(f"{self.path}/{METADATA} has no storage records; it is not a file-system checkpoint")
         self.storage_data = metadata.storage_data
+        self._chunk_sizes = {
+            (fqn, tuple(chunk.offsets)): tuple(chunk.sizes)
+            for fqn, md in metadata.state_dict_metadata.items()
+            for chunk in getattr(md, "chunks", ())
+        }
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -209,7 +215,7 @@ class StorageReader(FolderId, _DcpStorageReader):
         was."""
         share: _ReadShare = plan.storage_data if isinstance(plan.storage_data, _ReadShare) else _ReadShare(None)
         files: dict[str, VerifiedFile] = {}
-        pairs: list[tuple[VerifiedFile, Any, ReadItem]] = []
+        pairs: list[tuple[VerifiedFile, Any, ReadItem, bool]] = []
         large: dict[str, int] = {}
         for item in plan.items:
             info = self.storage_data[item.storage_index]
@@ -226,7 +232,9 @@ class StorageReader(FolderId, _DcpStorageReader):
             rel = info.relative_path
             if rel not in files:  # a large item's first and last block are kept from its parse to its read
                 files[rel] = self._file(rel, share.records, 4 + 2 * large.get(rel, 0))
-            pairs.append((files[rel], info, item))
+            chunk = self._chunk_sizes.get((item.storage_index.fqn, tuple(item.storage_index.offset or ())))
+            whole = not any(item.storage_offsets) and chunk == tuple(item.lengths)
+            pairs.append((files[rel], info, item, whole))
         budget = self.buffer_bytes if self.buffer_bytes is not None else knobs.dcp_load_buffer_bytes()
         with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nxd_dcp_read") as pool:
             wanted = _all(pool, lambda p: _locate(*p), pairs)
@@ -292,12 +300,12 @@ class _Wanted:
     data: np.ndarray | None = None
 
 
-def _locate(file: VerifiedFile, info: Any, item: ReadItem) -> _Wanted:
-    """The byte range ``item`` needs: for a large tensor item only the elements of the part it reads (its
-    header parsed through the checked stream), else the whole item."""
+def _locate(file: VerifiedFile, info: Any, item: ReadItem, whole_chunk: bool) -> _Wanted:
+    """The byte range ``item`` needs: for a large tensor item of which the load reads a part, only the elements
+    of that part (its header parsed through the checked stream first), else the whole item."""
     start, end = info.offset, info.offset + info.length
     whole = _Wanted(file, item, start, end)
-    if item.type == LoadItemType.BYTE_IO or info.length <= _WHOLE_ITEM_BYTES:
+    if item.type == LoadItemType.BYTE_IO or info.length <= _WHOLE_ITEM_BYTES or whole_chunk:
         return whole
     try:
         with file.stream(start, end).parsing() as stream:
@@ -425,6 +433,37 @@ class _BufferStream(io.RawIOBase):
         return self._pos
 
 
+def _saved_tensor(data: np.ndarray, where: str, item: ReadItem) -> torch.Tensor:
+    """The tensor an item's ``torch.save`` bytes hold: a view of its data in ``data`` where the layout is the plain
+    one (no copy: the caller copies it into the target), else ``torch.load``ed."""
+    view = _plain_view(data, where)
+    if view is not None:
+        return view
+    try:
+        return torch.load(_BufferStream(memoryview(data)), map_location="cpu", weights_only=True)
+    except Exception as e:  # only files without a record get here damaged: nothing checked them
+        raise FormatError(
+            f"{where}: {item.storage_index.fqn} cannot be read ({type(e).__name__}: {e}); {RESTORE_HINT}"
+        ) from e
+
+
+def _plain_view(data: np.ndarray, where: str) -> torch.Tensor | None:
+    """A view of the one tensor a ``torch.save`` blob holds, in place; None for any other layout (a subclass, a
+    quantized or empty tensor, an unreadable blob: ``torch.load`` then reads it, or says what is wrong)."""
+    try:
+        saved, offsets = zip_structure.load_layout(_BufferStream(memoryview(data)), where)
+    except Exception:
+        return None
+    key = getattr(saved.untyped_storage(), zip_structure.RECORD_ATTR, None) if torch.is_tensor(saved) else None
+    if key not in offsets or saved.layout != torch.strided:
+        return None
+    start, nbytes = offsets[key], saved.untyped_storage().nbytes()
+    if nbytes == 0 or start + nbytes > len(data):
+        return None
+    raw = torch.frombuffer(memoryview(data[start : start + nbytes]), dtype=saved.dtype)
+    return raw.as_strided(saved.size(), saved.stride(), saved.storage_offset())
+
+
 def _value(wanted: _Wanted, planner: LoadPlanner) -> Callable[[], None]:
     """One item's value from its checked bytes, and its commit (the copy into the state dict, or a non-tensor
     value's load), which the caller makes once every item of the load is built."""
@@ -436,13 +475,7 @@ def _value(wanted: _Wanted, planner: LoadPlanner) -> Callable[[], None]:
         dtype, size, stride = wanted.layout
         tensor = torch.frombuffer(memoryview(data), dtype=dtype).as_strided(size, stride)
     else:
-        try:
-            tensor = torch.load(_BufferStream(memoryview(data)), map_location="cpu", weights_only=True)
-        except Exception as e:  # only files without a record get here damaged: nothing checked them
-            raise FormatError(
-                f"{wanted.file.where}: {item.storage_index.fqn} cannot be read ({type(e).__name__}: {e}); "
-                f"{RESTORE_HINT}"
-            ) from e
+        tensor = _saved_tensor(data, wanted.file.where, item)
         for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
             tensor = tensor.narrow(dim, start, length)  # the part of the saved chunk this item reads
     target = planner.resolve_tensor(item).detach()
