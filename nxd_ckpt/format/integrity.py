@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import io
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any, BinaryIO
@@ -37,6 +38,7 @@ from nxd_ckpt.format import layout
 from nxd_ckpt.format.hashing import hash_bytes
 from nxd_ckpt.format.manifests import (
     ALGORITHM,
+    BLOCK_BYTES,
     MANIFEST_FORMAT,
     MANIFEST_PREFIX,
     MANIFEST_VERSION,
@@ -410,6 +412,19 @@ class VerifyingStorage(DelegatingStorage):
         return found
 
 
+def _will_need(f: Any, start: int, length: int) -> None:
+    """Ask the kernel to read ``length`` bytes at ``start`` ahead (a local file read cold: the disk works on the
+    whole range while the first blocks are checked); nothing where the stream is no local file."""
+    advise = getattr(os, "posix_fadvise", None)
+    try:
+        fd = f.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return
+    if advise is not None and length > BLOCK_BYTES:
+        with contextlib.suppress(OSError):
+            advise(fd, start, length, os.POSIX_FADV_WILLNEED)
+
+
 _RUN_BYTES = 16 << 20
 """Bytes of whole blocks read in one request from ranged storage (S3) before they are checked."""
 
@@ -462,6 +477,7 @@ class VerifiedFile:
             def stream() -> BinaryIO:
                 if not opened:
                     opened.append(stack.enter_context(open_for_partial_reads(self.storage, self.path)))
+                    _will_need(opened[0], start, end - start)
                 return opened[0]
 
             if rec is None or not rec.has_blocks:
