@@ -147,6 +147,13 @@ KNOBS: dict[str, Knob] = {
             "overrides it",
         ),
         Knob(
+            "NXD_CKPT_DCP_LOAD_BUFFER",
+            "size",
+            4 << 30,
+            "most bytes of a rank's DCP load `nxd_ckpt.dcp.StorageReader` holds until all of it is checked; ranges "
+            "past it are checked, then read again as they are used. The `buffer_bytes=` keyword overrides it",
+        ),
+        Knob(
             "NXD_CKPT_MEMORY_TIER_HOST",
             "str",
             None,
@@ -246,6 +253,10 @@ def get_str(name: str) -> str | None:
 # ----------------------------------------------------------------------------------------------- the knobs
 def io_threads() -> int:
     return get_int("NXD_CKPT_IO_THREADS")
+
+
+def dcp_load_buffer_bytes() -> int:
+    return int(get_size("NXD_CKPT_DCP_LOAD_BUFFER") or 0)
 
 
 def xser_inline_bytes() -> int:

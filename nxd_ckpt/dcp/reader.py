@@ -3,15 +3,21 @@
 Reads any stock DCP checkpoint (``torch.save`` serialization, no stream transforms). Where the writer left
 manifests (``nxd_ckpt.dcp.StorageWriter``), ``.metadata`` is checked against its record (in the committing rank's
 manifest) before it is unpickled; the coordinator reads the manifests once while DCP plans the load and hands each
-rank the records of the files it reads (in the plan's ``storage_data``); each rank then reads every such file
-once, front to back (``open_sequential``, as DCP's FileSystemReader reads without threads), hashing each piece as
-it arrives and parsing each item from a buffer of that item alone (memory held: the largest item, not a file),
-and checks the file's size and xxh3_64 digest (``integrity.VerifyingStorage``) at its end, before any of its
-items is committed or a non-tensor value loaded: a truncated or corrupted file raises IntegrityError naming it
-(tensor bytes have been copied into the state dict by then, as with stock DCP; the load fails). Without manifests
-(a checkpoint stock DCP wrote, or one whose ``nxd_ckpt/`` folder is gone) every file the metadata points into must
-hold the bytes it points at: a truncated file is named too; a flipped byte is found only where ``torch.load``
-notices it.
+rank the records of the files it reads (in the plan's ``storage_data``).
+
+What a load reads: the byte ranges its plan asks for, rounded to the checksum blocks that hold them
+(``manifests.FileRecord.blocks``: one item's bytes are whole blocks, at most 256 KiB each), never a whole file for
+one item. A large tensor item's zip header is parsed first (its first, 64 KiB block and its last block) so that a
+load of part of a saved chunk (re-sharding onto more ranks) reads only the bytes of that part. The ranges are read
+by ``thread_count`` threads, each block hashed right after its read (xxh3 without the GIL).
+
+What is verified when: every block is checked against its digest as it is read, before any of its bytes is used;
+values are built and copied into the state dict (a non-tensor value unpickled) only once every range of the
+rank's load is read and checked, so a damaged or truncated file raises IntegrityError naming it and leaves every
+target as it was. A checkpoint written before block digests (whole-file digests only) has each file it reads
+hashed whole and checked first. Without manifests (a checkpoint stock DCP wrote, or one whose ``nxd_ckpt/``
+folder is gone) ranges are read unchecked: a truncated file is named; a flipped byte is found only where
+``torch.load`` notices it.
 
 With ``memory_tier=`` the folder is read from the memory tier where it holds a complete copy (each rank's files
 from its own node's memory, else from a peer node's replica), verified the same way; else from the folder.
@@ -19,12 +25,15 @@ from its own node's memory, else from a peer node's replica), verified the same 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import io
+import itertools
 import os
 import uuid
 from collections.abc import Callable
-from typing import Any, BinaryIO
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -34,24 +43,26 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from nxd_ckpt import knobs
 from nxd_ckpt.dcp.place import METADATA, CheckpointPlace, FolderId
 from nxd_ckpt.errors import CheckpointNotFoundError, FormatError, IntegrityError
 from nxd_ckpt.format.hashing import hash_bytes
-from nxd_ckpt.format.integrity import VerifyingStorage
+from nxd_ckpt.format.integrity import VerifiedFile
 from nxd_ckpt.format.manifests import (
     RESTORE_HINT,
     FileRecord,
-    IndexShare,
     check_record,
     manifest_paths,
     parse_manifest,
     read_manifests,
 )
-from nxd_ckpt.storage.base import read_fully
+from nxd_ckpt.serialization import structure as zip_structure
 from nxd_ckpt.tier.memory import MemoryTier
 from nxd_ckpt.tier.shared import shared_tier
 from nxd_ckpt.tier.view import TierView
 from nxd_ckpt.tools.dcp_io import unpickle_metadata
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +87,10 @@ class StorageReader(FolderId, _DcpStorageReader):
             one is complete. Collective: every rank builds its reader at the same point (the nodes report what
             they hold).
         timeout: the deadline of the memory tier's steps (default ``NXD_CKPT_TIMEOUT_S``).
+        thread_count: threads reading (and checking) each rank's byte ranges in parallel.
+        buffer_bytes: the most bytes of a rank's load held until every range of it is checked (default
+            ``NXD_CKPT_DCP_LOAD_BUFFER``, 4 GiB). Ranges past it are checked first, then read (and checked)
+            again one item at a time as they are used: twice the reads for them, memory one item.
     """
 
     _PER_PROCESS = ("place", "tier_view")
@@ -87,8 +102,18 @@ class StorageReader(FolderId, _DcpStorageReader):
         allow_pickle: bool = False,
         memory_tier: MemoryTier | None = None,
         timeout: float | None = None,
+        thread_count: int = 4,
+        buffer_bytes: int | None = None,
     ) -> None:
         super().__init__()
+        if buffer_bytes is not None and (isinstance(buffer_bytes, bool) or not isinstance(buffer_bytes, int)):
+            raise TypeError(f"buffer_bytes must be an int (bytes) or None, got {buffer_bytes!r}")
+        self.buffer_bytes = buffer_bytes
+        if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
+            raise ValueError(f"thread_count must be a positive int, got {thread_count!r}")
+        self.thread_count = thread_count
+        self.bytes_read = 0
+        """Bytes the last ``read_data`` read from storage (its ranges rounded to blocks)."""
         if memory_tier is not None and not isinstance(memory_tier, MemoryTier):
             raise TypeError(f"memory_tier must be a nxd_ckpt.MemoryTier, got {type(memory_tier).__name__}")
         self.allow_pickle = allow_pickle
@@ -112,6 +137,7 @@ class StorageReader(FolderId, _DcpStorageReader):
                 self.place = dataclasses.replace(self.place, root=self.tier_view)
         self.load_id = str(uuid.uuid4())
         self.storage_data: dict[MetadataIndex, Any] = {}
+        self._chunk_sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's ``.metadata`` (rank-local metadata, ``rank=``, is not read: the writer never writes it)."""
@@ -153,6 +179,11 @@ class StorageReader(FolderId, _DcpStorageReader):
         if metadata.storage_data is None:
             raise FormatError(f"{self.path}/{METADATA} has no storage records; it is not a file-system checkpoint")
         self.storage_data = metadata.storage_data
+        self._chunk_sizes = {
+            (fqn, tuple(chunk.offsets)): tuple(chunk.sizes)
+            for fqn, md in metadata.state_dict_metadata.items()
+            for chunk in getattr(md, "chunks", ())
+        }
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -177,10 +208,21 @@ class StorageReader(FolderId, _DcpStorageReader):
         return [dataclasses.replace(p, storage_data=s) for p, s in zip(plans, shares, strict=True)]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read this rank's items, file by file, each file once front to back (checked in the same pass, where it
-        has a record, before any item of it is committed)."""
+        """Read this rank's items: only the byte ranges the plan needs, checked before any byte is used.
+
+        Three steps: each large tensor item's zip header is parsed (its record's offset, dtype and strides) to
+        find the bytes of the part the plan reads; the ranges are read in parallel (``thread_count``) and each
+        block checked right after its read (``VerifiedFile``); only when every range of the load is read and
+        checked are the values built and copied into the state dict: a failed check leaves every target as it
+        was."""
         share: _ReadShare = plan.storage_data if isinstance(plan.storage_data, _ReadShare) else _ReadShare(None)
-        per_file: dict[str, list[ReadItem]] = {}
+        files: dict[str, VerifiedFile] = {}
+        pairs: list[tuple[VerifiedFile, Any, ReadItem, bool]] = []
+        large: dict[str, int] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            if info.length > _WHOLE_ITEM_BYTES:
+                large[info.relative_path] = large.get(info.relative_path, 0) + 1
         for item in plan.items:
             info = self.storage_data[item.storage_index]
             if getattr(info, "transform_descriptors", None):
@@ -189,96 +231,177 @@ class StorageReader(FolderId, _DcpStorageReader):
                     f"transforms ({info.transform_descriptors}), which this reader does not undo; read it with "
                     "FileSystemReader"
                 )
-            per_file.setdefault(info.relative_path, []).append(item)
-        scratch = _Scratch()
-        for rel, items in per_file.items():
-            self._read_file(rel, items, share.records, planner, scratch)
+            rel = info.relative_path
+            if rel not in files:  # a large item's first and last block are kept from its parse to its read
+                files[rel] = self._file(rel, share.records, 4 + 2 * large.get(rel, 0))
+            chunk = self._chunk_sizes.get((item.storage_index.fqn, tuple(item.storage_index.offset or ())))
+            whole = not any(item.storage_offsets) and chunk == tuple(item.lengths)
+            pairs.append((files[rel], info, item, whole))
+        budget = self.buffer_bytes if self.buffer_bytes is not None else knobs.dcp_load_buffer_bytes()
+        with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nxd_dcp_read") as pool:
+            wanted = _all(pool, lambda p: _locate(*p), pairs)
+            held, later = _within(_spans(wanted), budget)
+            pieces = [p for span in held for p in span.pieces(keep=True)]
+            pieces += [p for span in later if span.file.record is not None for p in span.pieces(keep=False)]
+            _all(pool, _Piece.read, pieces)  # every range of the load read and checked (``later``: not kept)
+        commits = [_value(w, planner) for span in held for w in span.members]
+        for commit in commits:
+            commit()
+        for span in later:  # over the budget: read again (checked again), one item at a time, and used
+            for w in span.members:
+                w.data = w.file.read(w.start, w.end)
+                _value(w, planner)()
+                w.data = None
+        self.bytes_read = sum(f.bytes_read for f in files.values())
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
-    def _read_file(
-        self, rel: str, items: list[ReadItem], records: dict[str, FileRecord] | None, planner: LoadPlanner,
-        scratch: _Scratch,
-    ) -> None:  # fmt: skip
-        """``rel``'s items into the state dict from one sequential read of the file. With a record, every byte is
-        hashed as it is read and the file checked at the end (IntegrityError naming it, before anything that
-        failed to parse is reported and before any item is committed)."""
-        folder = self.place.folder
-        path = f"{folder}/{rel}"
-        storage = self.place.root
+    def _file(self, rel: str, records: dict[str, FileRecord] | None, kept_blocks: int) -> VerifiedFile:
+        """``rel`` for checked range reads: by its record where the checkpoint has manifests."""
+        record = None
         if records is not None:
-            storage = VerifyingStorage(self.place.root, folder, IndexShare(records, frozenset([rel])))
-        commits: list[Callable[[], None]] = []
-        failure: Exception | None = None
-        with storage.open_sequential(path) as stream:
-            try:
-                self._serve(stream, path, items, planner, scratch, commits)
-            except Exception as e:  # damaged bytes mostly fail to parse; the check as the block ends names them
-                failure = e
-        if failure is not None:
-            raise failure
-        for commit in commits:
-            commit()
-
-    def _serve(
-        self, stream: BinaryIO, path: str, items: list[ReadItem], planner: LoadPlanner, scratch: _Scratch,
-        commits: list[Callable[[], None]],
-    ) -> None:  # fmt: skip
-        """Read ``stream`` front to back, span by span (the byte ranges of the items, overlapping ones merged),
-        skipping the gaps, and hand each item its bytes; commits are queued in ``commits``."""
-        position = 0
-        for start, end, span_items in _spans([(self.storage_data[i.storage_index], i) for i in items]):
-            if start > position:
-                position += _skip(stream, start - position, scratch)
-            view = scratch.view(end - start)
-            got = read_fully(stream, view) if position == start else 0
-            position += got
-            if got != end - start:
-                raise FormatError(
-                    f"{self.place.root.url}/{path} is truncated: {METADATA} points at bytes up to {end} but it has "
-                    f"{position}; {RESTORE_HINT}"
+            record = records.get(rel)
+            if record is None:
+                raise IntegrityError(
+                    f"{self.place.root.url}/{self.place.folder}/{rel} is read by this load but in no manifest of "
+                    f"{self.path}: a rank's manifest is missing or the folder was altered; {RESTORE_HINT}"
                 )
-            for info, item in span_items:
-                commits.append(_apply(planner, item, view[info.offset - start : info.offset + info.length - start]))
+        path = f"{self.place.folder}/{rel}"
+        return VerifiedFile(self.place.root, path, record, tag=self.place.folder, kept_blocks=kept_blocks)
 
 
-class _Scratch:
-    """One reusable buffer for the span being parsed: memory held is the largest item, not a whole file."""
+def _all(pool: ThreadPoolExecutor, fn: Callable[[Any], T], args: list[Any]) -> list[T]:
+    """``fn`` of each argument on the pool, results in order; the first failure cancels what has not started
+    and is raised (a damaged file stops the load without reading the rest)."""
+    futures = [pool.submit(fn, a) for a in args]
+    try:
+        return [f.result() for f in futures]
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        raise
 
-    def __init__(self) -> None:
-        self._buffer = np.empty(0, dtype=np.uint8)
 
-    def view(self, size: int) -> memoryview:
-        if self._buffer.nbytes < size:
-            self._buffer = np.empty(0, dtype=np.uint8)  # the old one freed first
-            self._buffer = np.empty(size, dtype=np.uint8)
-        return memoryview(self._buffer)[:size]
+_WHOLE_ITEM_BYTES = 1 << 20
+"""Tensor items up to this size are read whole and ``torch.load``ed (parsing their header first saves nothing)."""
+_PIECE_BYTES = 16 << 20
+"""The most one thread reads in one task: a large range is split at block ends into pieces of about this size."""
 
 
-def _spans(pairs: list[tuple[Any, ReadItem]]) -> list[tuple[int, int, list[tuple[Any, ReadItem]]]]:
-    """The items' byte ranges in file order, overlapping ones merged: ``(start, end, [(info, item)])``."""
-    spans: list[tuple[int, int, list[tuple[Any, ReadItem]]]] = []
-    for info, item in sorted(pairs, key=lambda p: p[0].offset):
-        end = info.offset + info.length
-        if spans and info.offset < spans[-1][1]:
-            start, last_end, members = spans[-1]
-            spans[-1] = (start, max(last_end, end), [*members, (info, item)])
+@dataclasses.dataclass
+class _Wanted:
+    """One read item's bytes: ``[start, end)`` of ``file``; ``layout`` the saved tensor part they hold (dtype,
+    size, strides in elements from ``start``), None for a whole item (raw bytes, or a tensor ``torch.load``ed)."""
+
+    file: VerifiedFile
+    item: ReadItem
+    start: int
+    end: int
+    layout: tuple[torch.dtype, tuple[int, ...], tuple[int, ...]] | None = None
+    data: np.ndarray | None = None
+
+
+def _locate(file: VerifiedFile, info: Any, item: ReadItem, whole_chunk: bool) -> _Wanted:
+    """The byte range ``item`` needs: for a large tensor item of which the load reads a part, only the elements
+    of that part (its header parsed through the checked stream first), else the whole item."""
+    start, end = info.offset, info.offset + info.length
+    whole = _Wanted(file, item, start, end)
+    if item.type == LoadItemType.BYTE_IO or info.length <= _WHOLE_ITEM_BYTES or whole_chunk:
+        return whole
+    try:
+        with file.stream(start, end).parsing() as stream:
+            saved, offsets = zip_structure.load_layout(stream, file.where)
+    except IntegrityError:
+        raise
+    except Exception:  # not the plain layout (an unusual torch.save): torch.load reads the whole item instead
+        return whole
+    key = getattr(saved.untyped_storage(), zip_structure.RECORD_ATTR, None) if torch.is_tensor(saved) else None
+    if key not in offsets or saved.layout != torch.strided:
+        return whole
+    part = saved
+    for dim, (first, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+        part = part.narrow(dim, first, length)
+    if part.numel() == 0:
+        return whole
+    size = part.element_size()
+    extent = 1 + sum((n - 1) * stride for n, stride in zip(part.size(), part.stride(), strict=True))
+    first_byte = start + offsets[key] + part.storage_offset() * size
+    if offsets[key] + saved.untyped_storage().nbytes() > info.length or extent * size > end - first_byte:
+        raise IntegrityError(f"{file.where}: {item.storage_index.fqn}'s tensor record runs past its item")
+    return _Wanted(file, item, first_byte, first_byte + extent * size, (part.dtype, part.size(), part.stride()))
+
+
+@dataclasses.dataclass
+class _Span:
+    """Overlapping or touching ranges of one file, read into one buffer."""
+
+    file: VerifiedFile
+    start: int
+    end: int
+    members: list[_Wanted]
+
+    def pieces(self, keep: bool) -> list[_Piece]:
+        """The span's reads for the thread pool, each about ``_PIECE_BYTES``, split where a block ends; into one
+        buffer the members then use (``keep``), else each into a scratch buffer of its own, dropped once checked."""
+        buffer = np.empty(self.end - self.start if keep else 0, dtype=np.uint8)
+        for w in self.members if keep else ():
+            w.data = buffer[w.start - self.start : w.end - self.start]
+        cuts = [self.start]
+        record = self.file.record
+        ends = [e for e, _ in record.blocks] if record is not None and record.blocks else None
+        while cuts[-1] < self.end:
+            cut = min(self.end, cuts[-1] + _PIECE_BYTES)
+            if ends is not None and cut < self.end:
+                cut = min(self.end, ends[min(len(ends) - 1, bisect.bisect_left(ends, cut))])
+            cuts.append(cut)
+        view = memoryview(buffer) if keep else None
+        return [
+            _Piece(self.file, a, b, view[a - self.start : b - self.start] if view is not None else None)
+            for a, b in itertools.pairwise(cuts)
+        ]
+
+
+@dataclasses.dataclass
+class _Piece:
+    """Bytes ``[start, end)`` of ``file``, read and checked into ``view`` (None: a scratch buffer, then dropped)."""
+
+    file: VerifiedFile
+    start: int
+    end: int
+    view: memoryview | None
+
+    def read(self) -> None:
+        if self.view is not None:
+            self.file.read_into(self.start, self.view)
         else:
-            spans.append((info.offset, end, [(info, item)]))
+            self.file.read(self.start, self.end)
+
+
+def _within(spans: list[_Span], budget: int) -> tuple[list[_Span], list[_Span]]:
+    """The spans held in memory until the load is checked (in order, while they fit ``budget`` bytes), and the
+    rest, which are checked first and read again when used."""
+    held: list[_Span] = []
+    total = 0
+    for n, span in enumerate(spans):
+        if total + span.end - span.start > budget:
+            return held, spans[n:]
+        held.append(span)
+        total += span.end - span.start
+    return held, []
+
+
+def _spans(wanted: list[_Wanted]) -> list[_Span]:
+    """The ranges of each file in file order, overlapping or touching ones merged."""
+    spans: list[_Span] = []
+    for w in sorted(wanted, key=lambda w: (id(w.file), w.start)):
+        last = spans[-1] if spans else None
+        if last is not None and last.file is w.file and w.start <= last.end:
+            last.end = max(last.end, w.end)
+            last.members.append(w)
+        else:
+            spans.append(_Span(w.file, w.start, w.end, [w]))
     return spans
-
-
-def _skip(stream: BinaryIO, count: int, scratch: _Scratch) -> int:
-    """Read (and so hash, on a checked stream) ``count`` bytes nobody uses; returns how many there were."""
-    done = 0
-    while done < count:
-        view = scratch.view(min(count - done, 1 << 20))
-        n = read_fully(stream, view)
-        done += n
-        if n < len(view):
-            break
-    return done
 
 
 class _BufferStream(io.RawIOBase):
@@ -312,19 +435,59 @@ class _BufferStream(io.RawIOBase):
         return self._pos
 
 
-def _apply(planner: LoadPlanner, item: ReadItem, data: memoryview) -> Callable[[], None]:
-    """One item's bytes into the state dict, as DCP's FileSystemReader does; returns the commit, which the caller
-    makes once the file is checked (a non-tensor item is loaded only then)."""
+def _saved_tensor(data: np.ndarray, where: str, item: ReadItem) -> torch.Tensor:
+    """The tensor an item's ``torch.save`` bytes hold: a view of its data in ``data`` where the layout is the plain
+    one (no copy: the caller copies it into the target), else ``torch.load``ed."""
+    view = _plain_view(data, where)
+    if view is not None:
+        return view
+    try:
+        return torch.load(_BufferStream(memoryview(data)), map_location="cpu", weights_only=True)
+    except Exception as e:  # only files without a record get here damaged: nothing checked them
+        raise FormatError(
+            f"{where}: {item.storage_index.fqn} cannot be read ({type(e).__name__}: {e}); {RESTORE_HINT}"
+        ) from e
+
+
+def _plain_view(data: np.ndarray, where: str) -> torch.Tensor | None:
+    """A view of the one tensor a ``torch.save`` blob holds, in place; None for any other layout (a subclass, a
+    quantized or empty tensor, an unreadable blob: ``torch.load`` then reads it, or says what is wrong)."""
+    try:
+        saved, offsets = zip_structure.load_layout(_BufferStream(memoryview(data)), where)
+    except Exception:
+        return None
+    key = getattr(saved.untyped_storage(), zip_structure.RECORD_ATTR, None) if torch.is_tensor(saved) else None
+    if key not in offsets or saved.layout != torch.strided:
+        return None
+    start, nbytes = offsets[key], saved.untyped_storage().nbytes()
+    if nbytes == 0 or start + nbytes > len(data):
+        return None
+    raw = torch.frombuffer(memoryview(data[start : start + nbytes]), dtype=saved.dtype)
+    return raw.as_strided(saved.size(), saved.stride(), saved.storage_offset())
+
+
+def _value(wanted: _Wanted, planner: LoadPlanner) -> Callable[[], None]:
+    """One item's value from its checked bytes, and its commit (the copy into the state dict, or a non-tensor
+    value's load), which the caller makes once every item of the load is built."""
+    item, data = wanted.item, wanted.data
+    assert data is not None
     if item.type == LoadItemType.BYTE_IO:
-        kept = bytes(data)  # the buffer is reused for the next span
-        return lambda: planner.load_bytes(item, io.BytesIO(kept))
-    tensor = torch.load(_BufferStream(data), map_location="cpu", weights_only=True)
-    for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
-        tensor = tensor.narrow(dim, start, length)  # the part of the saved chunk this item reads
+        return lambda: planner.load_bytes(item, io.BytesIO(data.tobytes()))
+    if wanted.layout is not None:
+        dtype, size, stride = wanted.layout
+        tensor = torch.frombuffer(memoryview(data), dtype=dtype).as_strided(size, stride)
+    else:
+        tensor = _saved_tensor(data, wanted.file.where, item)
+        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+            tensor = tensor.narrow(dim, start, length)  # the part of the saved chunk this item reads
     target = planner.resolve_tensor(item).detach()
     if target.size() != tensor.size():
         raise FormatError(
             f"{item.storage_index.fqn}: saved chunk {tuple(tensor.size())} does not fit {tuple(target.size())}"
         )
-    target.copy_(tensor)
-    return lambda: planner.commit_tensor(item, target)
+
+    def commit() -> None:
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
+
+    return commit

@@ -371,10 +371,15 @@ def _item_bytes(item: WriteItem) -> int:
 def _write_file(
     storage: Storage, folder: str, name: str, items: list[WriteItem], planner: SavePlanner
 ) -> list[WriteResult]:
-    """One ``.distcp`` file: each item's bytes (tensors as ``torch.save`` writes them), recorded as DCP does."""
+    """One ``.distcp`` file: each item's bytes (tensors as ``torch.save`` writes them), recorded as DCP does.
+    Each item starts a new checksum block (``cut_block``, where the storage records block digests), so a load
+    reads and checks exactly the blocks of the items it needs."""
     results = []
     with storage.open_write(f"{folder}/{name}") as f:
+        cut_block = getattr(f, "cut_block", None)
         for item in sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO):  # bytes first, as DCP does
+            if cut_block is not None:
+                cut_block()
             offset = f.tell()
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:

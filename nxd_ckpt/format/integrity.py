@@ -6,33 +6,47 @@ about it. Before arriving at the commit barrier each rank makes its files' direc
 ``<tag>/nxd_ckpt/manifest_rank_XXXXX.json`` (a folder NxD ignores): ``{path within the tag: [size, digest]}``
 plus a checksum of the manifest itself. ``done`` comes after every manifest, so a complete tag has all of them.
 
+Saving also records each file's block digests (``manifests.BlockHasher``: a block every 256 KiB and at each item a
+writer marks with ``cut_block``), beside the whole file's.
+
 Loading: ``VerifyingStorage`` wraps the load's storage for one tag; ``read_buffer`` of a listed file hashes the
 whole-file buffer the loader then parses (each byte read once), ``open_read`` hashes the stream to the end and
 seeks back; both compare size and digest with the manifest and raise IntegrityError naming the file on a mismatch.
+``VerifiedFile`` reads byte ranges (re-sharded loads, the DCP reader): each range by the blocks holding it, every
+block checked before any of its bytes is handed out (a file of an older manifest, without block digests: the whole
+file once, first).
 A load hands each rank only the records of the files it reads (``IndexShare``), not every rank's manifests.
 Tags without manifests (written by NxD, or by nxd_ckpt before manifests existed) are read unverified.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
+import io
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 import numpy as np
 
-from nxd_ckpt.errors import StorageError
+from nxd_ckpt.errors import FormatError, IntegrityError, StorageError
 from nxd_ckpt.format import layout
 from nxd_ckpt.format.hashing import hash_bytes
 from nxd_ckpt.format.manifests import (
     ALGORITHM,
+    BLOCK_BYTES,
     MANIFEST_FORMAT,
     MANIFEST_PREFIX,
     MANIFEST_VERSION,
+    RESTORE_HINT,
+    BlockHasher,
     FileRecord,
     IndexShare,
+    block_error,
     check_record,
     hash_stream,
     manifest_bytes,
@@ -41,11 +55,14 @@ from nxd_ckpt.format.manifests import (
     parse_manifest,
     read_index,
     read_manifests,
+    record_bytes,
+    record_stream,
     split_index,
 )
 from nxd_ckpt.storage import DelegatingStorage, Storage
-from nxd_ckpt.storage.base import Allocator, ForwardWriter, read_whole
+from nxd_ckpt.storage.base import Allocator, ForwardWriter, read_fully, read_whole
 from nxd_ckpt.storage.direct import DirectReader
+from nxd_ckpt.storage.range_reads import open_for_partial_reads
 
 logger = logging.getLogger("nxd_ckpt")
 
@@ -59,6 +76,8 @@ __all__ = [
     "ChecksummingStorage",
     "FileRecord",
     "IndexShare",
+    "VerifiedFile",
+    "VerifiedStream",
     "VerifyingStorage",
     "check_record",
     "hash_stream",
@@ -101,8 +120,7 @@ class _HashingWriter(ForwardWriter):
 
     def __init__(self, target: BinaryIO) -> None:
         self._target = target
-        self._hasher = new_hasher()
-        self.size = 0
+        self._hasher = BlockHasher()
         self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
@@ -114,8 +132,18 @@ class _HashingWriter(ForwardWriter):
             raise
         written = len(view) if n is None else n
         self._hasher.update(view[:written])
-        self.size += written
         return written
+
+    def cut_block(self) -> None:
+        """An item starts here: its bytes get blocks of their own (``BlockHasher.cut``)."""
+        self._hasher.cut()
+
+    @property
+    def size(self) -> int:
+        return self._hasher.size
+
+    def record(self, rank: int) -> FileRecord:
+        return self._hasher.record(rank)
 
     def flush(self) -> None:
         self._target.flush()
@@ -210,12 +238,12 @@ class ChecksummingStorage(DelegatingStorage):
                     raise
                 # e.g. "[enforce fail at inline_container.cc] unexpected pos": name the file and the real cause
                 raise StorageError(f"writing {self.url}/{path} failed: {cause.strerror or cause}") from cause
-        self._record(path, FileRecord(writer.size, writer.digest(), self.rank))
+        self._record(path, writer.record(self.rank))
 
     def write_bytes(self, path: str, data: bytes | bytearray | memoryview) -> None:
         """Small files keep the backend's own one-shot path (one PUT on S3)."""
         self.inner.write_bytes(path, data)
-        self._record(path, FileRecord(*hash_bytes(data), self.rank))
+        self._record(path, record_bytes(data, self.rank))
 
     def write_from_local_file(self, path: str, local_file: str, known: FileRecord | None = None) -> None:
         """Copy a local file; ``known`` is its record when this rank already hashed it while writing it (a memory
@@ -223,9 +251,9 @@ class ChecksummingStorage(DelegatingStorage):
         verification on load instead of being recorded as it is."""
         if known is None:
             with open(local_file, "rb") as f:
-                known = FileRecord(*hash_stream(f), self.rank)
+                known = record_stream(f, self.rank)
         self.inner.write_from_local_file(path, local_file)
-        self._record(path, FileRecord(known.size, known.digest, self.rank))
+        self._record(path, dataclasses.replace(known, rank=self.rank))
 
     def _record(self, path: str, rec: FileRecord) -> None:
         if path.startswith(self.tag + "/"):
@@ -282,6 +310,7 @@ class VerifyingStorage(DelegatingStorage):
         self._lock = threading.Lock()
         self.files_verified = 0
         self.bytes_verified = 0
+        self._verified: dict[str, VerifiedFile] = {}
         self.index_fallbacks: list[str] = []
         """Paths outside the share this storage was given, for which it read the whole index."""
 
@@ -370,3 +399,218 @@ class VerifyingStorage(DelegatingStorage):
         data = self.inner.read_bytes(path)
         self._check(path, rec, *hash_bytes(data))
         return data
+
+    def verified_file(self, path: str) -> VerifiedFile:
+        """``path`` for reads of byte ranges, each checked before it is returned (``VerifiedFile``; one per path,
+        so a file of an older manifest is hashed whole once, however many parts of it are read)."""
+        with self._lock:
+            found = self._verified.get(path)
+        if found is None:
+            found = VerifiedFile(self.inner, path, self.record_for(path), tag=self.tag)
+            with self._lock:
+                found = self._verified.setdefault(path, found)
+        return found
+
+
+def _will_need(f: Any, start: int, length: int) -> None:
+    """Ask the kernel to read ``length`` bytes at ``start`` ahead (a local file read cold: the disk works on the
+    whole range while the first blocks are checked); nothing where the stream is no local file."""
+    advise = getattr(os, "posix_fadvise", None)
+    try:
+        fd = f.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return
+    if advise is not None and length > BLOCK_BYTES:
+        with contextlib.suppress(OSError):
+            advise(fd, start, length, os.POSIX_FADV_WILLNEED)
+
+
+_RUN_BYTES = 16 << 20
+"""Bytes of whole blocks read in one request from ranged storage (S3) before they are checked."""
+
+
+class VerifiedFile:
+    """One file read by byte ranges (``read_into``), every byte checked against the file's record before it is
+    handed out, so a caller may copy it straight into live memory.
+
+    With block digests (``FileRecord.blocks``) only the blocks holding the range are read and each is hashed
+    right after its read; a block shared with the next range is kept (a few, verified). With an older record
+    (whole-file digest only) the first read hashes the whole file and checks it, then ranges are read as asked.
+    Without a record (a file written without manifests) ranges are read unchecked; only a short file is found.
+    Safe to use from several threads (each read opens its own stream: the file on local disk, ranged GETs on S3).
+    """
+
+    def __init__(
+        self, storage: Storage, path: str, record: FileRecord | None, *, tag: str, kept_blocks: int = 4
+    ) -> None:
+        self.storage, self.path, self.record, self.tag = storage, path, record, tag
+        self.kept_blocks = kept_blocks
+        """How many blocks read in part are kept for the next range (each at most ``BLOCK_BYTES``)."""
+        self.where = f"{storage.url}/{path}"
+        self._lock = threading.Lock()
+        self._whole_checked = False
+        self._kept: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
+        self.bytes_read = 0
+        """Bytes read from storage so far (blocks, and the whole file once for an older record)."""
+
+    def read(self, start: int, end: int) -> np.ndarray:
+        """Bytes ``[start, end)``, checked."""
+        out = np.empty(end - start, dtype=np.uint8)
+        self.read_into(start, memoryview(out))
+        return out
+
+    def read_into(self, start: int, view: memoryview) -> None:
+        """Fill ``view`` with bytes ``[start, start + len(view))``, checked (IntegrityError naming the file on a
+        mismatch or a short file; FormatError for a short file without a record)."""
+        end = start + len(view)
+        rec = self.record
+        if end <= start:
+            return
+        if rec is not None and end > rec.size:
+            raise IntegrityError(
+                f"{self.where}: bytes up to {end} are needed but only {rec.size} were written (see "
+                f"{layout.manifest_file(self.tag, rec.rank)}); {RESTORE_HINT}"
+            )
+        with contextlib.ExitStack() as stack:
+            opened: list[BinaryIO] = []
+
+            def stream() -> BinaryIO:
+                if not opened:
+                    opened.append(stack.enter_context(open_for_partial_reads(self.storage, self.path)))
+                    _will_need(opened[0], start, end - start)
+                return opened[0]
+
+            if rec is None or not rec.has_blocks:
+                if rec is not None:
+                    self._check_whole(rec)
+                self._read_raw(stream(), start, view, None)
+                return
+            whole: list[tuple[int, int, str]] = []  # consecutive blocks the range covers entirely
+            for block_start, block_end, digest in rec.blocks_over(start, end):
+                lo, hi = max(block_start, start), min(block_end, end)
+                if lo == block_start and hi == block_end:
+                    whole.append((block_start, block_end, digest))
+                    if not self.storage.ranged_reads or whole[-1][1] - whole[0][0] >= _RUN_BYTES:
+                        self._read_blocks(stream, whole, view, start)
+                    continue
+                self._read_blocks(stream, whole, view, start)
+                block = self._kept_block(stream, block_start, block_end, digest)
+                view[lo - start : hi - start] = memoryview(block)[lo - block_start : hi - block_start]
+            self._read_blocks(stream, whole, view, start)
+
+    def _read_blocks(self, stream: Any, blocks: list[tuple[int, int, str]], view: memoryview, base: int) -> None:
+        """Read ``blocks`` (consecutive, whole) into ``view`` (which starts at byte ``base``) in one request, then
+        check each; ``blocks`` is emptied. Local files are read a block at a time (each hashed while it is still
+        in the CPU cache); ranged storage (S3) a run at a time (one request per run, not per block)."""
+        if not blocks:
+            return
+        first, last = blocks[0][0], blocks[-1][1]
+        rec = self.record
+        assert rec is not None
+        self._read_raw(stream(), first, view[first - base : last - base], rec)
+        for block_start, block_end, digest in blocks:
+            found = hash_bytes(view[block_start - base : block_end - base])[1]
+            if found != digest:
+                raise block_error(self.storage.url, self.tag, self.path, rec, block_start, block_end, found)
+        blocks.clear()
+
+    def _read_raw(self, f: BinaryIO, start: int, view: memoryview, rec: FileRecord | None) -> int:
+        f.seek(start)
+        n = read_fully(f, view)
+        with self._lock:
+            self.bytes_read += n
+        if n < len(view):
+            if rec is not None:
+                raise block_error(self.storage.url, self.tag, self.path, rec, start, start + len(view), n)
+            raise FormatError(
+                f"{self.where} is truncated: bytes up to {start + len(view)} are needed but it has {start + n}; "
+                f"{RESTORE_HINT}"
+            )
+        return n
+
+    def _read_block(self, stream: Any, start: int, end: int, digest: str, view: memoryview) -> None:
+        rec = self.record
+        assert rec is not None
+        self._read_raw(stream(), start, view, rec)
+        found = hash_bytes(view)[1]
+        if found != digest:
+            raise block_error(self.storage.url, self.tag, self.path, rec, start, end, found)
+
+    def _kept_block(self, stream: Any, start: int, end: int, digest: str) -> np.ndarray:
+        """A block a range covers only in part: read and checked once, kept for the range next to it."""
+        with self._lock:
+            block = self._kept.get(start)
+            if block is not None:
+                self._kept.move_to_end(start)
+                return block
+        block = np.empty(end - start, dtype=np.uint8)
+        self._read_block(stream, start, end, digest, memoryview(block))
+        with self._lock:
+            self._kept[start] = block
+            while len(self._kept) > self.kept_blocks:
+                self._kept.popitem(last=False)
+        return block
+
+    def _check_whole(self, rec: FileRecord) -> None:
+        """An older record: the whole file hashed and checked, once."""
+        with self._lock:
+            if self._whole_checked:
+                return
+            with self.storage.open_read(self.path) as f:
+                size, digest = hash_stream(f)
+            self.bytes_read += size
+            check_record(self.storage.url, self.tag, self.path, rec, size, digest)
+            self._whole_checked = True
+
+    def stream(self, start: int = 0, end: int | None = None) -> VerifiedStream:
+        """A seekable stream over bytes ``[start, end)`` (to the recorded or actual end when None)."""
+        if end is None:
+            end = self.record.size if self.record is not None else self.storage.size(self.path)
+        return VerifiedStream(self, start, end)
+
+
+class VerifiedStream(io.RawIOBase):
+    """A seekable read-only stream over bytes ``[start, end)`` of a ``VerifiedFile`` (a zip reader parses an
+    item's header through it: every byte it sees is checked)."""
+
+    def __init__(self, file: VerifiedFile, start: int, end: int) -> None:
+        super().__init__()
+        self.file, self._start, self._end = file, start, end
+        self._pos = 0
+        self.error: Exception | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._end - self._start}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = max(0, min(len(view), self._end - self._start - self._pos))
+        try:
+            self.file.read_into(self._start + self._pos, view[:n])
+        except Exception as e:
+            self.error = e  # torch's zip reader replaces it with an error of its own: see ``parsing``
+            raise
+        self._pos += n
+        return n
+
+    @contextlib.contextmanager
+    def parsing(self) -> Iterator[VerifiedStream]:
+        """Parse through this stream: a failed check raises as itself, not as what the parser made of it
+        (``torch._C.PyTorchFileReader`` reports any exception of its stream as a missing ``read``)."""
+        try:
+            yield self
+        except Exception:
+            if self.error is not None:
+                raise self.error from None
+            raise

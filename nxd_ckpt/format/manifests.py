@@ -1,5 +1,12 @@
 """``<tag>/nxd_ckpt/manifest_rank_RRRRR.json``: the per-rank lists of files with size and xxh3_64 digest.
 
+Each file's record also holds the digests of its blocks (``FileRecord.blocks``), so a load can check exactly the
+byte ranges it reads, before it uses them, without reading the rest of the file. A block ends every
+``BLOCK_BYTES`` bytes and wherever the writer starts a new item (``BlockHasher.cut``: a DCP item, so an item's
+bytes are whole blocks), and the first block of an item is only ``HEAD_BYTES`` long (its zip header: what a
+reader parses first). The whole-file digest stays (``verify`` checks whole files). Records written before
+block digests existed (format version 1) have none and still parse: loads check such files whole.
+
 The only module that writes, parses or finds manifests. ``read_manifests`` is the one reader: it merges every
 rank's manifest, checks each one's own seal, and checks that every rank the metadata names has one. Callers
 choose what to do with the problems: the load path (``read_index``) raises the first, ``verify`` lists them all.
@@ -8,6 +15,7 @@ choose what to do with the problems: the load path (``read_index``) raises the f
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -21,9 +29,15 @@ from nxd_ckpt.storage import Storage, check_relative_path
 
 ALGORITHM = "xxh3_64"
 MANIFEST_FORMAT = "nxd_ckpt.manifest"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+"""2: records carry block digests (1: whole-file digests only; still read)."""
+BLOCK_BYTES = 256 << 10
+"""Longest block with its own digest: the most a load reads beyond the byte range it needs, at each end."""
+HEAD_BYTES = 64 << 10
+"""Length of an item's first block (``BlockHasher.cut``): its zip header and pickle, read on their own."""
 MANIFEST_PREFIX = "manifest_rank_"
 _CHUNK = 8 << 20
+_PIECE = 1 << 20
 RESTORE_HINT = (
     "the file changed after it was written (disk or transfer corruption, truncation, or tampering); restore it "
     "from a copy or load another tag (load_checkpoint(..., fallback_to_verified=True) picks the newest intact one)"
@@ -32,11 +46,78 @@ RESTORE_HINT = (
 
 @dataclass(frozen=True)
 class FileRecord:
-    """Size and xxh3_64 digest (hex) of one file, and the rank whose manifest lists it."""
+    """Size and xxh3_64 digest (hex) of one file, the rank whose manifest lists it, and its block digests."""
 
     size: int
     digest: str
     rank: int = -1
+    blocks: tuple[tuple[int, str], ...] = ()
+    """``(end offset, xxh3_64 hex)`` of consecutive blocks covering the file (the first starts at 0); empty in
+    records written before block digests (a file of them is checked whole)."""
+
+    @property
+    def has_blocks(self) -> bool:
+        return bool(self.blocks) or self.size == 0
+
+    def blocks_over(self, start: int, end: int) -> list[tuple[int, int, str]]:
+        """``(start, end, digest)`` of the blocks holding bytes ``[start, end)`` (none past the recorded size)."""
+        if end <= start:
+            return []
+        ends = [e for e, _ in self.blocks]
+        first = bisect.bisect_right(ends, start)
+        out = []
+        for i in range(first, len(self.blocks)):
+            block_start = ends[i - 1] if i else 0
+            if block_start >= end:
+                break
+            out.append((block_start, ends[i], self.blocks[i][1]))
+        return out
+
+
+class BlockHasher:
+    """Hashes a file as it is written, whole and by blocks (``FileRecord.blocks``): a block ends every
+    ``BLOCK_BYTES`` bytes and at each ``cut`` (the writer starts an item there), after which the first block is
+    ``HEAD_BYTES`` long. Each piece is hashed twice while it is in the CPU cache (whole file, block)."""
+
+    def __init__(self) -> None:
+        self._whole = Hasher()
+        self._block = Hasher()
+        self.size = 0
+        self._block_start = 0
+        self._limit = BLOCK_BYTES
+        self._blocks: list[tuple[int, str]] = []
+
+    def update(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        pos = 0
+        while pos < len(view):
+            take = min(len(view) - pos, self._limit - (self.size - self._block_start), _PIECE)
+            piece = view[pos : pos + take]
+            self._whole.update(piece)
+            self._block.update(piece)
+            self.size += take
+            pos += take
+            if self.size - self._block_start >= self._limit:
+                self._close(BLOCK_BYTES)
+
+    def cut(self) -> None:
+        """A new item starts here: end the current block; the next one is ``HEAD_BYTES`` long."""
+        self._close(HEAD_BYTES)
+
+    def _close(self, next_limit: int) -> None:
+        if self.size > self._block_start:
+            self._blocks.append((self.size, self._block.hexdigest()))
+            self._block = Hasher()
+        self._block_start = self.size
+        self._limit = next_limit
+
+    def hexdigest(self) -> str:
+        return self._whole.hexdigest()
+
+    def record(self, rank: int = -1) -> FileRecord:
+        """The record of everything hashed so far."""
+        self._close(BLOCK_BYTES)
+        return FileRecord(self.size, self._whole.hexdigest(), rank, tuple(self._blocks))
 
 
 def new_hasher() -> Any:
@@ -58,6 +139,26 @@ def hash_stream(f: BinaryIO) -> tuple[int, str]:
     return size, hasher.hexdigest()
 
 
+def record_stream(f: BinaryIO, rank: int = -1) -> FileRecord:
+    """The record (size, digest, fixed-size block digests) of a readable stream from its position to the end."""
+    hasher = BlockHasher()
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    while True:
+        n = f.readinto(buf) if hasattr(f, "readinto") else _read_into(f, buf)
+        if not n:
+            break
+        hasher.update(view[:n])
+    return hasher.record(rank)
+
+
+def record_bytes(data: Any, rank: int = -1) -> FileRecord:
+    """The record (size, digest, fixed-size block digests) of a buffer."""
+    hasher = BlockHasher()
+    hasher.update(data)
+    return hasher.record(rank)
+
+
 def _read_into(f: BinaryIO, buf: bytearray) -> int:
     data = f.read(len(buf))
     buf[: len(data)] = data
@@ -72,17 +173,36 @@ def manifest_bytes(tag: str, rank: int, records: dict[str, FileRecord]) -> bytes
     """A manifest: the files (paths within the tag) with size and digest, sealed by a checksum of its body."""
     body = {
         "format": MANIFEST_FORMAT,
-        "format_version": MANIFEST_VERSION,
+        "format_version": MANIFEST_VERSION if any(rec.blocks for rec in records.values()) else 1,
         "algorithm": ALGORITHM,
         "tag": tag,
         "rank": rank,
-        "files": {path: [rec.size, rec.digest] for path, rec in sorted(records.items())},
+        "files": {path: _entry(rec) for path, rec in sorted(records.items())},
     }
     head = {k: v for k, v in body.items() if k != "files"}
     head["checksum"] = hash_bytes(_canonical(body))[1]
     lines = [f"{json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
     files = ",\n".join(f"  {json.dumps(p)}: {json.dumps(v)}" for p, v in body["files"].items())
     return ("{\n" + "\n".join(lines) + '\n"files": {\n' + files + "\n}\n}\n").encode()
+
+
+def _entry(rec: FileRecord) -> list[Any]:
+    """A file's entry in a manifest: ``[size, digest]``, then ``[[block end, digest], ...]`` where it has blocks."""
+    if not rec.blocks:
+        return [rec.size, rec.digest]
+    return [rec.size, rec.digest, [[end, digest] for end, digest in rec.blocks]]
+
+
+def _record(entry: Any, rank: int) -> FileRecord:
+    """A file's record from its manifest entry (either version); ValueError if it is malformed."""
+    size, digest, *rest = entry
+    blocks: tuple[tuple[int, str], ...] = ()
+    if rest:
+        blocks = tuple((int(end), str(d)) for end, d in rest[0])
+        ends = [end for end, _ in blocks]
+        if any(b <= a for a, b in zip([0, *ends], ends, strict=False)) or (ends and ends[-1] != int(size)):
+            raise ValueError("its block records do not cover the file in order")
+    return FileRecord(int(size), str(digest), rank, blocks)
 
 
 def parse_manifest(data: bytes, where: str) -> tuple[int, dict[str, FileRecord]]:
@@ -96,8 +216,10 @@ def parse_manifest(data: bytes, where: str) -> tuple[int, dict[str, FileRecord]]
             raise ValueError("its own checksum does not match its content")
         if doc.get("algorithm") != ALGORITHM:
             raise ValueError(f"unknown checksum algorithm {doc.get('algorithm')!r}")
+        if int(doc.get("format_version", 1)) > MANIFEST_VERSION:
+            raise ValueError(f"format version {doc['format_version']} is newer than this nxd_ckpt reads: upgrade it")
         rank = int(doc["rank"])
-        records = {check_relative_path(str(p)): FileRecord(int(s), str(d), rank) for p, (s, d) in doc["files"].items()}
+        records = {check_relative_path(str(p)): _record(v, rank) for p, v in doc["files"].items()}
     except (ValueError, KeyError, TypeError) as e:  # InvalidTagError (a path leaving the tag) is a ValueError
         raise IntegrityError(f"manifest {where} is damaged ({e}); {RESTORE_HINT}") from e
     return rank, records
@@ -125,6 +247,22 @@ def check_record(url: str, tag: str, path: str, rec: FileRecord, size: int, dige
     )
     manifest = layout.manifest_file(tag, rec.rank) if rec.rank >= 0 else "its manifest"
     raise IntegrityError(f"{url}/{path} is corrupt: it {what} (see {manifest}); {RESTORE_HINT}")
+
+
+def block_error(
+    url: str, tag: str, path: str, rec: FileRecord, start: int, end: int, found: str | int
+) -> IntegrityError:
+    """The error for block ``[start, end)`` of ``url/path`` not matching its record: ``found`` is its digest, or
+    how many of its bytes the file has (a truncated file)."""
+    manifest = layout.manifest_file(tag, rec.rank) if rec.rank >= 0 else "its manifest"
+    if isinstance(found, int):
+        what = f"is corrupt: it has {start + found} bytes but {rec.size} were written (truncated)"
+    else:
+        what = (
+            f"is corrupt: its bytes {start}-{end} have {ALGORITHM} checksum {found} but a different one was "
+            "recorded when they were written"
+        )
+    return IntegrityError(f"{url}/{path} {what} (see {manifest}); {RESTORE_HINT}")
 
 
 @dataclass

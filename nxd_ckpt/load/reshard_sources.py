@@ -5,14 +5,17 @@ A plain ``torch.save`` file is read by its zip records' byte ranges, an xser fil
 verifying storage) or in parts by range. Memory stays about one target tensor plus one block read.
 
 Integrity: a whole file read here is checked against the tag's manifests as usual; a part of a file read by
-range cannot be (the checksum covers the whole file): such files are checked against their recorded size only
-(``nxd-ckpt verify`` checks the whole tag). A re-sharded rank reads parts of many source ranks' files, chosen
-by the tensors it covers, so its verifying storage holds the tag's whole manifest index (sent with the description in
-``candidates.resolve``: O(world) bytes per rank, accepted here), not the per-rank share a same-layout load gets.
+range is checked by the blocks holding it (``VerifiedFile``: the manifests' block digests) before it is used, and a
+file whose manifest predates block digests is checked whole on its first read. Files of a tag written without
+manifests (by NxD itself) are read as before, unchecked. A re-sharded rank reads parts of many source ranks'
+files, chosen by the tensors it covers, so its verifying storage holds the tag's whole manifest index (sent with
+the description in ``candidates.resolve``: O(world) bytes per rank, accepted here), not the per-rank share a
+same-layout load gets.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +39,7 @@ from nxd_ckpt.format.sharding import (
 from nxd_ckpt.format.sharding_marks import rebase, record_from_model, record_from_spec
 from nxd_ckpt.load import zero1
 from nxd_ckpt.serialization import structure as zip_structure
-from nxd_ckpt.serialization import torchzip, xser
+from nxd_ckpt.serialization import xser
 from nxd_ckpt.storage import Storage
 from nxd_ckpt.storage.range_reads import open_for_partial_reads
 
@@ -47,9 +50,12 @@ Reader = Callable[[int, Box], torch.Tensor]
 # ------------------------------------------------------------------------------------------- source files
 
 
-def _raw(storage: Storage) -> Storage:
-    """The storage under the verifying layer, for reads of parts of a file (a checksum covers whole files)."""
-    return storage.inner if isinstance(storage, VerifyingStorage) else storage
+def _partial(storage: Storage, path: str) -> contextlib.AbstractContextManager[Any]:
+    """A seekable stream of ``path`` for reading parts of it: under verification every byte it returns is
+    checked first (``VerifiedFile``: by its blocks, or the whole file once for an older manifest)."""
+    if isinstance(storage, VerifyingStorage):
+        return storage.verified_file(path).stream().parsing()
+    return open_for_partial_reads(storage, path)
 
 
 def _check_size(storage: Storage, path: str) -> None:
@@ -68,31 +74,26 @@ def _check_size(storage: Storage, path: str) -> None:
 
 def _zip_structure(storage: Storage, path: str, what: str, trusted: bool) -> tuple[Any, dict[str, int]]:
     """A torch.save file's structure (tensors on ``meta``, tagged with their record) and each record's data
-    offset in the file; only the zip directory and ``data.pkl`` are read."""
-    keys: list[str] = []
-
-    def source(key: str, dtype: torch.dtype, nbytes: int) -> torch.UntypedStorage:
-        untyped = torch.UntypedStorage(nbytes, device="meta")
-        setattr(untyped, zip_structure.RECORD_ATTR, key)
-        keys.append(key)
-        return untyped
-
-    with open_for_partial_reads(storage, path) as f:
-        reader, pickled = torchzip.open_zip(f, what)
-        if reader.has_record("byteorder") and reader.get_record("byteorder") not in (b"little", "little"):
-            raise FormatError(f"{what} was written on a big-endian machine; it cannot be re-sharded by range")
-        state = torchzip.load_records(pickled, source, what=what, trusted=trusted)
-        offsets = {k: reader.get_record_offset(f"data/{k}") for k in keys}
-    return state, offsets
+    offset in the file; only the zip directory and ``data.pkl`` are read (checked, where the tag has block
+    digests)."""
+    with _partial(storage, path) as f:
+        return zip_structure.load_layout(f, what, trusted)
 
 
 def _read_runs(
     storage: Storage, path: str, base: int, runs: list[tuple[int, int]], out: torch.Tensor, what: str
 ) -> None:
-    """Fill contiguous ``out`` with the element runs (offset, count) starting at byte ``base`` of the file."""
+    """Fill contiguous ``out`` with the element runs (offset, count) starting at byte ``base`` of the file; under
+    verification each run is checked before it lands in ``out``."""
     size = out.element_size()
     view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
     pos = 0
+    if isinstance(storage, VerifyingStorage):
+        checked = storage.verified_file(path)
+        for offset, count in runs:
+            checked.read_into(base + offset * size, view[pos : pos + count * size])
+            pos += count * size
+        return
     with open_for_partial_reads(storage, path) as f:
         for offset, count in runs:
             f.seek(base + offset * size)
@@ -124,7 +125,7 @@ class SourceFile:
             self.structure, self.info = statefile.read_xser_reference(storage, path, trusted=trusted)
         else:
             _check_size(storage, path)
-            self.structure, self._offsets = _zip_structure(_raw(storage), path, self.what, trusted)
+            self.structure, self._offsets = _zip_structure(storage, path, self.what, trusted)
 
     def lookup(self, keys: Sequence[Any]) -> Any:
         """The value at ``keys`` (a tensor on ``meta``, an xser reference, or a plain value); FormatError naming
@@ -171,7 +172,7 @@ class SourceFile:
         if tid not in self._tensor_files:
             path = self._tensor_path(tid)
             _check_size(self.storage, path)
-            t, offsets = _zip_structure(_raw(self.storage), path, f"{self.storage.url}/{path}", False)
+            t, offsets = _zip_structure(self.storage, path, f"{self.storage.url}/{path}", False)
             if not isinstance(t, torch.Tensor):
                 raise FormatError(f"{self.storage.url}/{path} does not hold a tensor (found {type(t).__name__})")
             self._tensor_files[tid] = (t, offsets)
@@ -205,10 +206,10 @@ class SourceFile:
             runs = element_ranges(tuple(meta.shape), box)
         else:  # a view with its own strides: read the bytes it spans, then take the block
             whole = torch.empty(meta.untyped_storage().nbytes() // meta.element_size(), dtype=meta.dtype)
-            _read_runs(_raw(self.storage), path, offsets[key], [(0, whole.numel())], whole, self.what)
+            _read_runs(self.storage, path, offsets[key], [(0, whole.numel())], whole, self.what)
             viewed = whole.as_strided(meta.shape, meta.stride(), meta.storage_offset())
             return narrow_box(viewed, box).clone()
-        _read_runs(_raw(self.storage), path, base, runs, out, f"{self.storage.url}/{path}")
+        _read_runs(self.storage, path, base, runs, out, f"{self.storage.url}/{path}")
         return out
 
     def value(self, value: Any) -> Any:

@@ -46,3 +46,22 @@ def load_structure(f: Any, what: str, trusted: bool = False) -> Any:
 def torch_load(f: Any, what: str, trusted: bool, *, map_location: str, mmap: bool = False) -> Any:
     """torch.load with the project's safe-loading rules (allow-listed classes only unless ``trusted``)."""
     return torchzip.torch_load(f, what, trusted, map_location=map_location, mmap=mmap)
+
+
+def load_layout(f: Any, what: str, trusted: bool = False) -> tuple[Any, dict[str, int]]:
+    """A torch.save zip file's structure (``load_structure``: tensors on ``meta``, each storage tagged with its
+    record) and each tensor record's data offset in the file, for reading tensor bytes by range; only the zip
+    directory and ``data.pkl`` are read. FormatError if it is not a zip file or was written big-endian."""
+    keys: list[str] = []
+
+    def source(key: str, dtype: torch.dtype, nbytes: int) -> torch.UntypedStorage:
+        untyped = torch.UntypedStorage(nbytes, device="meta")
+        setattr(untyped, RECORD_ATTR, key)
+        keys.append(key)
+        return untyped
+
+    reader, pickled = torchzip.open_zip(f, what)
+    if reader.has_record("byteorder") and reader.get_record("byteorder") not in (b"little", "little"):
+        raise FormatError(f"{what} was written on a big-endian machine; its tensors cannot be read by range")
+    state = torchzip.load_records(pickled, source, what=what, trusted=trusted)
+    return state, {k: reader.get_record_offset(f"data/{k}") for k in keys}

@@ -28,7 +28,7 @@ each load under it too, and every load checked bit-exact. Then --reps repetition
 (cpu: a memcpy of the rank's state into a touched buffer; device: the device -> host copy floor) and every save,
 then every load, in an order rotated each repetition. Figures are the slowest rank's, medians over repetitions;
 the ratios: device state blocked <= 0.1x DCP's async_save + DefaultStager, CPU state blocked <= 1.0x the memcpy,
-durable <= 1.1x DCP's sync save, dcp.load's time >= 1.0x the nxd reader's.
+durable <= 1.1x DCP's sync save, dcp.load's time >= 1.2x the nxd reader's.
 """
 
 from __future__ import annotations

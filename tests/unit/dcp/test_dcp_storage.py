@@ -89,7 +89,7 @@ def test_every_file_is_in_the_rank_manifest_and_nothing_is_left_beside_the_folde
     manifest = json.loads((tmp_path / "step-1" / "nxd_ckpt" / "manifest_rank_00000.json").read_text())
     files = {n for n in os.listdir(path) if not os.path.isdir(os.path.join(path, n))}
     assert set(manifest["files"]) == files == {"__0_0.distcp", "__0_1.distcp", ".metadata"}
-    for name, (size, _) in manifest["files"].items():
+    for name, (size, *_) in manifest["files"].items():
         assert os.path.getsize(os.path.join(path, name)) == size
 
 
@@ -272,56 +272,59 @@ def test_damage_that_breaks_parsing_is_named_as_damage_and_no_value_is_committed
     assert out["nested"]["step"] == -1 and out["nested"]["name"] == ""
 
 
-def test_a_partial_load_checks_the_bytes_it_skips(tmp_path):
+def test_a_partial_load_reads_and_checks_only_the_items_it_needs(tmp_path):
     path = str(tmp_path / "step-1")
     _save(path, _state(3))
-    part = {"ints": torch.zeros(10, dtype=torch.int64)}
-    dcp.load(part, storage_reader=StorageReader(path), no_dist=True)
-    assert torch.equal(part["ints"], _state(3)["ints"])
     offset, length = _item_range(path, "w")
-    _flip(os.path.join(path, "__0_0.distcp"), offset + length - 100)  # inside "w", which this load skips
+    _flip(os.path.join(path, "__0_0.distcp"), offset + length - 100)  # inside "w", which the first load skips
+    part = {"ints": torch.zeros(10, dtype=torch.int64)}
+    dcp.load(part, storage_reader=StorageReader(path), no_dist=True)  # its own blocks are intact
+    assert torch.equal(part["ints"], _state(3)["ints"])
     with pytest.raises(CheckpointException) as excinfo:
-        dcp.load(part, storage_reader=StorageReader(path), no_dist=True)
+        dcp.load({"w": torch.zeros(16, 4)}, storage_reader=StorageReader(path), no_dist=True)
     assert f"{path}/__0_0.distcp is corrupt" in _message(excinfo)
 
 
 class _CountingReads(DelegatingStorage):
-    """Counts what is read of ``.distcp`` files through ``open_sequential``; refuses any other way to read them."""
+    """Counts the bytes read of ``.distcp`` files (every read goes through ``open_read``: ranges, not streams)."""
 
     def __init__(self, inner) -> None:
         super().__init__(inner)
         self.bytes_read = 0
 
-    def open_read(self, path: str):
-        assert not path.endswith(".distcp"), f"{path} read outside open_sequential"
-        return self.inner.open_read(path)
+    def open_sequential(self, path: str, direct: bool = False):
+        assert not path.endswith(".distcp"), f"{path} read as a stream, not by range"
+        return self.inner.open_sequential(path, direct)
 
     def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
-        assert not path.endswith(".distcp"), f"{path} read outside open_sequential"
+        assert not path.endswith(".distcp"), f"{path} read outside open_read"
         return self.inner.read_bytes(path, offset, length)
 
-    def open_sequential(self, path: str, direct: bool = False):
+    def open_read(self, path: str):
         counter = self
 
         class _Counted:
             def __init__(self, stream) -> None:
                 self._stream = stream
 
+            def seek(self, *args) -> int:
+                return self._stream.seek(*args)
+
             def readinto(self, b) -> int:
                 n = self._stream.readinto(b)
-                counter.bytes_read += n
+                counter.bytes_read += n if path.endswith(".distcp") else 0
                 return n
 
         @contextlib.contextmanager
         def opened():
-            with self.inner.open_sequential(path, direct) as stream:
+            with self.inner.open_read(path) as stream:
                 yield _Counted(stream)
 
         return opened()
 
 
 @pytest.mark.parametrize("with_manifests", [True, False])
-def test_each_file_is_read_once_front_to_back(tmp_path, with_manifests):
+def test_a_full_load_reads_each_byte_once(tmp_path, with_manifests):
     path = str(tmp_path / "step-1")
     _save(path, _state(1), thread_count=2)
     if not with_manifests:
@@ -333,4 +336,4 @@ def test_each_file_is_read_once_front_to_back(tmp_path, with_manifests):
     dcp.load(out, storage_reader=reader, no_dist=True)
     _assert_same(out, _state(1))
     sizes = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if n.endswith(".distcp"))
-    assert counting.bytes_read <= sizes and (counting.bytes_read == sizes or not with_manifests)
+    assert counting.bytes_read == sizes == reader.bytes_read

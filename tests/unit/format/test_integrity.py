@@ -61,9 +61,10 @@ def test_checksumming_storage_records_what_streams_through(tmp_path):
     with pytest.raises(RuntimeError), store.open_write("t1/failed.bin") as f:
         f.write(b"partial")
         raise RuntimeError("writer died")
-    assert store.records == {
-        "a/b.bin": integrity.FileRecord(11, integrity.hash_bytes(b"hello world")[1], 3),
-        "c.bin": integrity.FileRecord(100, integrity.hash_bytes(b"x" * 100)[1], 3),
+    hello, x100 = integrity.hash_bytes(b"hello world")[1], integrity.hash_bytes(b"x" * 100)[1]
+    assert store.records == {  # one block each: its digest is the whole file's
+        "a/b.bin": integrity.FileRecord(11, hello, 3, ((11, hello),)),
+        "c.bin": integrity.FileRecord(100, x100, 3, ((100, x100),)),
     }
     path = store.write_manifest()
     assert path == "t1/nxd_ckpt/manifest_rank_00003.json"

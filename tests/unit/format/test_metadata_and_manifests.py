@@ -115,6 +115,45 @@ def test_manifest_golden_bytes():
     assert manifests.parse_manifest(GOLDEN_MANIFEST, "m") == (3, records)
 
 
+def test_block_digests_cut_every_block_and_at_each_item_and_round_trip():
+    data = bytes(range(256)) * 4096  # 1 MiB
+    hasher = manifests.BlockHasher()
+    hasher.update(data[:300_000])  # one full block (256 KiB), then 37,856 bytes
+    hasher.cut()  # an item starts at 300,000: its first block is HEAD_BYTES long
+    hasher.update(data[300_000:])
+    rec = hasher.record(5)
+    block, head = manifests.BLOCK_BYTES, manifests.HEAD_BYTES
+    ends = [block, 300_000, 300_000 + head, 300_000 + head + block, 300_000 + head + 2 * block, len(data)]
+    assert [e for e, _ in rec.blocks] == ends
+    assert (rec.size, rec.digest) == hash_bytes(data)  # the whole file's digest stays
+    starts = [0, *ends[:-1]]
+    assert [d for _, d in rec.blocks] == [hash_bytes(data[a:b])[1] for a, b in zip(starts, ends, strict=True)]
+    assert manifests.record_bytes(data[:300_000], 5).blocks == ((block, rec.blocks[0][1]), (300_000, rec.blocks[1][1]))
+    assert rec.blocks_over(299_999, 300_001) == [
+        (block, 300_000, rec.blocks[1][1]),
+        (300_000, ends[2], rec.blocks[2][1]),
+    ]
+    data_v2 = manifests.manifest_bytes("t", 5, {"a.pt": rec})
+    assert json.loads(data_v2)["format_version"] == 2
+    assert manifests.parse_manifest(data_v2, "m") == (5, {"a.pt": rec})
+
+
+def test_malformed_block_records_are_damage_and_a_newer_version_is_named():
+    rec = manifests.record_bytes(b"x" * 1000, 0)
+    doc = json.loads(manifests.manifest_bytes("t", 0, {"a.pt": rec}))
+    doc["files"]["a.pt"][2] = [[500, "00"], [400, "11"]]  # out of order
+    doc.pop("checksum")
+    doc["checksum"] = hash_bytes(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())[1]
+    with pytest.raises(IntegrityError, match="block records do not cover the file"):
+        manifests.parse_manifest(json.dumps(doc).encode(), "m")
+    doc["format_version"] = 3
+    doc["files"]["a.pt"][2] = [[1000, rec.digest]]
+    doc.pop("checksum")
+    doc["checksum"] = hash_bytes(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())[1]
+    with pytest.raises(IntegrityError, match="newer than this nxd_ckpt reads"):
+        manifests.parse_manifest(json.dumps(doc).encode(), "m")
+
+
 def test_saved_metadata_is_written_through_the_type(tmp_path):
     """A real save's nxd_ckpt.json is exactly TagMetadata's bytes (nothing else writes the file)."""
     nxd.save_checkpoint(str(tmp_path), "t1", model=torch.nn.Linear(2, 2), user_content={"step": 1})

@@ -85,3 +85,85 @@ def test_a_file_read_in_parts_is_checked_against_its_recorded_size(saved):
         f.write(b"x")
     with pytest.raises(nxd.IntegrityError, match=r"corrupt: it has \d+ bytes but \d+ were written"):
         reshard_sources.SourceFile(storage, path)
+
+
+def _data_offset(file, name: str) -> int:
+    """Byte offset in ``file`` of the tensor ``name``'s first element (a plain torch.save file)."""
+    from nxd_ckpt.serialization import structure
+
+    with open(file, "rb") as f:
+        state, offsets = structure.load_layout(f, str(file))
+    meta = state[name]
+    key = getattr(meta.untyped_storage(), structure.RECORD_ATTR)
+    return offsets[key] + meta.storage_offset() * meta.element_size()
+
+
+def _flip_at(file, offset: int) -> None:
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x08]))
+
+
+@pytest.mark.parametrize("manifest", ["blocks", "whole-file only"])
+def test_a_part_read_by_range_is_checked_before_it_is_returned(saved, manifest):
+    """A re-sharded load reads parts of files: a flipped byte in the part it reads raises IntegrityError naming
+    the file (checked by its blocks; a manifest from before block digests checks the whole file first)."""
+    from nxd_ckpt.format import manifests
+
+    root, state = saved
+    path = layout.model_file("t", 0, 0)
+    file = root / "plain" / path
+    if manifest != "blocks":
+        for m in (root / "plain" / "t" / "nxd_ckpt").iterdir():
+            rank, records = manifests.parse_manifest(m.read_bytes(), str(m))
+            m.write_bytes(manifests.manifest_bytes("t", rank, {p: manifests.FileRecord(r.size, r.digest, rank)
+                                                               for p, r in records.items()}))  # fmt: skip
+    box = ((2, 4), (0, 10))
+    intact = reshard_sources.SourceFile(integrity.VerifyingStorage(LocalStorage(root / "plain"), "t"), path)
+    assert torch.equal(intact.read_box(intact.lookup(("whole",)), box), state["whole"][2:4])
+    _flip_at(file, _data_offset(file, "whole") + 3 * 10 * 4 + 5)  # row 3: inside the box
+    with pytest.raises(nxd.IntegrityError, match=f"{path} is corrupt"):  # a small file: its one block
+        f = reshard_sources.SourceFile(integrity.VerifyingStorage(LocalStorage(root / "plain"), "t"), path)
+        f.read_box(f.lookup(("whole",)), box)
+    unchecked = reshard_sources.SourceFile(LocalStorage(root / "plain"), path)  # no manifests asked: as before
+    assert not torch.equal(unchecked.read_box(unchecked.lookup(("whole",)), box), state["whole"][2:4])
+
+
+def test_an_xser_tensor_file_read_in_parts_is_checked(saved):
+    root, _ = saved
+    path = layout.model_file("t", 0, 0)
+    f = reshard_sources.SourceFile(integrity.VerifyingStorage(LocalStorage(root / "xser"), "t"), path)
+    value = f.lookup(("whole",))
+    tensor_file = root / "xser" / f._tensor_path(int(value.tid))
+    _flip_at(tensor_file, _data_offset(tensor_file, next(iter(_keys(tensor_file)))) + 3 * 10 * 4 + 1)
+    with pytest.raises(nxd.IntegrityError, match="is corrupt"):
+        f.read_box(value, ((2, 4), (0, 10)))
+
+
+def _keys(file) -> list:
+    from nxd_ckpt.serialization import structure
+
+    with open(file, "rb") as fh:
+        state, _ = structure.load_layout(fh, str(file))
+    return list(state) if isinstance(state, dict) else [None]
+
+
+@pytest.mark.parametrize("row", [105, 400])
+def test_a_part_of_a_large_tensor_is_checked_by_its_own_blocks(tmp_path, row):
+    """Only the blocks a part needs are read and checked: a flipped byte in it raises, one elsewhere does not."""
+    big = torch.arange(512 * 1024, dtype=torch.float32).reshape(512, 1024)  # 2 MiB: several blocks
+    nxd.save_checkpoint(tmp_path, "t", model={"big": big})
+    path = layout.model_file("t", 0, 0)
+    file = tmp_path / path
+    _flip_at(file, _data_offset(file, "big") + row * 1024 * 4 + 17)
+    storage = ReadCountingStorage(tmp_path)
+    f = reshard_sources.SourceFile(integrity.VerifyingStorage(storage, "t"), path)
+    box = ((100, 110), (0, 1024))
+    if row == 105:
+        with pytest.raises(nxd.IntegrityError, match=f"{path} is corrupt: its bytes"):
+            f.read_box(f.lookup(("big",)), box)
+        return
+    assert torch.equal(f.read_box(f.lookup(("big",)), box), big[100:110])
+    assert storage.bytes_read[path] < big.numel() * big.element_size() / 2  # its blocks, not the file

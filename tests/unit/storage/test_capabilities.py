@@ -162,8 +162,8 @@ def test_checksumming_storage_records_files_written_from_local_files(tmp_path):
     store = integrity.ChecksummingStorage(LocalStorage(tmp_path / "ckpt"), "t1", rank=0)
     store.write_from_local_file("t1/model/a.pt", str(src))
     with open(src, "rb") as f:
-        expected = manifests.FileRecord(*manifests.hash_stream(f), 0)
-    assert store.records == {"model/a.pt": expected}
+        expected = manifests.record_stream(f, 0)
+    assert store.records == {"model/a.pt": expected} and expected.blocks == ((1000, expected.digest),)
     assert (tmp_path / "ckpt" / "t1" / "model" / "a.pt").read_bytes() == src.read_bytes()
 
 
