@@ -39,6 +39,8 @@ def is_not_found(error: BaseException) -> bool:
     return isinstance(error, OSError) and (
         isinstance(error.__cause__, FileNotFoundError) or str(error).startswith(NOT_FOUND)
     )
+
+
 Allocator = Callable[[int], np.ndarray]
 """Returns an uninitialised, writable, contiguous uint8 array of the given size."""
 
