@@ -94,12 +94,14 @@ out)."""
 
 @dataclasses.dataclass(frozen=True)
 class _RankRecords:
-    """One rank's file records (opaque ``FileRecord``s, as the manifest layer makes them), carried to the
+    """One rank's file records (opaque ``FileRecord``s, as the manifest layer makes them) and its manifest's bytes
+    (the rank's part of the combined index, made on the rank so the coordinator only copies it), carried to the
     coordinator's ``finish`` as the ``storage_data`` of a ``WriteResult`` of its own; None for a save to the memory
     tier only (nothing reaches the folder)."""
 
     rank: int
     records: dict[str, FileRecord] | None
+    manifest: bytes = b""
 
 
 class StorageWriter(FolderId, _DcpStorageWriter):
@@ -197,8 +199,10 @@ class StorageWriter(FolderId, _DcpStorageWriter):
         if self._is_coordinator:
             check_in.watch(f"DCP checkpoint {self.path}", self.timeout_s)
             self._check_in = check_in
+        manifest = b"" if records is None else manifest_bytes(self.place.folder, files.rank, records)
         index = MetadataIndex(f"{_RECORDS_FQN}/{files.rank}")
-        results.append(WriteResult(index=index, size_in_bytes=0, storage_data=_RankRecords(files.rank, records)))
+        kept = _RankRecords(files.rank, records, manifest)
+        results.append(WriteResult(index=index, size_in_bytes=0, storage_data=kept))
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -209,13 +213,13 @@ class StorageWriter(FolderId, _DcpStorageWriter):
         check_in, self._check_in = self._check_in, None
         if check_in is not None:
             check_in.finish(self.timeout_s)
-        per_rank: dict[int, dict[str, FileRecord]] = {}
+        per_rank: dict[int, _RankRecords] = {}
         storage_data = {}
         for rank_results in results:
             for r in rank_results:
                 if isinstance(r.storage_data, _RankRecords):
                     if r.storage_data.records is not None:
-                        per_rank[r.storage_data.rank] = r.storage_data.records
+                        per_rank[r.storage_data.rank] = r.storage_data
                 else:
                     storage_data[r.index] = r.storage_data
         metadata.version = CURRENT_DCP_VERSION
@@ -302,7 +306,7 @@ class _Commit:
     end of its last item)."""
 
     metadata: bytes
-    per_rank: dict[int, dict[str, FileRecord]]
+    per_rank: dict[int, _RankRecords]
     world_size: int
     coordinator: int
     needed: dict[str, int]
@@ -314,13 +318,15 @@ class _Commit:
         last, atomically and durably, the staged folder swapped in. A fixed number of storage requests, whatever
         the number of ranks."""
         staged, folder, coordinator = place.staged(), place.folder, self.coordinator
-        check_recorded(self.per_rank, self.world_size, self.needed, place.path)
-        own = {**self.per_rank[coordinator], METADATA: FileRecord(*hash_bytes(self.metadata), coordinator)}
-        per_rank = {**self.per_rank, coordinator: own}
-        staged.write_bytes(layout.dcp_index_file(folder), index_bytes(folder, per_rank))
+        records = {rank: kept.records for rank, kept in self.per_rank.items() if kept.records is not None}
+        check_recorded(records, self.world_size, self.needed, place.path)
+        own = {**records[coordinator], METADATA: FileRecord(*hash_bytes(self.metadata), coordinator)}
+        own_manifest = manifest_bytes(folder, coordinator, own)
+        parts = (own_manifest if rank == coordinator else kept.manifest for rank, kept in sorted(self.per_rank.items()))
+        staged.write_bytes(layout.dcp_index_file(folder), index_bytes(folder, parts))
         record = layout.dcp_metadata_record_file(folder)
         staged.write_bytes(record, manifest_bytes(folder, coordinator, {METADATA: own[METADATA]}))
-        staged.write_bytes(layout.manifest_file(folder, coordinator), manifest_bytes(folder, coordinator, own))
+        staged.write_bytes(layout.manifest_file(folder, coordinator), own_manifest)
         staged.sync_dirs([record.rsplit("/", 1)[0]])
         commit.complete_folder(staged, folder, self.metadata, place.root if place.is_staged else None, DCP_COMMIT)
 

@@ -252,12 +252,12 @@ INDEX_FORMAT = "nxd_ckpt.index"
 INDEX_VERSION = 1
 
 
-def index_bytes(tag: str, per_rank: dict[int, dict[str, FileRecord]]) -> bytes:
-    """Every rank's records of ``tag`` in one file (a DCP commit writes it once, so a load reads one file, not a
-    manifest per rank). Each rank's part is its manifest as ``manifest_bytes`` writes it, sealed by its own checksum,
-    so whatever a record holds travels unchanged."""
-    parts = [json.loads(manifest_bytes(tag, rank, records)) for rank, records in sorted(per_rank.items())]
-    body = {"format": INDEX_FORMAT, "format_version": INDEX_VERSION, "tag": tag, "ranks": parts}
+def index_bytes(tag: str, manifests: Iterable[bytes]) -> bytes:
+    """Every rank's manifest of ``tag`` (each as ``manifest_bytes`` made it, sealed by its own checksum) in one file:
+    a DCP commit writes it once, so a load reads one file, not a manifest per rank. The parts are carried as they
+    are (no parsing), so whatever a record holds travels unchanged and the cost is a copy of the bytes."""
+    body = {"format": INDEX_FORMAT, "format_version": INDEX_VERSION, "tag": tag}
+    body["ranks"] = [m.decode() for m in manifests]
     return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -269,11 +269,11 @@ def parse_index(data: bytes, where: str) -> dict[str, FileRecord]:
         if not isinstance(doc, dict) or doc.get("format") != INDEX_FORMAT:
             raise ValueError("not an nxd_ckpt index")
         parts = doc["ranks"]
-        if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+        if not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):
             raise ValueError("its ranks are not a list of manifests")
     except (ValueError, KeyError, TypeError) as e:
         raise IntegrityError(f"index {where} is damaged ({e}); {RESTORE_HINT}") from e
     records: dict[str, FileRecord] = {}
     for part in parts:
-        records.update(parse_manifest(json.dumps(part).encode(), where)[1])
+        records.update(parse_manifest(part.encode(), where)[1])
     return records

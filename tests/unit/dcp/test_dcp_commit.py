@@ -187,9 +187,10 @@ def test_read_metadata_has_no_rank_local_path(tmp_path):
 
 def test_the_index_carries_each_ranks_manifest_and_names_damage():
     per_rank = {r: {f"__{r}_0.distcp": FileRecord(10 + r, f"{r:016x}", r)} for r in range(3)}
-    data = index_bytes("step-1", per_rank)
+    data = index_bytes("step-1", [manifest_bytes("step-1", r, recs) for r, recs in per_rank.items()])
     assert parse_index(data, "i") == {rel: rec for recs in per_rank.values() for rel, rec in recs.items()}
-    damaged = data.replace(b'"__1_0.distcp":[11', b'"__1_0.distcp":[12')
+    damaged = data.replace(b"[11,", b"[12,")
+    assert damaged != data
     with pytest.raises(IntegrityError, match="manifest i is damaged"):
         parse_index(damaged, "i")
     with pytest.raises(IntegrityError, match="index i is damaged"):
