@@ -35,6 +35,9 @@ from nxd_ckpt.ranks.failures import ranks_text
 logger = logging.getLogger("nxd_ckpt")
 
 _PREFIX = "nxd_ckpt/dcp/written"
+_WATCHES: list[_Watch] = []
+"""The coordinator's watch of its latest save (at most one: a process's saves do not overlap)."""
+_WATCHES_LOCK = threading.Lock()
 
 
 class WrittenCheckIn:
@@ -63,8 +66,14 @@ class WrittenCheckIn:
         """Coordinator, once its own files are written: wait on a thread, under ``timeout_s``, for every rank's
         check-in (``what`` names the checkpoint). The thread deletes the save's keys once all are in; past the
         deadline it logs the missing ranks and tells them (their check-in then fails the save)."""
-        if self.store is not None:
-            self._watch = _Watch(self, f"committing {what}: waiting for every rank's files", timeout_s)
+        if self.store is None:
+            return
+        with _WATCHES_LOCK:  # an earlier save's watch still running belongs to a save that failed: end it
+            for earlier in _WATCHES:
+                earlier.end()
+            watch = _Watch(self, f"committing {what}: waiting for every rank's files", timeout_s)
+            _WATCHES[:] = [watch]
+        self._watch = watch
 
     def finish(self, timeout_s: float) -> None:
         """Coordinator, in ``finish`` (every rank's results gathered, so every rank checked in): the watch's
@@ -89,7 +98,19 @@ class _Watch:
         self.timeout_s = timeout_s
         self.error: BaseException | None = None
         self.done = threading.Event()
+        self.ended = False
         threading.Thread(target=self._run, name="nxd_dcp_checkin", daemon=True).start()
+
+    def end(self) -> None:
+        """Stop waiting (a later save began, so this one is over: DCP's gather ended it with a failure): the
+        all-arrived key set by hand wakes the thread, which deletes the save's keys."""
+        if self.done.is_set():
+            return
+        self.ended = True
+        try:
+            self.check_in.store.set(all_arrived_key(self.check_in.prefix), b"1")
+        except Exception as e:  # the store gone: the daemon thread ends with the process
+            logger.debug("could not end the check-in wait of %s: %s", self.phase, e)
 
     def _run(self) -> None:
         c = self.check_in

@@ -6,6 +6,7 @@ not at the writer's deadline; the previous checkpoint stays."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 import warnings
 
@@ -65,6 +66,11 @@ def _failing_save(path: str, where: str) -> None:
     loaded = {f"rank{rank}": torch.zeros(64), "step": -1}
     dcp.load(loaded, storage_reader=StorageReader(path))
     assert loaded["step"] == 1 and torch.equal(loaded[f"rank{rank}"], _state(1)[f"rank{rank}"])
+    dcp.save(_state(3), storage_writer=StorageWriter(path, timeout=DEADLINE_S))  # the next save works
+    deadline = time.monotonic() + FAST_S  # and no wait of the failed save lingers until its deadline
+    while any(t.name == "nxd_dcp_checkin" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.name == "nxd_dcp_checkin" for t in threading.enumerate())
 
 
 @pytest.mark.parametrize("where", ["writing", "planning"])
