@@ -55,6 +55,7 @@ def test_the_dcp_rows_show_a_commit_whose_requests_do_not_grow_with_the_ranks(tm
     plans = [r for r in rows if r["op"] == "dcp load planning"]
     assert [r["ranks"] for r in saves] == [4, 32] and [r["ranks"] for r in plans] == [4, 32]
     assert saves[0]["requests"] == saves[1]["requests"] and "GET" not in saves[0]["requests"]  # no manifest read
+    assert saves[0]["prepare_requests"] == saves[1]["prepare_requests"]
     assert plans[0]["requests"] == plans[1]["requests"] == {"GET": 3}  # record, .metadata, index: no LIST
     assert saves[1]["index_bytes"] > saves[0]["index_bytes"] and saves[1]["coordinator_s"] > 0
     assert "dcp save" in capsys.readouterr().out

@@ -27,7 +27,8 @@ figures against real torch.distributed.
                                                     # ranks): the rows of docs/scale.md (an idle machine)
     python -m benchmarks scale --ranks 1024 --layers 80   # 70B's file count per rank (long: files dominate)
 
-Sections are the operations (``--sections save,async,load,latest``; the first save always runs).
+Sections are the operations (``--sections save,async,load,latest,dcp``; the first save always runs with any of the
+first four). ``dcp``: a ``nxd_ckpt.dcp`` save's commit and its load's planning at each world size (``dcp.py``).
 """
 
 from __future__ import annotations

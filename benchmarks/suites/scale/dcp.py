@@ -7,7 +7,8 @@ Every rank's part runs in this process, one after another, through the real code
 it), then the load's ``read_metadata`` and ``prepare_global_plan`` over every rank's ``DefaultLoadPlanner`` plan. The
 coordinator's storage is seen through ``testing.counting.RequestCountingStorage``. Reported per world size: the
 coordinator's wall time in ``finish`` and in the load's planning (its coordination: the ranks' own work is not
-counted), its storage requests (the same at every size), the bytes each rank sends in DCP's gather of the results,
+counted), its storage requests in ``finish`` and in preparing the save (``prepare_global_plan``: the staging
+folder), the same at every size, the bytes each rank sends in DCP's gather of the results,
 and the size of the combined index.
 """
 
@@ -49,7 +50,9 @@ def dcp_rows(n: int, root: str) -> list[dict[str, Any]]:
         writer.set_up_storage_writer(rank == 0)
         local.append(writer.prepare_local_plan(planner.create_local_plan()))
     plans, metadata = planners[0].create_global_plan(local)
+    counting.reset()
     plans = coordinator.prepare_global_plan(plans)
+    prepare_requests = dict(counting.requests)
     results = []
     for rank, (writer, planner, plan) in enumerate(zip(writers, planners, plans, strict=True)):
         # each rank on its own: no c10d store here, so no check-in (the world of each writer is itself)
@@ -82,7 +85,7 @@ def dcp_rows(n: int, root: str) -> list[dict[str, Any]]:
     load_requests = dict(counting.requests)
     return [
         {"op": "dcp save", "ranks": n, "coordinator_s": commit_s, "requests": save_requests,
-         "gather_bytes_per_rank": max(gathered), "index_bytes": index_bytes},
+         "prepare_requests": prepare_requests, "gather_bytes_per_rank": max(gathered), "index_bytes": index_bytes},
         {"op": "dcp load planning", "ranks": n, "coordinator_s": planning_s, "requests": load_requests},
     ]  # fmt: skip
 
@@ -92,7 +95,8 @@ def print_dcp(row: dict[str, Any]) -> None:
     requests = " ".join(f"{k}={v}" for k, v in sorted(row["requests"].items()))
     extra = ""
     if "index_bytes" in row:
-        extra = f", gather {row['gather_bytes_per_rank']} B/rank, index {row['index_bytes']} B"
+        prepare = sum(row["prepare_requests"].values())
+        extra = f", gather {row['gather_bytes_per_rank']} B/rank, index {row['index_bytes']} B, {prepare} to prepare"
     print(
         f"{row['op']:<18} {row['ranks']:>6} ranks: coordinator {row['coordinator_s']:.3f} s, "
         f"requests {sum(row['requests'].values())} ({requests}){extra}",
