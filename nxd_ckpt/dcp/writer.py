@@ -194,8 +194,13 @@ class StorageWriter(FolderId, _DcpStorageWriter):
                 f"writing rank {files.rank}'s files of",
                 lambda place, monitor: self._write_rank(place, monitor, plan, planner),
             )
-        finally:
-            check_in.check_in()
+        except BaseException as e:
+            try:
+                check_in.check_in()  # the failure itself reaches every rank through DCP's gather
+            except Exception as late:  # late as well: this rank's own failure is what its caller needs
+                e.add_note(f"(and: {late})")
+            raise
+        check_in.check_in()
         if self._is_coordinator:
             check_in.watch(f"DCP checkpoint {self.path}", self.timeout_s)
             self._check_in = check_in
