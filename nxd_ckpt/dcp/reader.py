@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import pickle
 import sys
 import uuid
 from collections.abc import Callable
@@ -157,7 +158,12 @@ class StorageReader(FolderId, _DcpStorageReader):
             check_record(root.url, self.place.folder, path, record, *hash_bytes(data))
         try:
             metadata = unpickle_metadata(io.BytesIO(data), where, allow_pickle=self.allow_pickle)
-        except (EOFError, ValueError, TypeError, AttributeError, ImportError, IndexError, KeyError) as e:
+            if not isinstance(metadata, Metadata):
+                raise TypeError(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
+        except (
+            EOFError, ValueError, TypeError, AttributeError, ImportError, IndexError, KeyError, OverflowError,
+            pickle.UnpicklingError,
+        ) as e:  # fmt: skip
             problem = f"{type(e).__name__}: {e}"
             raise IntegrityError(f"{where} is damaged and cannot be read ({problem}); {RESTORE_HINT}") from e
         if getattr(metadata, "storage_meta", None) is None:

@@ -196,3 +196,32 @@ def test_the_index_carries_each_ranks_manifest_and_names_damage():
     with pytest.raises(IntegrityError, match="index i is damaged"):
         parse_index(manifest_bytes("step-1", 0, per_rank[0]), "i")
     assert layout.dcp_index_file("step-1") == "step-1/nxd_ckpt/dcp_index.json"
+
+
+def test_a_flipped_byte_anywhere_in_metadata_is_an_integrity_error(tmp_path):
+    path = str(tmp_path / "step-1")
+    _save(path, 1)
+    meta = os.path.join(path, ".metadata")
+    with open(meta, "rb") as f:
+        original = f.read()
+    for pos in range(0, len(original), max(1, len(original) // 40)):
+        with open(meta, "wb") as f:
+            f.write(original[:pos] + bytes([original[pos] ^ 0x10]) + original[pos + 1 :])
+        with pytest.raises(CheckpointException) as raised:
+            dcp.load(_empty(), storage_reader=StorageReader(path), no_dist=True)
+        (error, _), *_ = raised.value.failures.values()
+        assert isinstance(error, IntegrityError), (pos, error)
+
+
+def test_metadata_that_is_not_dcps_is_named_as_damage_without_records(tmp_path):
+    """A stock checkpoint (no records) whose ``.metadata`` unpickles to something else, or not at all."""
+    path = str(tmp_path / "step-1")
+    dcp.save(_state(1), storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+    meta = os.path.join(path, ".metadata")
+    with open(meta, "rb") as f:
+        original = f.read()
+    for data in (pickle.dumps([1, 2]), b"\x9c" + original[1:]):
+        with open(meta, "wb") as f:
+            f.write(data)
+        with pytest.raises(IntegrityError, match=r"\.metadata is damaged and cannot be read"):
+            StorageReader(path).read_metadata()
