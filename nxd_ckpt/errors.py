@@ -98,3 +98,7 @@ class MemoryTierFullError(CheckpointError):
 
 class ReshardError(LayoutMismatchError):
     """A tensor cannot be moved to the requested TP/PP layout (its sharding is unsupported, or not known)."""
+
+
+class MissingFileError(IntegrityError, FileNotFoundError):
+    """A file the checkpoint's records list is not there (deleted, or not yet visible on a shared file system)."""

@@ -1,9 +1,12 @@
 """``StorageReader``: DCP's storage reader over the library's storage, checking what was written.
 
-Reads any stock DCP checkpoint (``torch.save`` serialization, no stream transforms). Where the writer left
-manifests (``nxd_ckpt.dcp.StorageWriter``), ``.metadata`` is checked against its record (in the committing rank's
-manifest) before it is unpickled; the coordinator reads the manifests once while DCP plans the load and hands each
-rank the records of the files it reads (in the plan's ``storage_data``).
+Reads any stock DCP checkpoint (``torch.save`` serialization, no stream transforms). Where the writer left its
+records (``nxd_ckpt.dcp.StorageWriter``), every rank checks ``.metadata`` against its record at a fixed place
+(``nxd_ckpt/dcp_metadata.json``: no listing) before it is unpickled; a damaged or missing ``.metadata`` raises
+IntegrityError naming it (inside ``dcp.load``: the ``CheckpointException`` every rank raises holds it). The
+coordinator reads the combined index (``nxd_ckpt/dcp_index.json``, one file whatever the number of ranks) once
+while DCP plans the load and hands each rank the records of the files it reads (in the plan's ``storage_data``);
+checkpoints written before the index existed are planned from the ranks' manifests.
 
 What a load reads: the byte ranges its plan asks for, rounded to the checksum blocks that hold them
 (``manifests.FileRecord.blocks``: one item's bytes are whole blocks, at most 256 KiB each), never a whole file for
@@ -30,6 +33,8 @@ import dataclasses
 import io
 import itertools
 import os
+import pickle
+import sys
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +50,8 @@ from torch.futures import Future
 
 from nxd_ckpt import knobs
 from nxd_ckpt.dcp.place import METADATA, CheckpointPlace, FolderId
-from nxd_ckpt.errors import CheckpointNotFoundError, FormatError, IntegrityError
+from nxd_ckpt.errors import CheckpointError, CheckpointNotFoundError, FormatError, IntegrityError, MissingFileError
+from nxd_ckpt.format import layout
 from nxd_ckpt.format.hashing import hash_bytes
 from nxd_ckpt.format.integrity import VerifiedFile
 from nxd_ckpt.format.manifests import (
@@ -53,10 +59,12 @@ from nxd_ckpt.format.manifests import (
     FileRecord,
     check_record,
     manifest_paths,
+    parse_index,
     parse_manifest,
     read_manifests,
 )
 from nxd_ckpt.serialization import structure as zip_structure
+from nxd_ckpt.storage.base import is_not_found
 from nxd_ckpt.tier.memory import MemoryTier
 from nxd_ckpt.tier.shared import shared_tier
 from nxd_ckpt.tier.view import TierView
@@ -138,26 +146,55 @@ class StorageReader(FolderId, _DcpStorageReader):
         self.load_id = str(uuid.uuid4())
         self.storage_data: dict[MetadataIndex, Any] = {}
         self._chunk_sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
+        self._metadata_error: CheckpointError | None = None
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """DCP's ``.metadata`` (rank-local metadata, ``rank=``, is not read: the writer never writes it)."""
-        if kwargs.get("rank") is not None:
-            raise FormatError(f"{self.path}: rank-local DCP metadata (use_collectives=False) is not supported")
-        path = f"{self.place.folder}/{METADATA}"
-        if not self.place.root.exists(path) and not self.place.repair():  # a swap a crash cut in two: finished
-            raise CheckpointNotFoundError(
-                f"{self.path} holds no DCP checkpoint (no {METADATA}): the save into it never committed, or the path "
-                "is wrong; load another checkpoint (an interrupted save's older copy, if any, is restored by "
-                "nxd_ckpt.dcp.recover_folder or the next save into this folder)"
-            )
-        data = self.place.root.read_bytes(path)
+    def read_metadata(self) -> Metadata:
+        """DCP's ``.metadata``, checked against its record before it is unpickled: IntegrityError naming it when it
+        is damaged, MissingFileError (an IntegrityError) when it is recorded but gone, CheckpointNotFoundError when
+        the folder holds no checkpoint. There is no rank-local metadata (``rank=``): the writer never writes it.
+
+        Inside ``dcp.load``, whose planning step would catch the error, log it, ask for rank-local metadata and
+        raise a bare AssertionError instead, the error is kept and raised by ``set_up_storage_reader``, in the same
+        step: every rank's ``dcp.load`` then raises a ``CheckpointException`` holding it."""
+        try:
+            return self._read_metadata()
+        except CheckpointError as e:
+            if not _called_by_dcp_load_planning():
+                raise
+            self._metadata_error = e
+            return Metadata(state_dict_metadata={})
+
+    def _read_metadata(self) -> Metadata:
+        root, path = self.place.root, f"{self.place.folder}/{METADATA}"
+        where = f"{root.url}/{path}"
         record = self._metadata_record()
+        try:
+            data = root.read_bytes(path)
+        except OSError as e:
+            if not is_not_found(e):
+                raise
+            if self.place.repair():  # a re-save a crash cut between its two renames: finished, then read
+                return self._read_metadata()
+            if record is None:
+                raise CheckpointNotFoundError(
+                    f"{self.path} holds no DCP checkpoint (no {METADATA}): the save into it never committed, or the "
+                    "path is wrong; load another checkpoint (an interrupted save's older copy, if any, is restored "
+                    "by nxd_ckpt.dcp.recover_folder or the next save into this folder)"
+                ) from e
+            raise MissingFileError(
+                f"{where} is missing, but the checkpoint's records list it ({record.size} bytes): the folder was "
+                f"altered or the file is not visible yet; {RESTORE_HINT}"
+            ) from e
         if record is not None:  # checked before it is unpickled
-            check_record(self.place.root.url, self.place.folder, path, record, *hash_bytes(data))
-        where = f"{self.place.root.url}/{path}"
+            check_record(root.url, self.place.folder, path, record, *hash_bytes(data))
         try:
             metadata = unpickle_metadata(io.BytesIO(data), where, allow_pickle=self.allow_pickle)
-        except (EOFError, ValueError, TypeError, AttributeError, ImportError, IndexError, KeyError) as e:
+            if not isinstance(metadata, Metadata):
+                raise TypeError(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
+        except (
+            EOFError, ValueError, TypeError, AttributeError, ImportError, IndexError, KeyError, OverflowError,
+            pickle.UnpicklingError,
+        ) as e:  # fmt: skip
             problem = f"{type(e).__name__}: {e}"
             raise IntegrityError(f"{where} is damaged and cannot be read ({problem}); {RESTORE_HINT}") from e
         if getattr(metadata, "storage_meta", None) is None:
@@ -166,9 +203,22 @@ class StorageReader(FolderId, _DcpStorageReader):
         return metadata
 
     def _metadata_record(self) -> FileRecord | None:
-        """``.metadata``'s record, from the manifest of the rank that committed (rank 0's, the first, unless DCP's
-        coordinator was another rank); None for a checkpoint without manifests."""
+        """``.metadata``'s record at its fixed place (one read, no listing); for a checkpoint written before it
+        existed (or with it lost), from the manifest of the rank that committed; None for a checkpoint without
+        manifests (stock DCP's)."""
         root = self.place.root
+        fixed = layout.dcp_metadata_record_file(self.place.folder)
+        try:
+            data = root.read_bytes(fixed)
+        except OSError as e:
+            if not is_not_found(e):
+                raise
+            data = None
+        if data is not None:
+            record = parse_manifest(data, f"{root.url}/{fixed}")[1].get(METADATA)
+            if record is None:
+                raise IntegrityError(f"{root.url}/{fixed} holds no record of {METADATA}; {RESTORE_HINT}")
+            return record
         for path in manifest_paths(root, self.place.folder):
             records = parse_manifest(root.read_bytes(path), f"{root.url}/{path}")[1]
             if METADATA in records:
@@ -176,6 +226,10 @@ class StorageReader(FolderId, _DcpStorageReader):
         return None
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Raises what ``read_metadata`` kept for ``dcp.load`` (see there), in DCP's planning step."""
+        error, self._metadata_error = self._metadata_error, None
+        if error is not None:
+            raise error
         if metadata.storage_data is None:
             raise FormatError(f"{self.path}/{METADATA} has no storage records; it is not a file-system checkpoint")
         self.storage_data = metadata.storage_data
@@ -189,16 +243,15 @@ class StorageReader(FolderId, _DcpStorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """Coordinator: read the manifests once and give each rank the records of the files it reads."""
-        found = read_manifests(self.place.root, self.place.folder).raise_first()
-        if not found.index:
+        """Coordinator: read the index once and give each rank the records of the files it reads."""
+        index = self._index()
+        if not index:
             return [dataclasses.replace(p, storage_data=_ReadShare(None)) for p in plans]
-        index = found.index
         for info in self.storage_data.values():
             if info.relative_path not in index:
                 raise IntegrityError(
-                    f"{self.place.root.url}/{self.place.folder}/{info.relative_path} is listed in {METADATA} but in "
-                    f"no manifest of {self.path}: a rank's manifest is missing or the folder was altered; "
+                    f"{self.place.root.url}/{self.place.folder}/{info.relative_path} is listed in {METADATA} but "
+                    f"not in the records of {self.path}: a rank's records are missing or the folder was altered; "
                     f"{RESTORE_HINT}"
                 )
         shares = []
@@ -206,6 +259,18 @@ class StorageReader(FolderId, _DcpStorageReader):
             files = {self.storage_data[item.storage_index].relative_path for item in plan.items}
             shares.append(_ReadShare({f: index[f] for f in files}))
         return [dataclasses.replace(p, storage_data=s) for p, s in zip(plans, shares, strict=True)]
+
+    def _index(self) -> dict[str, FileRecord]:
+        """Every file's record: the combined index the commit wrote (one read); for a checkpoint written before it
+        existed (or with it lost), every rank's manifest; empty for a checkpoint without records (stock DCP's)."""
+        root, path = self.place.root, layout.dcp_index_file(self.place.folder)
+        try:
+            data = root.read_bytes(path)
+        except OSError as e:
+            if not is_not_found(e):
+                raise
+            return read_manifests(root, self.place.folder).raise_first().index
+        return parse_index(data, f"{root.url}/{path}")
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read this rank's items: only the byte ranges the plan needs, checked before any byte is used.
@@ -281,6 +346,16 @@ def _all(pool: ThreadPoolExecutor, fn: Callable[[Any], T], args: list[Any]) -> l
         for f in futures:
             f.cancel()
         raise
+
+
+_DCP_LOADER = "torch.distributed.checkpoint.state_dict_loader"
+
+
+def _called_by_dcp_load_planning() -> bool:
+    """Whether ``read_metadata``'s caller is the planning step of DCP's loader (``local_step`` of ``dcp.load``),
+    which catches its errors (see ``StorageReader.read_metadata``)."""
+    caller = sys._getframe(2)
+    return caller.f_code.co_name == "local_step" and caller.f_globals.get("__name__") == _DCP_LOADER
 
 
 _WHOLE_ITEM_BYTES = 1 << 20

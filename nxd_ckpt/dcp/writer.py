@@ -4,13 +4,20 @@ The files are stock DCP (``__<rank>_<n>.distcp`` of ``torch.save``'d tensors and
 with ``_StorageInfo`` records), so DCP's own ``FileSystemReader`` reads them. What it adds:
 
 - every file is hashed as it streams out (``integrity.ChecksummingStorage``) and each rank writes its manifest
-  ``nxd_ckpt/manifest_rank_RRRRR.json`` (a folder DCP never reads) after its files and their directories are
-  durable, before ``write_data`` returns;
+  ``nxd_ckpt/manifest_rank_RRRRR.json`` (a folder DCP never reads; ``verify`` reads it) after its files and their
+  directories are durable, before ``write_data`` returns;
+- one commit round: each rank's file records travel to the coordinator's ``finish`` in a ``WriteResult`` of their
+  own (``_RankRecords``) through DCP's gather of the write results (every other result keeps DCP's
+  ``_StorageInfo``, so stock readers read the checkpoint); the coordinator checks them in memory and writes what a
+  load needs in a fixed number of storage requests, whatever the number of ranks: the combined index
+  (``nxd_ckpt/dcp_index.json``) and ``.metadata``'s record at a fixed place (``nxd_ckpt/dcp_metadata.json``);
 - the commit is the NxD path's (``save.commit`` with ``layout.DCP_COMMIT``): the coordinator's
   ``prepare_global_plan`` settles a killed save and starts the hidden staging folder (``prepare_folder``); its
-  ``finish`` checks every rank's manifest, then writes ``.metadata`` last (tmp + fsync + rename + directory fsync)
-  and swaps the staged folder in (``complete_folder``): a save killed at any moment leaves the previous checkpoint
-  in the folder loadable, and saving into a folder that holds one replaces it only at the commit;
+  ``finish`` writes ``.metadata`` last (tmp + fsync + rename + directory fsync) and swaps the staged folder in
+  (``complete_folder``): a save killed at any moment leaves the previous checkpoint in the folder loadable, and
+  saving into a folder that holds one replaces it only at the commit;
+- a rank's failure anywhere in the save reaches every rank at once through DCP's gather; the coordinator's
+  deadline on the ranks' writes runs beside it (``checkin``);
 - every storage call runs under the library's deadline (``watchdog``: a stalled call raises instead of hanging);
 - with ``memory_tier=`` every save goes to node memory and peer nodes' memory (``tier``), and every
   ``durable_every``-th save also to the folder: each rank's files are written into its node's share and
@@ -35,12 +42,12 @@ import torch
 from torch.distributed.checkpoint import Metadata
 from torch.distributed.checkpoint import StorageWriter as _DcpStorageWriter
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX, _StorageInfo
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from nxd_ckpt.dcp.checkin import WrittenCheckIn, recorded_files
+from nxd_ckpt.dcp.checkin import WrittenCheckIn, check_recorded
 from nxd_ckpt.dcp.place import METADATA, CheckpointPlace, FolderId
 from nxd_ckpt.device import kept_budget
 from nxd_ckpt.errors import CheckpointError
@@ -48,7 +55,7 @@ from nxd_ckpt.format import layout
 from nxd_ckpt.format.hashing import hash_bytes
 from nxd_ckpt.format.integrity import ChecksummingStorage
 from nxd_ckpt.format.layout import DCP_COMMIT
-from nxd_ckpt.format.manifests import FileRecord, manifest_bytes
+from nxd_ckpt.format.manifests import FileRecord, index_bytes, manifest_bytes
 from nxd_ckpt.ranks.coordinator import Coordinator
 from nxd_ckpt.ranks.deadlines import resolve_timeout
 from nxd_ckpt.save import commit
@@ -112,6 +119,23 @@ def _facts_key(place: CheckpointPlace) -> str:
     return f"nxd_ckpt/dcp/save/{place.root.url}/{place.folder}"
 
 
+_RECORDS_FQN = "nxd_ckpt.rank_records"
+"""The key of each rank's ``_RankRecords`` among the write results (never in ``.metadata``: ``finish`` takes them
+out)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankRecords:
+    """One rank's file records (opaque ``FileRecord``s, as the manifest layer makes them) and its manifest's bytes
+    (the rank's part of the combined index, made on the rank so the coordinator only copies it), carried to the
+    coordinator's ``finish`` as the ``storage_data`` of a ``WriteResult`` of its own; None for a save to the memory
+    tier only (nothing reaches the folder)."""
+
+    rank: int
+    records: dict[str, FileRecord] | None
+    manifest: bytes = b""
+
+
 class StorageWriter(FolderId, _DcpStorageWriter):
     """Writes a DCP checkpoint into the folder ``path`` (a local path; ``s3://`` through the library's storage)
     with per-rank checksums and a crash-safe commit.
@@ -152,6 +176,7 @@ class StorageWriter(FolderId, _DcpStorageWriter):
         self._durable = True
         self._tier_save: TierSave | None = None
         self._facts: _SaveFacts | None = None
+        self._check_in: WrittenCheckIn | None = None
         self.reset(path)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -233,22 +258,45 @@ class StorageWriter(FolderId, _DcpStorageWriter):
         facts = self._save_facts(files)
         check_in = WrittenCheckIn(facts.save_key, files.rank, files.world_size)
         try:
-            results = self._watched(
+            results, records = self._watched(
                 f"writing rank {files.rank}'s files of",
                 lambda place, monitor: self._write_rank(place, monitor, plan, planner),
             )
-        finally:
-            check_in.check_in()
+        except BaseException as e:
+            try:
+                check_in.check_in()  # the failure itself reaches every rank through DCP's gather
+            except Exception as late:  # late as well: this rank's own failure is what its caller needs
+                e.add_note(f"(and: {late})")
+            raise
+        check_in.check_in()
         if self._is_coordinator:
-            check_in.wait_for_all(f"DCP checkpoint {self.path}", self.timeout_s)
+            check_in.watch(f"DCP checkpoint {self.path}", self.timeout_s)
+            self._check_in = check_in
+        manifest = b"" if records is None else manifest_bytes(self.place.folder, files.rank, records)
+        index = MetadataIndex(f"{_RECORDS_FQN}/{files.rank}")
+        kept = _RankRecords(files.rank, records, manifest)
+        results.append(WriteResult(index=index, size_in_bytes=0, storage_data=kept))
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator, after every rank's ``write_data``: ``.metadata`` last, then the commit."""
+        """Coordinator, after every rank's ``write_data`` (``results``: each rank's, through DCP's gather): the
+        ranks' records checked, the index and ``.metadata``'s record written, ``.metadata`` last, then the commit."""
+        check_in, self._check_in = self._check_in, None
+        if check_in is not None:
+            check_in.finish(self.timeout_s)
+        per_rank: dict[int, _RankRecords] = {}
+        storage_data = {}
+        for rank_results in results:
+            for r in rank_results:
+                if isinstance(r.storage_data, _RankRecords):
+                    if r.storage_data.records is not None:
+                        per_rank[r.storage_data.rank] = r.storage_data
+                else:
+                    storage_data[r.index] = r.storage_data
         metadata.version = CURRENT_DCP_VERSION
-        metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
+        metadata.storage_data = storage_data
         metadata.storage_meta = self.storage_meta()
         needed: dict[str, int] = {}
         for info in metadata.storage_data.values():
@@ -257,7 +305,8 @@ class StorageWriter(FolderId, _DcpStorageWriter):
         self._forget_facts(len(results))
         tier, self._tier_save = self._tier_save, None
         if tier is None or self._durable:
-            self._watched("committing", lambda place, _: _commit(place, data, len(results), self._rank, needed))
+            commit_ = _Commit(data, per_rank, len(results), self._rank, needed)
+            self._watched("committing", lambda place, _: commit_.run(place))
         if tier is not None:
             self._watched("committing to the memory tier", lambda place, _: _seal_tier(tier, place.folder, data))
 
@@ -269,8 +318,9 @@ class StorageWriter(FolderId, _DcpStorageWriter):
 
     def _write_rank(
         self, place: CheckpointPlace, monitor: StorageMonitor, plan: SavePlan, planner: SavePlanner
-    ) -> list[WriteResult]:
-        """This rank's items into the folder (``_write_files``), or through the memory tier (``_write_tier``)."""
+    ) -> tuple[list[WriteResult], dict[str, FileRecord] | None]:
+        """This rank's items into the folder (``_write_files``), or through the memory tier (``_write_tier``); and
+        the records of the files that reached the folder (None: none did)."""
         files: _RankFiles = plan.storage_data
         tier = self._facts.tier if self._facts is not None else None
         self._durable = tier is None or tier.durable
@@ -279,12 +329,12 @@ class StorageWriter(FolderId, _DcpStorageWriter):
             with storage.durability_batch():
                 results = self._write_files(storage, place.folder, plan, planner)
             storage.write_manifest()
-            return results
+            return results, storage.records
         return self._write_tier(place, monitor, plan, planner)
 
     def _write_tier(
         self, place: CheckpointPlace, monitor: StorageMonitor, plan: SavePlan, planner: SavePlanner
-    ) -> list[WriteResult]:
+    ) -> tuple[list[WriteResult], dict[str, FileRecord] | None]:
         """This rank's files into its node's memory, copied to the folder on a durable save; then (every rank but
         the coordinator, which does it in ``finish`` after ``.metadata``) its marker and the peers' copies."""
         files: _RankFiles = plan.storage_data
@@ -293,17 +343,19 @@ class StorageWriter(FolderId, _DcpStorageWriter):
         tier = self.tier.runtime.begin_save(place.folder, decided.created_at, decided.world_size, monitor)
         tier.begin()
         results = self._write_files(tier.storage, place.folder, plan, planner)
+        records = None
         if decided.durable:
             durable = ChecksummingStorage(place.staged(), place.folder, files.rank)
             with durable.durability_batch():
                 tier.copy_to(durable)
             durable.write_manifest()
+            records = durable.records
         if self._is_coordinator:
             self._tier_save = tier
         else:
             tier.seal()
             tier.replicate()
-        return results
+        return results, records
 
     def _write_files(self, storage: Storage, folder: str, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         """Write this rank's items into ``thread_count`` files of ``storage``."""
@@ -323,18 +375,36 @@ class StorageWriter(FolderId, _DcpStorageWriter):
         return [r for file_results in results for r in file_results]
 
 
-def _commit(place: CheckpointPlace, metadata: bytes, world_size: int, coordinator: int, needed: dict[str, int]) -> None:
-    """Coordinator, after every rank's ``write_data``: each rank's files recorded as written (``needed``: file -> end
-    of its last item), ``.metadata`` recorded in the coordinator's manifest (durably), then the commit the NxD path
-    makes too (``commit.complete_folder``): ``.metadata`` last, atomically and durably, the staged folder swapped in."""
-    staged, folder = place.staged(), place.folder
-    records = recorded_files(staged, folder, place.path, world_size, needed)
-    own = {rel: rec for rel, rec in records.items() if rec.rank == coordinator}
-    own[METADATA] = FileRecord(*hash_bytes(metadata), coordinator)
-    manifest = layout.manifest_file(folder, coordinator)
-    staged.write_bytes(manifest, manifest_bytes(folder, coordinator, own))
-    staged.sync_dirs([manifest.rsplit("/", 1)[0]])
-    commit.complete_folder(staged, folder, metadata, place.root if place.is_staged else None, DCP_COMMIT)
+@dataclasses.dataclass(frozen=True)
+class _Commit:
+    """The coordinator's commit of a save: ``.metadata`` (pickled), every rank's records (``per_rank``, gathered in
+    the write results), the world size, the coordinator's rank and what ``.metadata`` points at (``needed``: file ->
+    end of its last item)."""
+
+    metadata: bytes
+    per_rank: dict[int, _RankRecords]
+    world_size: int
+    coordinator: int
+    needed: dict[str, int]
+
+    def run(self, place: CheckpointPlace) -> None:
+        """Each rank's files recorded as written (in memory: no request per rank); the combined index,
+        ``.metadata``'s record at its fixed place and the coordinator's manifest (listing ``.metadata`` too, for
+        ``verify``), durably; then the commit the NxD path makes too (``commit.complete_folder``): ``.metadata``
+        last, atomically and durably, the staged folder swapped in. A fixed number of storage requests, whatever
+        the number of ranks."""
+        staged, folder, coordinator = place.staged(), place.folder, self.coordinator
+        records = {rank: kept.records for rank, kept in self.per_rank.items() if kept.records is not None}
+        check_recorded(records, self.world_size, self.needed, place.path)
+        own = {**records[coordinator], METADATA: FileRecord(*hash_bytes(self.metadata), coordinator)}
+        own_manifest = manifest_bytes(folder, coordinator, own)
+        parts = (own_manifest if rank == coordinator else kept.manifest for rank, kept in sorted(self.per_rank.items()))
+        staged.write_bytes(layout.dcp_index_file(folder), index_bytes(folder, parts))
+        record = layout.dcp_metadata_record_file(folder)
+        staged.write_bytes(record, manifest_bytes(folder, coordinator, {METADATA: own[METADATA]}))
+        staged.write_bytes(layout.manifest_file(folder, coordinator), own_manifest)
+        staged.sync_dirs([record.rsplit("/", 1)[0]])
+        commit.complete_folder(staged, folder, self.metadata, place.root if place.is_staged else None, DCP_COMMIT)
 
 
 def _seal_tier(tier: TierSave, folder: str, metadata: bytes) -> None:

@@ -260,6 +260,18 @@ def manifest_file(tag: str, rank: int) -> str:
     return tag_path(tag, EXTRAS_DIR, f"manifest_rank_{rank:05d}.json")
 
 
+def dcp_index_file(folder: str) -> str:
+    """A DCP checkpoint's combined index: every rank's file records (and ``.metadata``'s), written once by the
+    coordinator at the commit, so a load plans from one file instead of one manifest per rank."""
+    return tag_path(folder, EXTRAS_DIR, "dcp_index.json")
+
+
+def dcp_metadata_record_file(folder: str) -> str:
+    """A DCP checkpoint's record (size and digest) of its ``.metadata``, at a fixed place (no listing), written by
+    the coordinator with the commit: every rank checks ``.metadata`` against it before unpickling it."""
+    return tag_path(folder, EXTRAS_DIR, "dcp_metadata.json")
+
+
 def rank_state_file(tag: str, rank: int) -> str:
     return tag_path(tag, EXTRAS_DIR, f"rank_state_{rank:05d}.pt")
 

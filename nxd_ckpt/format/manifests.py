@@ -384,3 +384,34 @@ def record_files(storage: Storage, tag: str, rels: Iterable[str], rank: int = 0)
         with storage.open_read(f"{tag}/{rel}") as f:
             records[rel] = FileRecord(*hash_stream(f), rank)
     return records
+
+
+INDEX_FORMAT = "nxd_ckpt.index"
+INDEX_VERSION = 1
+
+
+def index_bytes(tag: str, manifests: Iterable[bytes]) -> bytes:
+    """Every rank's manifest of ``tag`` (each as ``manifest_bytes`` made it, sealed by its own checksum) in one file:
+    a DCP commit writes it once, so a load reads one file, not a manifest per rank. The parts are carried as they
+    are (no parsing), so whatever a record holds travels unchanged and the cost is a copy of the bytes."""
+    body = {"format": INDEX_FORMAT, "format_version": INDEX_VERSION, "tag": tag}
+    body["ranks"] = [m.decode() for m in manifests]
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def parse_index(data: bytes, where: str) -> dict[str, FileRecord]:
+    """The records of an index file (``index_bytes``), each part checked by ``parse_manifest``; IntegrityError
+    naming ``where`` if it is damaged."""
+    try:
+        doc = json.loads(data)
+        if not isinstance(doc, dict) or doc.get("format") != INDEX_FORMAT:
+            raise ValueError("not an nxd_ckpt index")
+        parts = doc["ranks"]
+        if not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):
+            raise ValueError("its ranks are not a list of manifests")
+    except (ValueError, KeyError, TypeError) as e:
+        raise IntegrityError(f"index {where} is damaged ({e}); {RESTORE_HINT}") from e
+    records: dict[str, FileRecord] = {}
+    for part in parts:
+        records.update(parse_manifest(part.encode(), where)[1])
+    return records

@@ -27,6 +27,20 @@ import numpy as np
 from nxd_ckpt.errors import InvalidTagError
 
 _PIECE_BYTES = 4 << 20
+NOT_FOUND = "file not found"
+"""How every backend's StorageError for a missing file begins (``is_not_found`` recognises it)."""
+
+
+def is_not_found(error: BaseException) -> bool:
+    """Whether ``error`` says a file is not there: FileNotFoundError, or a backend's StorageError for a missing
+    file (also after it crossed ranks pickled, which keeps its message but not its cause)."""
+    if isinstance(error, FileNotFoundError):
+        return True
+    return isinstance(error, OSError) and (
+        isinstance(error.__cause__, FileNotFoundError) or str(error).startswith(NOT_FOUND)
+    )
+
+
 Allocator = Callable[[int], np.ndarray]
 """Returns an uninitialised, writable, contiguous uint8 array of the given size."""
 

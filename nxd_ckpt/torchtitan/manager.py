@@ -36,6 +36,7 @@ from nxd_ckpt.dcp.place import METADATA
 from nxd_ckpt.errors import FormatError, IntegrityError
 from nxd_ckpt.ranks.coordinator import Coordinator, new_gloo_group, world_rank
 from nxd_ckpt.storage import storage_for
+from nxd_ckpt.storage.base import is_not_found
 from nxd_ckpt.tier.memory import MemoryTier
 from nxd_ckpt.tier.shared import close_runtimes, shared_tier
 from nxd_ckpt.tools.hf_folder import expected_of
@@ -47,6 +48,9 @@ logger = logging.getLogger("nxd_ckpt")
 
 _DAMAGE = (FormatError, FileNotFoundError)
 """What the reader raises for a damaged checkpoint (IntegrityError is a FormatError) or a file of it gone."""
+RECHECK_PAUSES_S = (0.5, 1.0, 2.0)
+"""Pauses before each new look at a step whose file was missing (a shared file system may show a file late):
+it counts as damaged only if the file is still missing after them all (3.5 s)."""
 
 
 class CheckpointManager(BaseCheckpointManager):
@@ -364,16 +368,23 @@ class CheckpointManager(BaseCheckpointManager):
         """``dcp.load`` through ``nxd_ckpt.dcp.StorageReader`` (from the memory tier's copy where it holds one);
         a damaged checkpoint raises IntegrityError naming what is wrong, on every rank (DCP gathers each rank's
         failure)."""
-        try:
-            reader = StorageReader(path, memory_tier=memory_tier, timeout=self.config.timeout_s)
-            self.last_reader = reader
-            dcp.load(states, storage_reader=reader)
-        except (Exception, CheckpointException) as e:
-            damage = _damage(e)
-            if damage is None:
-                raise
-            hint = "" if self.config.fallback_to_verified else " (fallback_to_verified=True loads the newest intact)"
-            raise IntegrityError(f"checkpoint {path} is damaged: {damage}{hint}") from e
+        for pause in (*RECHECK_PAUSES_S, None):
+            try:
+                reader = StorageReader(path, memory_tier=memory_tier, timeout=self.config.timeout_s)
+                self.last_reader = reader
+                dcp.load(states, storage_reader=reader)
+                break
+            except (Exception, CheckpointException) as e:
+                damage = _damage(e)
+                if damage is None:
+                    raise
+                if pause is not None and is_not_found(damage):  # every rank decides alike: DCP gathered the errors
+                    logger.warning("checkpoint %s: a file is missing (%s); looking again in %g s", path, damage, pause)
+                    time.sleep(pause)
+                    continue
+                fallback = self.config.fallback_to_verified
+                hint = "" if fallback else " (fallback_to_verified=True loads the newest intact)"
+                raise IntegrityError(f"checkpoint {path} is damaged: {damage}{hint}") from e
         self.states[MODEL].load_state_dict(states)  # the model's entries are flattened into ``states``
 
     def _load_hf(self, path: str) -> None:
@@ -418,20 +429,24 @@ class CheckpointManager(BaseCheckpointManager):
 
 
 def _damage(error: BaseException) -> BaseException | None:
-    """The reader's damage report behind ``error`` (DCP wraps each rank's failure in CheckpointException), or None
-    when the failure is something else (a missing key, a shape mismatch, a process-group error)."""
-    pending, seen = [error], set()
+    """The reader's damage report behind ``error`` (DCP wraps each rank's failure in CheckpointException): damaged
+    bytes first, else a missing file (which the caller looks at again before it counts as damage); None when the
+    failure is something else (a missing key, a shape mismatch, a process-group error). The same on every rank
+    for the same CheckpointException."""
+    pending, seen, missing = [error], set(), None
     while pending:
-        e = pending.pop()
+        e = pending.pop(0)
         if id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, _DAMAGE):
+        if is_not_found(e):
+            missing = missing or e
+        elif isinstance(e, _DAMAGE):
             return e
         if isinstance(e, CheckpointException):
-            pending.extend(wrapped[0] for wrapped in e.failures.values())
+            pending.extend(e.failures[rank][0] for rank in sorted(e.failures))
         pending.extend(c for c in (e.__cause__, e.__context__) if c is not None)
-    return None
+    return missing
 
 
 def _log_purge_error(future: Future) -> bool:

@@ -90,7 +90,8 @@ def test_stock_dcp_loads_what_the_writer_wrote(tmp_path, world_size):
     assert sorted(n for n in os.listdir(path) if n.endswith(".distcp")) == [
         f"__{r}_0.distcp" for r in range(world_size)
     ]
-    assert len(os.listdir(os.path.join(path, "nxd_ckpt"))) == world_size  # one manifest per rank
+    manifests = [n for n in os.listdir(os.path.join(path, "nxd_ckpt")) if n.startswith("manifest_rank_")]
+    assert len(manifests) == world_size  # one manifest per rank (beside the commit's index and .metadata's record)
     assert sorted(os.listdir(tmp_path)) == ["step-7"]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -415,3 +416,74 @@ def test_a_staging_that_never_ends_raises_at_maybe_wait_for_staging_naming_the_r
     with pytest.raises(CheckpointTimeoutError, match=r"staging an async TorchTitan checkpoint on rank 0: waited 0.2 s"):
         rig.checkpointer.maybe_wait_for_staging()
     rig.checkpointer.close()
+
+
+def _flip_metadata(base: str, step: int) -> str:
+    """Flip a byte in the middle of ``step``'s ``.metadata``."""
+    path = os.path.join(base, "ckpt", f"step-{step}", ".metadata")
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        data[len(data) // 2] ^= 0x01
+        f.seek(0)
+        f.write(bytes(data))
+    return path
+
+
+def _damaged_metadata_on_two_ranks(base: str) -> None:
+    """On each of 2 ranks: steps 2 and 4 saved; step 4's ``.metadata`` damaged. Without fallback the resume fails
+    with IntegrityError naming it; with ``fallback_to_verified`` step 2 loads, bit-exactly."""
+    warnings.simplefilter("ignore")
+    rig = _Rig(_ours(interval=2), base, seed=0)
+    rig.train(2)
+    at_two = rig.snapshot()
+    rig.train(2)
+    rig.checkpointer.close()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _flip_metadata(base, 4)
+    dist.barrier()
+    with pytest.raises(IntegrityError, match=r"step-4 is damaged.*step-4/\.metadata is corrupt"):
+        _Rig(_ours(), base, seed=1).checkpointer.load()
+    resumed = _Rig(_ours(fallback_to_verified=True), base, seed=1)
+    assert resumed.checkpointer.load()
+    _assert_same(resumed.snapshot(), at_two)
+
+
+def test_a_damaged_metadata_on_two_ranks_falls_back_to_the_newest_intact_step(tmp_path):
+    run_on_ranks(_damaged_metadata_on_two_ranks, 2, {"base": str(tmp_path / "job")})
+
+
+def _steps_two_and_four(base: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    rig = _Rig(_ours(interval=2), base, seed=0)
+    rig.train(2)
+    at_two = rig.snapshot()
+    rig.train(2)
+    at_four = rig.snapshot()
+    rig.checkpointer.close()
+    return at_two, at_four
+
+
+def test_a_briefly_missing_file_is_looked_at_again_not_taken_for_damage(tmp_path, caplog):
+    """A file missing for a moment (a transient ENOENT on NFS): the newest step still loads, no fallback."""
+    _, at_four = _steps_two_and_four(str(tmp_path))
+    path = tmp_path / "ckpt" / "step-4" / "__0_0.distcp"
+    hidden = tmp_path / "elsewhere.distcp"
+    os.rename(path, hidden)
+    back = threading.Timer(0.3, os.rename, (hidden, path))
+    back.start()
+    resumed = _Rig(_ours(fallback_to_verified=True), str(tmp_path), seed=1)
+    with caplog.at_level(logging.WARNING, logger="nxd_ckpt"):
+        assert resumed.checkpointer.load()
+    back.join()
+    assert "a file is missing" in caplog.text and "skipping damaged checkpoint" not in caplog.text
+    _assert_same(resumed.snapshot(), at_four)
+
+
+def test_a_file_still_missing_after_the_rechecks_is_damage(tmp_path):
+    at_two, _ = _steps_two_and_four(str(tmp_path))
+    os.remove(tmp_path / "ckpt" / "step-4" / "__0_0.distcp")
+    with pytest.raises(IntegrityError, match=r"step-4 is damaged.*__0_0\.distcp"):
+        _Rig(_ours(), str(tmp_path), seed=1).checkpointer.load()
+    resumed = _Rig(_ours(fallback_to_verified=True), str(tmp_path), seed=1)
+    assert resumed.checkpointer.load()
+    _assert_same(resumed.snapshot(), at_two)

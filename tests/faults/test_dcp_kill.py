@@ -17,7 +17,11 @@ import pytest
 
 from harness.dcp_crash import loaded_version, run_dcp_save
 
-pytestmark = [pytest.mark.device_independent, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.device_independent,
+    pytest.mark.slow,
+    pytest.mark.timeout(600),  # about 200 forked saves, each killed or finished
+]
 
 CASES = (("resave", 1), ("new_folder", 1), ("resave", 2))
 """(what the save does, files per rank)."""

@@ -46,6 +46,8 @@ def test_writer_and_reader_round_trip_in_the_stock_layout(s3_url):
         "step-1/.metadata",
         "step-1/__0_0.distcp",
         "step-1/__0_1.distcp",
+        "step-1/nxd_ckpt/dcp_index.json",
+        "step-1/nxd_ckpt/dcp_metadata.json",
         "step-1/nxd_ckpt/manifest_rank_00000.json",
     ]
     metadata = pickle.loads(S3Storage(s3_url).read_bytes("step-1/.metadata"))  # DCP's own metadata
@@ -99,6 +101,8 @@ def test_the_torchtitan_manager_saves_to_s3_keeps_the_latest_k_and_resumes(s3_ur
     assert sorted(storage.walk_files("step-4")) == [
         "step-4/.metadata",
         "step-4/__0_0.distcp",
+        "step-4/nxd_ckpt/dcp_index.json",
+        "step-4/nxd_ckpt/dcp_metadata.json",
         "step-4/nxd_ckpt/manifest_rank_00000.json",
     ]
     assert nxd_ckpt.dcp.verify(f"{folder}/step-4").ok

@@ -43,3 +43,19 @@ def test_a_small_world_reports_every_figure_of_each_operation(tmp_path, capsys):
 
 def test_the_store_release_is_timed_with_real_waiting_connections():
     assert 0 < store_release_s(16, rounds=1) < 30
+
+
+def test_the_dcp_rows_show_a_commit_whose_requests_do_not_grow_with_the_ranks(tmp_path, capsys):
+    out = tmp_path / "report.json"
+    with mock.patch.dict(os.environ):
+        assert main(["scale", "--ranks", "4", "32", "--sections", "dcp", "--dir", str(tmp_path),
+                     "--json", str(out), "--ignore-load"]) == 0  # fmt: skip
+    rows = json.loads(out.read_text())["data"]["rows"]
+    saves = [r for r in rows if r["op"] == "dcp save"]
+    plans = [r for r in rows if r["op"] == "dcp load planning"]
+    assert [r["ranks"] for r in saves] == [4, 32] and [r["ranks"] for r in plans] == [4, 32]
+    assert saves[0]["requests"] == saves[1]["requests"] and "GET" not in saves[0]["requests"]  # no manifest read
+    assert saves[0]["prepare_requests"] == saves[1]["prepare_requests"]
+    assert plans[0]["requests"] == plans[1]["requests"] == {"GET": 3}  # record, .metadata, index: no LIST
+    assert saves[1]["index_bytes"] > saves[0]["index_bytes"] and saves[1]["coordinator_s"] > 0
+    assert "dcp save" in capsys.readouterr().out

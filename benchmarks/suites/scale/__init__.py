@@ -27,7 +27,8 @@ figures against real torch.distributed.
                                                     # ranks): the rows of docs/scale.md (an idle machine)
     python -m benchmarks scale --ranks 1024 --layers 80   # 70B's file count per rank (long: files dominate)
 
-Sections are the operations (``--sections save,async,load,latest``; the first save always runs).
+Sections are the operations (``--sections save,async,load,latest,dcp``; the first save always runs with any of the
+first four). ``dcp``: a ``nxd_ckpt.dcp`` save's commit and its load's planning at each world size (``dcp.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from benchmarks.core.report import Report
+from benchmarks.suites.scale.dcp import dcp_rows, print_dcp
 from benchmarks.suites.scale.output import print_header, print_requests
 from benchmarks.suites.scale.processes import run_processes
 from benchmarks.suites.scale.store import store_release_s
@@ -52,7 +54,8 @@ from benchmarks.suites.scale.world import run_world
 
 TITLE = __doc__.splitlines()[0]
 SECTIONS = {"save": "a sync save (after the first save, which always runs)", "async": "an async save (after an "
-            "untimed first one)", "load": "a load of the newest tag", "latest": "finding the newest tag"}  # fmt: skip
+            "untimed first one)", "load": "a load of the newest tag", "latest": "finding the newest tag",
+            "dcp": "a nxd_ckpt.dcp save's commit and its load's planning (coordinator)"}  # fmt: skip
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
@@ -93,11 +96,17 @@ def simulation(elems: int) -> Iterator[None]:
 def worlds(args: argparse.Namespace, ops: list[str], root: str) -> list[dict[str, Any]]:
     """Every world size's rows, each printed as it is measured."""
     rows: list[dict[str, Any]] = []
+    nxd_ops = [op for op in ops if op != "dcp"]
     for n in args.ranks:
         start = time.perf_counter()
-        release = store_release_s(n)
-        print(f"  {n} ranks: the store releases {n} waiters in {release * 1e3:.1f} ms", file=sys.stderr)
-        rows += run_world(n, args.layers, args.elems, ops, root, args.num_workers, release)
+        if nxd_ops:
+            release = store_release_s(n)
+            print(f"  {n} ranks: the store releases {n} waiters in {release * 1e3:.1f} ms", file=sys.stderr)
+            rows += run_world(n, args.layers, args.elems, nxd_ops, root, args.num_workers, release)
+        if "dcp" in ops:
+            for row in dcp_rows(n, root):
+                print_dcp(row)
+                rows.append(row)
         print(f"  {n} ranks done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return rows
 
@@ -118,7 +127,7 @@ def run(args: argparse.Namespace, report: Report) -> int:
             processes = [run_processes(n, args.layers, args.elems, root) for n in args.processes]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print_requests(rows)
+    print_requests([row for row in rows if "busiest_prefix" in row])  # the DCP rows printed theirs
     for p in processes:
         report.say(
             f"{p['ranks']} gloo processes: store operations per rank {p['store_ops_mean']:.1f} mean, "
