@@ -24,16 +24,17 @@ from typing import Any, TypeVar
 
 import torch
 
-from nxd_ckpt.dcp.checkin import recorded_files
+from nxd_ckpt.dcp.checkin import check_recorded
 from nxd_ckpt.dcp.place import CheckpointPlace
 from nxd_ckpt.format import layout
 from nxd_ckpt.format.hashing import hash_bytes
 from nxd_ckpt.format.integrity import ChecksummingStorage
 from nxd_ckpt.format.layout import HF_COMMIT
-from nxd_ckpt.format.manifests import FileRecord, manifest_bytes
+from nxd_ckpt.format.manifests import FileRecord, manifest_bytes, parse_manifest
 from nxd_ckpt.ranks.coordinator import Coordinator
 from nxd_ckpt.ranks.deadlines import resolve_timeout
 from nxd_ckpt.save import commit
+from nxd_ckpt.storage import Storage
 from nxd_ckpt.tools import safetensors_io
 from nxd_ckpt.tools.hf_folder import Expected, check_folder
 from nxd_ckpt.tools.safetensors_io import FileWriter, TensorEntry
@@ -186,7 +187,7 @@ def _commit(place: CheckpointPlace, staged: bool, files: list[HfFile], world: in
     recorded in the coordinator's manifest, then written last and the staged folder swapped in."""
     storage = commit.staged_storage(place.root, place.folder, staged, HF_COMMIT)
     needed = {f.name: safetensors_io.file_size(f.entries, FILE_METADATA) for f in files}
-    records = recorded_files(storage, place.folder, place.path, world, needed)
+    records = _recorded_files(storage, place, world, needed)
     index = safetensors_io.index_bytes(safetensors_io.index_document([(f.name, f.entries) for f in files]))
     own = {rel: rec for rel, rec in records.items() if rec.rank == 0}
     own[INDEX_FILE] = FileRecord(*hash_bytes(index), 0)
@@ -194,6 +195,21 @@ def _commit(place: CheckpointPlace, staged: bool, files: list[HfFile], world: in
     storage.write_bytes(manifest, manifest_bytes(place.folder, 0, own))
     storage.sync_dirs([manifest.rsplit("/", 1)[0]])
     commit.complete_folder(storage, place.folder, index, place.root if staged else None, HF_COMMIT)
+
+
+def _recorded_files(
+    storage: Storage, place: CheckpointPlace, world: int, needed: dict[str, int]
+) -> dict[str, FileRecord]:
+    """Coordinator: every rank's manifest of the folder merged, each file recorded in full (``needed``: file ->
+    size); CheckpointError naming the ranks without a manifest or the first file short of its bytes. The last
+    step is written once a job, so its commit reads the ranks' manifests back (DCP's saves carry them instead)."""
+    per_rank: dict[int, dict[str, FileRecord]] = {}
+    for rank in range(world):
+        manifest = layout.manifest_file(place.folder, rank)
+        if storage.exists(manifest):
+            per_rank[rank] = parse_manifest(storage.read_bytes(manifest), f"{storage.url}/{manifest}")[1]
+    check_recorded(per_rank, world, needed, place.path)
+    return {rel: rec for records in per_rank.values() for rel, rec in records.items()}
 
 
 # ---------------------------------------------------------------------------------------------------- loading
