@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from nxd_ckpt.dcp import StorageReader, StorageWriter
 from nxd_ckpt.dcp import verify as verify_folder
 from nxd_ckpt.errors import IntegrityError
-from nxd_ckpt.format import manifests
+from nxd_ckpt.format import layout, manifests
 from nxd_ckpt.storage import DelegatingStorage
 
 pytestmark = pytest.mark.device_independent  # file protocol over CPU tensors: runs once, in the CPU lane
@@ -248,8 +248,12 @@ def test_a_part_of_a_saved_chunk_reads_about_that_part(tmp_path):
 
 
 def _as_version_1(path: str) -> None:
-    """Rewrite the folder's manifests as a library without block digests wrote them."""
+    """Rewrite the folder's manifests as a library without block digests wrote them (which wrote neither the
+    combined index nor .metadata's fixed record either)."""
     folder = os.path.join(path, "nxd_ckpt")
+    tag = os.path.basename(path)
+    for extra in (layout.dcp_index_file(tag), layout.dcp_metadata_record_file(tag)):
+        os.remove(os.path.join(os.path.dirname(path), extra))
     for name in os.listdir(folder):
         with open(os.path.join(folder, name), "rb") as f:
             rank, records = manifests.parse_manifest(f.read(), name)
