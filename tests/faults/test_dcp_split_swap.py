@@ -100,7 +100,7 @@ def test_torchtitan_resumes_the_newest_complete_step_after_a_kill_between_the_re
     """Steps 1 and 2 saved; a restarted job re-saves step 2 and is killed between the renames. TorchTitan's own
     manager, first, resumes step 1 (no hidden copy counts); nxd_ckpt's manager finishes the swap and resumes the new
     step 2; TorchTitan's then resumes it too."""
-    pytest.importorskip("torchtitan", reason="needs the torchtitan extra")
+    pytest.importorskip("torchtitan.components.checkpointer", reason="needs the torchtitan extra")
     from torchtitan.components.checkpointer import CheckpointManager as TitanManager
 
     from harness import titan_job
@@ -145,7 +145,7 @@ def test_retention_deletes_hidden_copies_older_than_the_oldest_kept_step(tmp_pat
     """keep_latest_k also deletes what killed saves left hidden (a killed new save's staging, an old copy under
     an earlier version's name) once older than the oldest step kept; a newer hidden copy (a save that may be
     running) stays."""
-    pytest.importorskip("torchtitan", reason="needs the torchtitan extra")
+    pytest.importorskip("torchtitan.components.checkpointer", reason="needs the torchtitan extra")
     from harness import titan_job
     from harness.dcp_crash import run_dcp_save
     from nxd_ckpt.torchtitan import CheckpointManager

@@ -85,7 +85,9 @@ def test_a_complete_folder_is_not_overwritten_in_place(s3_url):
 
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
 def test_the_torchtitan_manager_saves_to_s3_keeps_the_latest_k_and_resumes(s3_url, async_mode):
-    pytest.importorskip("torchtitan", reason="needs the torchtitan extra (pip install 'nxd-ckpt[torchtitan]')")
+    pytest.importorskip(
+        "torchtitan.components.checkpointer", reason="needs the torchtitan extra (pip install 'nxd-ckpt[torchtitan]')"
+    )
     from nxd_ckpt.torchtitan import CheckpointManager
 
     folder = f"{s3_url}/ckpt"

@@ -9,7 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
-pytest.importorskip("torchtitan", reason="needs the torchtitan extra (pip install 'nxd-ckpt[torchtitan]')")
+pytest.importorskip(
+    "torchtitan.components.checkpointer", reason="needs the torchtitan extra (pip install 'nxd-ckpt[torchtitan]')"
+)
 
 from harness import titan_hf, titan_job
 from nxd_ckpt.errors import CheckpointError

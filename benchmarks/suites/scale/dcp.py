@@ -55,8 +55,10 @@ def dcp_rows(n: int, root: str) -> list[dict[str, Any]]:
     prepare_requests = dict(counting.requests)
     results = []
     for rank, (writer, planner, plan) in enumerate(zip(writers, planners, plans, strict=True)):
-        # each rank on its own: no c10d store here, so no check-in (the world of each writer is itself)
+        # each rank on its own: no c10d store here, so no check-in (the world of each writer is itself), and the
+        # save's facts (its id, its memory-tier decision) reach the other ranks' writers as the store would carry them
         plan = dataclasses.replace(plan, storage_data=dataclasses.replace(plan.storage_data, world_size=1))
+        writer._facts = coordinator._facts
         results.append(writer.write_data(planner.finish_plan(plan), planner).value())
         del rank
     gathered = [len(pickle.dumps(r)) for r in results]

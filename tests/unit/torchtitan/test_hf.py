@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("torchtitan", reason="needs the torchtitan extra (pip install 'nxd-ckpt[torchtitan]')")
+pytest.importorskip(
+    "torchtitan.components.checkpointer", reason="needs the torchtitan extra (pip install 'nxd-ckpt[torchtitan]')"
+)
 
 from nxd_ckpt.torchtitan.hf import plan_files
 
