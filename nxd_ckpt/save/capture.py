@@ -54,7 +54,7 @@ def capture(
     fingerprint = None
     if options.optimizer is not None and not zero1 and len(topo.replica_ranks()) > 1:
         fingerprint = replicated.OptimizerFingerprint(
-            replicated.state_fingerprint(adapters.optimizer_state(options.optimizer)),
+            replicated.state_fingerprint(adapters.optimizer_state(options.optimizer), coord.rank),
             optimizers.describe_chain(options.optimizer),
         )
     return Captured(model_sd, rank_files, share, zero1, proposal, fingerprint)

@@ -7,9 +7,12 @@ would be lost without a word. So each rank sends a short fingerprint of its opti
 world-wide step, and rank 0 compares the fingerprints of every replica group before anything is written
 (``check_replicas``, run inside ``SavePipeline.mark_tag``'s agreement: no extra round).
 
-The fingerprint is cheap, not exhaustive: every tensor's name, dtype and shape, and ``SAMPLES_PER_TENSOR`` values
-taken at evenly spaced positions (gathered into one host copy, so device state costs one small transfer). Shards of
-one parameter's state differ in those values in practice; identical replicas always agree.
+The fingerprint is cheap, not exhaustive, and costs the device nothing (no graph, no transfer: a save of device state
+compiles nothing it did not compile before): every tensor's name, dtype and shape; ``SAMPLES_PER_TENSOR`` values of
+each host tensor, taken at evenly spaced positions (shards of one parameter's state differ there in practice;
+identical replicas always agree); and, for a state dict in ZeRO-1's own layout (``base_state``, ``shape_info``:
+``optimizers.is_zero1_optimizer``), the rank, since such a state is this rank's shard by construction. A plain
+optimizer whose device-resident state diverged across replicas without ZeRO-1's layout is not seen.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 import torch
 
+from nxd_ckpt import optimizers
 from nxd_ckpt.errors import StateMismatchError
 from nxd_ckpt.format.hashing import hash_bytes
 from nxd_ckpt.tree import iter_tensors
@@ -36,19 +40,21 @@ class OptimizerFingerprint:
     """The optimizer and its wrappers, outermost first (``optimizers.describe_chain``)."""
 
 
-def state_fingerprint(state: Any) -> str:
-    """A short digest of an optimizer's state dict: its tensors' names, dtypes, shapes and a few sampled values."""
+def state_fingerprint(state: Any, rank: int) -> str:
+    """A short digest of an optimizer's state dict on ``rank``: its tensors' names, dtypes and shapes, a few
+    sampled values of its host tensors, and the rank where the state is in ZeRO-1's layout (a shard)."""
     described: list[str] = []
     samples: list[torch.Tensor] = []
     for name, tensor in sorted(iter_tensors(state), key=lambda item: item[0]):
         described.append(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}")
-        if tensor.numel() == 0 or tensor.device.type == "meta":
+        if tensor.numel() == 0 or tensor.device.type != "cpu":
             continue
         flat = tensor.detach().reshape(-1)
-        count = min(SAMPLES_PER_TENSOR, flat.numel())
-        positions = torch.linspace(0, flat.numel() - 1, count, device=flat.device).round().long()
+        positions = torch.linspace(0, flat.numel() - 1, min(SAMPLES_PER_TENSOR, flat.numel())).round().long()
         samples.append(flat.index_select(0, positions).to(torch.float64))
-    values = torch.cat(samples).cpu() if samples else torch.empty(0, dtype=torch.float64)
+    if optimizers.is_zero1_optimizer(state):
+        described.append(f"a ZeRO-1 shard of rank {rank}")
+    values = torch.cat(samples) if samples else torch.empty(0, dtype=torch.float64)
     header = "\n".join(described).encode()
     return f"{hash_bytes(header)[1]}-{hash_bytes(values.numpy().tobytes())[1]}"
 
