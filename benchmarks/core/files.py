@@ -69,6 +69,20 @@ def drop_caches() -> tuple[bool, str]:
     return (True, "") if done.returncode == 0 else (False, done.stderr.strip() or f"rc {done.returncode}")
 
 
+def read_through(root: str) -> int:
+    """Read every file under ``root`` once, so that all of it is in the page cache (files written with O_DIRECT,
+    as nxd's writer writes them, never enter it otherwise: a "warm" load of them would read the disk while the
+    other paths' buffered writes are cached); returns the bytes read."""
+    total = 0
+    buffer = bytearray(8 << 20)
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb", buffering=0) as f:
+                while n := f.readinto(buffer):
+                    total += n
+    return total
+
+
 def evict(root: str) -> str:
     """Evict ``root``'s files from the page cache, by ``drop_caches`` where allowed, else file by file
     (``posix_fadvise(DONTNEED)`` after ``fdatasync``); returns how."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from benchmarks.core.files import evict, remove
+from benchmarks.core.files import evict, read_through, remove
 from benchmarks.core.memory import ResidentPeak, resident_bytes
 from benchmarks.core.ranks import gather, slowest
 from benchmarks.core.timing import rotated
@@ -98,7 +98,9 @@ class Rounds:
             return None
         folder = self.folder(load.source, name)
         dist.barrier()
-        if not self.s.warm and dist.get_rank() == 0:
+        if dist.get_rank() == 0 and self.s.warm:  # all of it cached, whatever way its files were written
+            read_through(folder)
+        elif dist.get_rank() == 0:
             evict(folder)
         dist.barrier()
         self.s.sync()
