@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -128,28 +128,29 @@ def hash_stream(f: BinaryIO) -> tuple[int, str]:
     """(size, digest) of a readable stream from its current position to the end."""
     hasher = new_hasher()
     size = 0
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    while True:
-        n = f.readinto(buf) if hasattr(f, "readinto") else _read_into(f, buf)
-        if not n:
-            break
-        hasher.update(view[:n])
-        size += n
+    for piece in _pieces(f):
+        hasher.update(piece)
+        size += len(piece)
     return size, hasher.hexdigest()
 
 
 def record_stream(f: BinaryIO, rank: int = -1) -> FileRecord:
     """The record (size, digest, fixed-size block digests) of a readable stream from its position to the end."""
     hasher = BlockHasher()
+    for piece in _pieces(f):
+        hasher.update(piece)
+    return hasher.record(rank)
+
+
+def _pieces(f: BinaryIO) -> Iterator[memoryview]:
+    """``f`` from its position to the end, one reused ``_CHUNK`` buffer at a time (each view valid until the next)."""
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
     while True:
         n = f.readinto(buf) if hasattr(f, "readinto") else _read_into(f, buf)
         if not n:
-            break
-        hasher.update(view[:n])
-    return hasher.record(rank)
+            return
+        yield view[:n]
 
 
 def record_bytes(data: Any, rank: int = -1) -> FileRecord:
