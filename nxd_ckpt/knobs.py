@@ -149,9 +149,10 @@ KNOBS: dict[str, Knob] = {
         Knob(
             "NXD_CKPT_DCP_LOAD_BUFFER",
             "size",
-            4 << 30,
+            None,
             "most bytes of a rank's DCP load `nxd_ckpt.dcp.StorageReader` holds until all of it is checked; ranges "
-            "past it are checked, then read again as they are used. The `buffer_bytes=` keyword overrides it",
+            "past it are checked, then read again as they are used (default: none from local files, which the "
+            "page cache holds, 4GiB from S3). The `buffer_bytes=` keyword overrides it",
         ),
         Knob(
             "NXD_CKPT_MEMORY_TIER_HOST",
@@ -255,8 +256,9 @@ def io_threads() -> int:
     return get_int("NXD_CKPT_IO_THREADS")
 
 
-def dcp_load_buffer_bytes() -> int:
-    return int(get_size("NXD_CKPT_DCP_LOAD_BUFFER") or 0)
+def dcp_load_buffer_bytes() -> int | None:
+    size = get_size("NXD_CKPT_DCP_LOAD_BUFFER")
+    return None if size is None else int(size)
 
 
 def xser_inline_bytes() -> int:

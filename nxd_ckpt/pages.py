@@ -7,6 +7,8 @@ daemon thread ahead of whoever fills the memory: a load reading into fresh tenso
 copy, or ``prepare_async_save`` beside the training loop. Where the kernel lacks the call, nothing is done and
 the writer takes the faults itself. ``drop`` releases the pages of a file mapping; ``private_buffer`` and
 ``discard`` give a budgeted copy memory of its own that goes back to the kernel the moment its file is written.
+``huge_buffer`` gives a large scratch buffer in 2 MiB pages where the kernel allows it (a load holding its bytes
+until they are checked: 512 times fewer faults than 4 KiB pages, measured 2x the speed of reading into them).
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 _MADV_DONTNEED = 4
+_MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23
 PAGE = mmap.PAGESIZE
 _CHUNK = 8 << 20
@@ -96,6 +100,27 @@ def private_buffer(nbytes: int) -> mmap.mmap:
     """``nbytes`` of private anonymous memory in a mapping of its own (page-aligned, not from the C heap, not
     shared memory), for ``discard`` to give back while Python objects may still refer to it."""
     return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+HUGE_PAGE = 2 << 20
+
+
+def huge_buffer(nbytes: int) -> np.ndarray:
+    """``nbytes`` of fresh private anonymous memory as a uint8 array, in transparent huge pages where the kernel
+    grants them (``MADV_HUGEPAGE``: Linux with THP in ``madvise`` or ``always`` mode), else ordinary pages. The
+    mapping is returned to the kernel when the array (and every view of it) is gone. Small buffers come from the
+    C heap (a mapping of their own would cost more than it saves)."""
+    if nbytes < HUGE_PAGE or not sys.platform.startswith("linux"):
+        return np.empty(nbytes, dtype=np.uint8)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer = np.frombuffer(mapping, dtype=np.uint8)  # holds the mapping until the last view is gone
+    madvise = _libc_madvise()
+    if madvise:
+        start = buffer.__array_interface__["data"][0]
+        first, last = (start + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE, (start + nbytes) // HUGE_PAGE * HUGE_PAGE
+        if last > first and madvise(first, last - first, _MADV_HUGEPAGE) != 0:
+            _log.debug("madvise(MADV_HUGEPAGE) failed (errno %d): 4 KiB pages", ctypes.get_errno())
+    return buffer
 
 
 def discard(start: int, end: int) -> None:

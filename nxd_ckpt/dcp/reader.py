@@ -35,6 +35,7 @@ import itertools
 import os
 import pickle
 import sys
+import threading
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -48,13 +49,14 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from nxd_ckpt import knobs
+from nxd_ckpt import knobs, pages
 from nxd_ckpt.dcp.place import METADATA, CheckpointPlace, FolderId
 from nxd_ckpt.errors import CheckpointError, CheckpointNotFoundError, FormatError, IntegrityError, MissingFileError
 from nxd_ckpt.format import layout
 from nxd_ckpt.format.hashing import hash_bytes
 from nxd_ckpt.format.integrity import VerifiedFile
 from nxd_ckpt.format.manifests import (
+    HEAD_BYTES,
     RESTORE_HINT,
     FileRecord,
     check_record,
@@ -122,6 +124,8 @@ class StorageReader(FolderId, _DcpStorageReader):
         self.thread_count = thread_count
         self.bytes_read = 0
         """Bytes the last ``read_data`` read from storage (its ranges rounded to blocks)."""
+        self.bytes_reused = 0
+        """Bytes the last ``read_data`` checked, then used from the page cache (local files past the buffer)."""
         if memory_tier is not None and not isinstance(memory_tier, MemoryTier):
             raise TypeError(f"memory_tier must be a nxd_ckpt.MemoryTier, got {type(memory_tier).__name__}")
         self.allow_pickle = allow_pickle
@@ -302,25 +306,43 @@ class StorageReader(FolderId, _DcpStorageReader):
             chunk = self._chunk_sizes.get((item.storage_index.fqn, tuple(item.storage_index.offset or ())))
             whole = not any(item.storage_offsets) and chunk == tuple(item.lengths)
             pairs.append((files[rel], info, item, whole))
-        budget = self.buffer_bytes if self.buffer_bytes is not None else knobs.dcp_load_buffer_bytes()
+        budget = self._budget()
         with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nxd_dcp_read") as pool:
             wanted = _all(pool, lambda p: _locate(*p), pairs)
             held, later = _within(_spans(wanted), budget)
-            pieces = [p for span in held for p in span.pieces(keep=True)]
-            pieces += [p for span in later if span.file.record is not None for p in span.pieces(keep=False)]
+            arena = pages.huge_buffer(sum(span.end - span.start for span in held))  # one mapping, 2 MiB pages
+            pieces, at = [], 0
+            for span in held:
+                pieces += span.pieces(arena[at : at + span.end - span.start])
+                at += span.end - span.start
+            pieces += [p for span in later if span.file.record is not None for p in span.pieces(None)]
+            for span in held + later:
+                span.file.prefetch(span.start, span.end)
             _all(pool, _Piece.read, pieces)  # every range of the load read and checked (``later``: not kept)
-        commits = [_value(w, planner) for span in held for w in span.members]
-        for commit in commits:
-            commit()
-        for span in later:  # over the budget: read again (checked again), one item at a time, and used
-            for w in span.members:
-                w.data = w.file.read(w.start, w.end)
-                _value(w, planner)()
-                w.data = None
+            kept = [w for span in held for w in span.members]
+            built = [_value(w, _target(w.item, planner)) for w in kept]  # every value built before any is used
+            on_cpu = [b for b in built if b.target is None or b.target.device.type == "cpu"]
+            _all(pool, _Built.copy, on_cpu)
+            for b in built:
+                b.copy()  # a target off the CPU, on this thread (its device's tracing is not shared)
+                b.finish(planner)
+            _use_again(pool, [w for span in later for w in span.members], planner, self.thread_count)
         self.bytes_read = sum(f.bytes_read for f in files.values())
+        self.bytes_reused = sum(f.bytes_reused for f in files.values())
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _budget(self) -> int:
+        """Bytes of this load held until all of it is checked: ``buffer_bytes``, else the knob, else none from
+        local files (checked where the page cache holds them, then used from there, checked again: no copy held,
+        no fresh memory to fault in) and 4 GiB elsewhere (S3: a second read would be a second download)."""
+        if self.buffer_bytes is not None:
+            return self.buffer_bytes
+        knob = knobs.dcp_load_buffer_bytes()
+        if knob is not None:
+            return knob
+        return 0 if self.place.root.local_path(self.place.folder) is not None else _HELD_BUFFER_BYTES
 
     def _file(self, rel: str, records: dict[str, FileRecord] | None, kept_blocks: int) -> VerifiedFile:
         """``rel`` for checked range reads: by its record where the checkpoint has manifests."""
@@ -358,6 +380,10 @@ def _called_by_dcp_load_planning() -> bool:
     return caller.f_code.co_name == "local_step" and caller.f_globals.get("__name__") == _DCP_LOADER
 
 
+_HELD_BUFFER_BYTES = 4 << 30
+"""Default of ``buffer_bytes`` where files are not local (S3, the memory tier)."""
+_SCRATCH_BYTES = 1 << 20
+"""A thread's buffer for checked pieces (``VerifiedFile.checked_pieces``): small enough to stay in its CPU cache."""
 _WHOLE_ITEM_BYTES = 1 << 20
 """Tensor items up to this size are read whole and ``torch.load``ed (parsing their header first saves nothing)."""
 _PIECE_BYTES = 16 << 20
@@ -385,24 +411,35 @@ def _locate(file: VerifiedFile, info: Any, item: ReadItem, whole_chunk: bool) ->
     if item.type == LoadItemType.BYTE_IO or info.length <= _WHOLE_ITEM_BYTES or whole_chunk:
         return whole
     try:
-        with file.stream(start, end).parsing() as stream:
-            saved, offsets = zip_structure.load_layout(stream, file.where)
+        found = zip_structure.head_layout(file.read(start, min(end, start + HEAD_BYTES)), file.where)
+        if found is None:  # the head alone does not say: the zip directory at the item's end is read too
+            with file.stream(start, end).parsing() as stream:
+                found = zip_structure.load_layout(stream, file.where)
+        saved, offsets = found
     except IntegrityError:
         raise
     except Exception:  # not the plain layout (an unusual torch.save): torch.load reads the whole item instead
         return whole
+    return _part(file, item, start, end, saved, offsets) or whole
+
+
+def _part(
+    file: VerifiedFile, item: ReadItem, start: int, end: int, saved: Any, offsets: dict[str, int]
+) -> _Wanted | None:
+    """The bytes of the part of the saved tensor ``saved`` (its zip records at ``offsets`` from ``start``) that
+    ``item`` reads, with their layout; None where it is no plain tensor (``torch.load`` reads the item whole)."""
     key = getattr(saved.untyped_storage(), zip_structure.RECORD_ATTR, None) if torch.is_tensor(saved) else None
     if key not in offsets or saved.layout != torch.strided:
-        return whole
+        return None
     part = saved
     for dim, (first, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
         part = part.narrow(dim, first, length)
     if part.numel() == 0:
-        return whole
+        return None
     size = part.element_size()
     extent = 1 + sum((n - 1) * stride for n, stride in zip(part.size(), part.stride(), strict=True))
     first_byte = start + offsets[key] + part.storage_offset() * size
-    if offsets[key] + saved.untyped_storage().nbytes() > info.length or extent * size > end - first_byte:
+    if start + offsets[key] + saved.untyped_storage().nbytes() > end or extent * size > end - first_byte:
         raise IntegrityError(f"{file.where}: {item.storage_index.fqn}'s tensor record runs past its item")
     return _Wanted(file, item, first_byte, first_byte + extent * size, (part.dtype, part.size(), part.stride()))
 
@@ -416,21 +453,21 @@ class _Span:
     end: int
     members: list[_Wanted]
 
-    def pieces(self, keep: bool) -> list[_Piece]:
-        """The span's reads for the thread pool, each about ``_PIECE_BYTES``, split where a block ends; into one
-        buffer the members then use (``keep``), else each into a scratch buffer of its own, dropped once checked."""
-        buffer = np.empty(self.end - self.start if keep else 0, dtype=np.uint8)
-        for w in self.members if keep else ():
+    def pieces(self, buffer: np.ndarray | None) -> list[_Piece]:
+        """The span's reads for the thread pool, each about ``_PIECE_BYTES``, split where a block ends; into
+        ``buffer`` (the span's bytes, which its members then use), else (None) each into a scratch buffer of its
+        own, dropped once checked."""
+        for w in self.members if buffer is not None else ():
             w.data = buffer[w.start - self.start : w.end - self.start]
         cuts = [self.start]
         record = self.file.record
-        ends = [e for e, _ in record.blocks] if record is not None and record.blocks else None
+        ends = record.block_ends if record is not None and record.blocks else None
         while cuts[-1] < self.end:
             cut = min(self.end, cuts[-1] + _PIECE_BYTES)
             if ends is not None and cut < self.end:
                 cut = min(self.end, ends[min(len(ends) - 1, bisect.bisect_left(ends, cut))])
             cuts.append(cut)
-        view = memoryview(buffer) if keep else None
+        view = memoryview(buffer) if buffer is not None else None
         return [
             _Piece(self.file, a, b, view[a - self.start : b - self.start] if view is not None else None)
             for a, b in itertools.pairwise(cuts)
@@ -450,7 +487,113 @@ class _Piece:
         if self.view is not None:
             self.file.read_into(self.start, self.view)
         else:
-            self.file.read(self.start, self.end)
+            if self.file.mappable():  # hashed where the page cache holds it: no copy
+                for _ in self.file.mapped_pieces(self.start, self.end):
+                    pass
+            else:
+                for _ in self.file.checked_pieces(self.start, self.end, _scratch(_SCRATCH_BYTES)):
+                    pass
+
+
+_per_thread = threading.local()
+
+
+def _scratch(nbytes: int) -> memoryview:
+    """``nbytes`` of this thread's scratch buffer, reused while it is large enough: memory the process already
+    has is written at memory speed, fresh memory costs a page fault per page (far more on a VM whose host takes
+    freed memory back)."""
+    buffer: np.ndarray | None = getattr(_per_thread, "buffer", None)
+    if buffer is None or len(buffer) < nbytes:
+        buffer = _per_thread.buffer = np.empty(nbytes, dtype=np.uint8)
+    return memoryview(buffer)[:nbytes]
+
+
+def _use_again(pool: ThreadPoolExecutor, items: list[_Wanted], planner: LoadPlanner, threads: int) -> None:
+    """The items of ranges already checked whole but not kept, each checked again as it is used: mapped from the
+    page cache where the file is local (no copy, no fresh memory), else read again; copied into its target on
+    the pool (a CPU target) or on this thread (a target off the CPU, whose device's tracing is not shared), at
+    most ``2 * threads`` items ahead of this thread."""
+    window = 2 * threads
+
+    def read(w: _Wanted, target: torch.Tensor | None) -> _Built:
+        if w.file.mappable():
+            if _streamed(w, target):
+                return _Built(w.item, target)
+            data = w.file.mapped(w.start, w.end, again=True)
+        else:
+            data = w.file.read(w.start, w.end)
+        w.data = data
+        built = _value(w, target)
+        w.data = None
+        if target is None or target.device.type == "cpu":
+            built.copy()
+        return built
+
+    futures: list[Any] = []
+
+    def use(n: int) -> None:
+        built = futures[n].result()
+        built.copy()
+        built.finish(planner)
+
+    try:
+        for n, w in enumerate(items):
+            if n >= window:
+                use(n - window)
+            futures.append(pool.submit(read, w, _target(w.item, planner)))
+        for n in range(max(0, len(items) - window), len(items)):
+            use(n)
+    except BaseException:
+        for future in futures:
+            future.cancel()
+        raise
+
+
+def _streamed(w: _Wanted, target: torch.Tensor | None) -> bool:
+    """Copy ``w``'s tensor bytes into ``target`` one checked block at a time, straight from the page cache's
+    mapping of its file, where they are laid out exactly as the target's; False (nothing copied) elsewhere."""
+    if target is None or target.device.type != "cpu" or w.item.type == LoadItemType.BYTE_IO:
+        return False
+    pieces = w.file.mapped_pieces(w.start, w.end, again=True)
+    part, first = w, None
+    if w.layout is None:  # a whole item: its head block (the first piece) says where its tensor's bytes are
+        first = next(pieces, None)
+        found = zip_structure.head_layout(first[1], w.file.where) if first is not None else None
+        part = _part(w.file, w.item, w.start, w.end, *found) if found is not None else None
+    dest = _flat_bytes(target, part) if part is not None else None
+    if part is None or dest is None:
+        pieces.close()
+        return False
+    for at, piece in itertools.chain([first] if first is not None else [], pieces):
+        lo, hi = max(at, part.start), min(at + len(piece), part.end)
+        if hi > lo:
+            dest[lo - part.start : hi - part.start] = piece[lo - at : hi - at]
+    return True
+
+
+def _flat_bytes(target: torch.Tensor, w: _Wanted) -> np.ndarray | None:
+    """The bytes of ``target`` as one flat array where ``w``'s saved part is laid out exactly as they are (a CPU
+    target, contiguous, of the part's dtype and size, the part contiguous too): its bytes are then copied in as
+    read. None otherwise (the part is built as a tensor and copied)."""
+    if w.layout is None or target.device.type != "cpu" or not target.is_contiguous():
+        return None
+    dtype, size, stride = w.layout
+    if target.dtype != dtype or tuple(target.size()) != tuple(size) or target.numel() == 0:
+        return None
+    if any(n > 1 and st != want for n, st, want in zip(size, stride, _contiguous_strides(size), strict=True)):
+        return None
+    if target.numel() * target.element_size() != w.end - w.start:
+        return None
+    return target.reshape(-1).view(torch.uint8).numpy()
+
+
+def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides (in elements) of a contiguous tensor of ``size``."""
+    strides, step = [], 1
+    for n in reversed(size):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _within(spans: list[_Span], budget: int) -> tuple[list[_Span], list[_Span]]:
@@ -528,7 +671,8 @@ def _plain_view(data: np.ndarray, where: str) -> torch.Tensor | None:
     """A view of the one tensor a ``torch.save`` blob holds, in place; None for any other layout (a subclass, a
     quantized or empty tensor, an unreadable blob: ``torch.load`` then reads it, or says what is wrong)."""
     try:
-        saved, offsets = zip_structure.load_layout(_BufferStream(memoryview(data)), where)
+        found = zip_structure.head_layout(data[:HEAD_BYTES], where)  # the zip's own headers, no directory walk
+        saved, offsets = found or zip_structure.load_layout(_BufferStream(memoryview(data)), where)
     except Exception:
         return None
     key = getattr(saved.untyped_storage(), zip_structure.RECORD_ATTR, None) if torch.is_tensor(saved) else None
@@ -541,13 +685,39 @@ def _plain_view(data: np.ndarray, where: str) -> torch.Tensor | None:
     return raw.as_strided(saved.size(), saved.stride(), saved.storage_offset())
 
 
-def _value(wanted: _Wanted, planner: LoadPlanner) -> Callable[[], None]:
-    """One item's value from its checked bytes, and its commit (the copy into the state dict, or a non-tensor
-    value's load), which the caller makes once every item of the load is built."""
+@dataclasses.dataclass
+class _Built:
+    """One item's value built from its checked bytes: ``copy`` puts a tensor into its target (on any thread for
+    a CPU target), ``finish`` tells the planner (on the loading thread: the planner is not shared across threads)."""
+
+    item: ReadItem
+    target: torch.Tensor | None
+    tensor: torch.Tensor | None = None
+    raw: bytes | None = None
+
+    def copy(self) -> None:
+        if self.tensor is not None and self.target is not None:
+            self.target.copy_(self.tensor)
+        self.tensor = None
+
+    def finish(self, planner: LoadPlanner) -> None:
+        if self.raw is not None:
+            planner.load_bytes(self.item, io.BytesIO(self.raw))
+        elif self.target is not None:
+            planner.commit_tensor(self.item, self.target)
+
+
+def _target(item: ReadItem, planner: LoadPlanner) -> torch.Tensor | None:
+    """Where a tensor item goes (the planner asked on the loading thread); None for a non-tensor value."""
+    return None if item.type == LoadItemType.BYTE_IO else planner.resolve_tensor(item).detach()
+
+
+def _value(wanted: _Wanted, target: torch.Tensor | None) -> _Built:
+    """One item's value from its checked bytes (a view of them: copy it before they change), for ``target``."""
     item, data = wanted.item, wanted.data
     assert data is not None
-    if item.type == LoadItemType.BYTE_IO:
-        return lambda: planner.load_bytes(item, io.BytesIO(data.tobytes()))
+    if target is None:
+        return _Built(item, None, raw=data.tobytes())
     if wanted.layout is not None:
         dtype, size, stride = wanted.layout
         tensor = torch.frombuffer(memoryview(data), dtype=dtype).as_strided(size, stride)
@@ -555,14 +725,8 @@ def _value(wanted: _Wanted, planner: LoadPlanner) -> Callable[[], None]:
         tensor = _saved_tensor(data, wanted.file.where, item)
         for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
             tensor = tensor.narrow(dim, start, length)  # the part of the saved chunk this item reads
-    target = planner.resolve_tensor(item).detach()
     if target.size() != tensor.size():
         raise FormatError(
             f"{item.storage_index.fqn}: saved chunk {tuple(tensor.size())} does not fit {tuple(target.size())}"
         )
-
-    def commit() -> None:
-        target.copy_(tensor)
-        planner.commit_tensor(item, target)
-
-    return commit
+    return _Built(item, target, tensor)

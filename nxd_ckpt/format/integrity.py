@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import io
 import logging
+import mmap
 import os
 import threading
 from collections.abc import Iterator
@@ -60,7 +61,7 @@ from nxd_ckpt.format.manifests import (
     split_index,
 )
 from nxd_ckpt.storage import DelegatingStorage, Storage
-from nxd_ckpt.storage.base import Allocator, ForwardWriter, read_fully, read_whole
+from nxd_ckpt.storage.base import NOT_FOUND, Allocator, ForwardWriter, read_fully, read_whole
 from nxd_ckpt.storage.direct import DirectReader
 from nxd_ckpt.storage.range_reads import open_for_partial_reads
 
@@ -452,6 +453,9 @@ class VerifiedFile:
         self._kept: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
         self.bytes_read = 0
         """Bytes read from storage so far (blocks, and the whole file once for an older record)."""
+        self.bytes_reused = 0
+        """Bytes read and checked before, used again from the page cache (``mapped``/``mapped_pieces`` with
+        ``again``): read from the disk again only where the kernel dropped them meanwhile."""
 
     def read(self, start: int, end: int) -> np.ndarray:
         """Bytes ``[start, end)``, checked."""
@@ -466,11 +470,7 @@ class VerifiedFile:
         rec = self.record
         if end <= start:
             return
-        if rec is not None and end > rec.size:
-            raise IntegrityError(
-                f"{self.where}: bytes up to {end} are needed but only {rec.size} were written (see "
-                f"{layout.manifest_file(self.tag, rec.rank)}); {RESTORE_HINT}"
-            )
+        self._check_end(end)
         with contextlib.ExitStack() as stack:
             opened: list[BinaryIO] = []
 
@@ -497,6 +497,134 @@ class VerifiedFile:
                 block = self._kept_block(stream, block_start, block_end, digest)
                 view[lo - start : hi - start] = memoryview(block)[lo - block_start : hi - block_start]
             self._read_blocks(stream, whole, view, start)
+
+    def checked_pieces(self, start: int, end: int, scratch: memoryview) -> Iterator[tuple[int, memoryview]]:
+        """Bytes ``[start, end)`` as consecutive checked pieces ``(offset, bytes)``, each read into ``scratch``
+        (at least ``BLOCK_BYTES``, reused: use a piece before asking for the next): a range of any length checked
+        in the memory of one scratch buffer, which stays in the CPU cache. Blocks the range covers in part are
+        read whole and checked."""
+        if end <= start:
+            return
+        rec = self.record
+        self._check_end(end)
+        with open_for_partial_reads(self.storage, self.path) as f:
+            _will_need(f, start, end - start)
+            if rec is None or not rec.has_blocks:
+                if rec is not None:
+                    self._check_whole(rec)
+                for at in range(start, end, len(scratch)):
+                    piece = scratch[: min(len(scratch), end - at)]
+                    self._read_raw(f, at, piece, None)
+                    yield at, piece
+                return
+            if len(scratch) < BLOCK_BYTES:
+                raise ValueError(f"checked_pieces needs a scratch of at least {BLOCK_BYTES} bytes, got {len(scratch)}")
+            run: list[tuple[int, int, str]] = []
+            for block in rec.blocks_over(start, end):
+                if run and block[1] - run[0][0] > len(scratch):
+                    yield self._checked_run(f, run, scratch, start, end)
+                    run = []
+                run.append(block)
+            if run:
+                yield self._checked_run(f, run, scratch, start, end)
+
+    def mappable(self) -> bool:
+        """Whether ``mapped`` and ``mapped_pieces`` can read this file: a local file recorded with block digests."""
+        rec = self.record
+        return rec is not None and bool(rec.blocks) and self.storage.local_path(self.path) is not None
+
+    def prefetch(self, start: int, end: int) -> None:
+        """Ask the kernel to read ``[start, end)`` of a local file ahead, all of it at once (the disk works on the
+        whole load while the first blocks are checked); nothing elsewhere."""
+        local = self.storage.local_path(self.path)
+        advise = getattr(os, "posix_fadvise", None)
+        if local is None or advise is None or end <= start:
+            return
+        with contextlib.suppress(OSError):
+            fd = os.open(local, os.O_RDONLY)
+            try:
+                advise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+
+    def mapped(self, start: int, end: int, again: bool = False) -> np.ndarray:
+        """Bytes ``[start, end)`` as a read-only mapping of the file (``mappable`` only), every block holding them
+        hashed from the mapping and checked first. The array keeps the mapping until it (and every view of it)
+        is gone."""
+        data, base = self._map(start, end, again)
+        for _ in self._checked_blocks(data, base, start, end):
+            pass
+        return data[start - base : end - base]
+
+    def mapped_pieces(self, start: int, end: int, again: bool = False) -> Iterator[tuple[int, np.ndarray]]:
+        """Bytes ``[start, end)`` as consecutive checked pieces ``(offset, bytes)`` of a read-only mapping of the
+        file (``mappable`` only), one block at a time: each is checked while it is in the CPU cache, then handed
+        out, so a copy of it costs no second trip to memory. No copy is made and no fresh memory used: the bytes
+        are the page cache's, read from the disk again only where the kernel dropped them. The file must not be
+        truncated meanwhile (the mapping would fault): writers never do that, they replace files whole."""
+        data, base = self._map(start, end, again)
+        yield from self._checked_blocks(data, base, start, end)
+
+    def _map(self, start: int, end: int, again: bool) -> tuple[np.ndarray, int]:
+        """A read-only mapping of the blocks holding ``[start, end)`` and the file offset it starts at; its bytes
+        count as read (``bytes_read``), or with ``again`` as used again (``bytes_reused``)."""
+        rec, local = self.record, self.storage.local_path(self.path)
+        if rec is None or not rec.blocks or local is None:
+            raise ValueError(f"{self.where} cannot be mapped (not a local file with block digests)")
+        self._check_end(end)
+        first, last = rec.blocks_over(start, end)[0][0], rec.blocks_over(max(start, end - 1), end)[-1][1]
+        base = first // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+        try:
+            fd = os.open(local, os.O_RDONLY)
+        except FileNotFoundError as e:  # worded as every backend words it (``is_not_found``)
+            raise StorageError(f"{NOT_FOUND}: {local}") from e
+        except OSError as e:
+            raise StorageError(f"cannot read {self.where}: {e.strerror or e}") from e
+        try:
+            size = os.fstat(fd).st_size
+            if size < last:
+                raise block_error(self.storage.url, self.tag, self.path, rec, start, last, size - start)
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # the page tables filled in one call
+            mapping = mmap.mmap(fd, last - base, flags=flags, prot=mmap.PROT_READ, offset=base)
+        finally:
+            os.close(fd)  # the mapping stays
+        with self._lock:
+            if again:
+                self.bytes_reused += last - first
+            else:
+                self.bytes_read += last - first
+        return np.frombuffer(mapping, dtype=np.uint8), base
+
+    def _checked_blocks(self, data: np.ndarray, base: int, start: int, end: int) -> Iterator[tuple[int, np.ndarray]]:
+        """Each block of ``data`` (mapped from ``base``) holding ``[start, end)`` checked, and its part inside."""
+        rec = self.record
+        assert rec is not None
+        for block_start, block_end, digest in rec.blocks_over(start, end):
+            block = data[block_start - base : block_end - base]
+            found = hash_bytes(block)[1]
+            if found != digest:
+                raise block_error(self.storage.url, self.tag, self.path, rec, block_start, block_end, found)
+            lo, hi = max(block_start, start), min(block_end, end)
+            yield lo, block[lo - block_start : hi - block_start]
+
+    def _checked_run(
+        self, f: BinaryIO, run: list[tuple[int, int, str]], scratch: memoryview, start: int, end: int
+    ) -> tuple[int, memoryview]:
+        """Consecutive whole blocks read into ``scratch`` in one request and checked; the part of them inside
+        ``[start, end)``."""
+        first = run[0][0]
+        self._read_blocks(lambda: f, list(run), scratch, first)
+        lo, hi = max(first, start), min(run[-1][1], end)
+        return lo, scratch[lo - first : hi - first]
+
+    def _check_end(self, end: int) -> None:
+        """IntegrityError when bytes up to ``end`` are needed but the record says fewer were written."""
+        rec = self.record
+        if rec is not None and end > rec.size:
+            raise IntegrityError(
+                f"{self.where}: bytes up to {end} are needed but only {rec.size} were written (see "
+                f"{layout.manifest_file(self.tag, rec.rank)}); {RESTORE_HINT}"
+            )
 
     def _read_blocks(self, stream: Any, blocks: list[tuple[int, int, str]], view: memoryview, base: int) -> None:
         """Read ``blocks`` (consecutive, whole) into ``view`` (which starts at byte ``base``) in one request, then

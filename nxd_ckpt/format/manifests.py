@@ -16,6 +16,7 @@ choose what to do with the problems: the load path (``read_index``) raises the f
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +56,11 @@ class FileRecord:
     """``(end offset, xxh3_64 hex)`` of consecutive blocks covering the file (the first starts at 0); empty in
     records written before block digests (a file of them is checked whole)."""
 
+    @functools.cached_property
+    def block_ends(self) -> list[int]:
+        """The blocks' end offsets, in order (kept: a load asks for them once per range)."""
+        return [e for e, _ in self.blocks]
+
     @property
     def has_blocks(self) -> bool:
         return bool(self.blocks) or self.size == 0
@@ -63,7 +69,7 @@ class FileRecord:
         """``(start, end, digest)`` of the blocks holding bytes ``[start, end)`` (none past the recorded size)."""
         if end <= start:
             return []
-        ends = [e for e, _ in self.blocks]
+        ends = self.block_ends
         first = bisect.bisect_right(ends, start)
         out = []
         for i in range(first, len(self.blocks)):

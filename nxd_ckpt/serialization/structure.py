@@ -8,6 +8,8 @@ Both functions follow plain.load's rules: allow-listed classes only unless ``tru
 
 from __future__ import annotations
 
+import functools
+import struct
 from typing import Any
 
 import torch
@@ -65,3 +67,59 @@ def load_layout(f: Any, what: str, trusted: bool = False) -> tuple[Any, dict[str
         raise FormatError(f"{what} was written on a big-endian machine; its tensors cannot be read by range")
     state = torchzip.load_records(pickled, source, what=what, trusted=trusted)
     return state, {k: reader.get_record_offset(f"data/{k}") for k in keys}
+
+
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+"""A zip local file header: signature, versions, flags, method, time, date, crc, sizes, name and extra lengths."""
+_LOCAL_SIGNATURE = b"PK\x03\x04"
+
+
+def head_layout(head: Any, what: str, trusted: bool = False) -> tuple[Any, dict[str, int]] | None:
+    """``load_layout`` from the first bytes of a torch.save file alone (``head``), without its zip directory at
+    the end: torch.save writes ``data.pkl`` first and each tensor record after a local header, so where the head
+    holds the pickle and the local header of every record it names, their offsets are known. None where it does
+    not (a record past the head, a compressed record, a big-endian file, a pickle it cannot replay):
+    ``load_layout`` then reads the directory and says what is wrong. ``what`` names the file in a
+    ``load_layout`` caller's errors; here nothing is raised."""
+    data = bytes(head)
+    records: dict[str, int] = {}
+    pos = data.find(_LOCAL_SIGNATURE)
+    tensors_at = len(data)
+    while pos != -1 and pos + _LOCAL_HEADER.size <= len(data):
+        method, name_length, extra_length = (_LOCAL_HEADER.unpack_from(data, pos)[i] for i in (3, 9, 10))
+        name_start = pos + _LOCAL_HEADER.size
+        start = name_start + name_length + extra_length
+        name = data[name_start : name_start + name_length].split(b"/", 1)[-1].decode("utf-8", "replace")
+        if method != 0 or start > len(data):
+            return None
+        records.setdefault(name, start)
+        if name.startswith("data/"):
+            tensors_at = pos
+            break  # tensor bytes follow: no header is looked for inside them
+        pos = data.find(_LOCAL_SIGNATURE, start)
+    order = records.get("byteorder")
+    if "data.pkl" not in records or (order is not None and data[order : order + 6] != b"little"):
+        return None
+    try:  # the same pickle (a tensor of the same dtype, shape and strides) is replayed once
+        state, keys = _replayed(data[records["data.pkl"] : tensors_at], trusted)
+    except Exception:
+        return None
+    if any(f"data/{k}" not in records for k in keys):
+        return None
+    return state, {k: records[f"data/{k}"] for k in keys}
+
+
+@functools.lru_cache(maxsize=256)
+def _replayed(pickled: bytes, trusted: bool) -> tuple[Any, tuple[str, ...]]:
+    """``data.pkl`` replayed with meta storages (each tagged with its record) and the records it names, kept by
+    its bytes: a checkpoint's tensors of one shape share them. Callers must not change what it returns."""
+    keys: list[str] = []
+
+    def source(key: str, dtype: torch.dtype, nbytes: int) -> torch.UntypedStorage:
+        untyped = torch.UntypedStorage(nbytes, device="meta")
+        setattr(untyped, RECORD_ATTR, key)
+        keys.append(key)
+        return untyped
+
+    state = torchzip.load_records(pickled, source, what="data.pkl", trusted=trusted)
+    return state, tuple(keys)

@@ -78,8 +78,8 @@ def _load_share(path: str) -> None:
     share = sum(t.to_local().numel() * t.to_local().element_size() for t in targets.values())
     for name, value in _full().items():
         assert torch.equal(targets[name].full_tensor(), value), name
-    assert counting.bytes_read == reader.bytes_read
-    assert share <= counting.bytes_read <= 1.1 * share, (dist.get_rank(), counting.bytes_read, share)
+    assert counting.bytes_read <= reader.bytes_read  # a local file's blocks are mapped, past the storage's count
+    assert share <= reader.bytes_read <= 1.1 * share, (dist.get_rank(), reader.bytes_read, share)
 
 
 def test_a_load_onto_twice_the_ranks_reads_about_each_ranks_share(tmp_path):

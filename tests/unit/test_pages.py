@@ -99,3 +99,17 @@ def test_a_fresh_dict_load_prefaults_the_tensors_it_returns(tmp_path, monkeypatc
     handed_ptrs = {t.untyped_storage().data_ptr() for t in handed}
     for key in (k for k in model if k != "bias"):
         assert into[key].untyped_storage().data_ptr() in handed_ptrs, key
+
+
+def test_a_huge_buffer_is_fresh_writable_memory_of_its_size():
+    """Small: from the heap; large: a mapping of its own (2 MiB pages where the kernel grants them), alive while
+    a view of it is."""
+    import numpy as np
+
+    for nbytes in (10, pages.HUGE_PAGE - 1, 3 * pages.HUGE_PAGE + 5):
+        buffer = pages.huge_buffer(nbytes)
+        assert buffer.dtype == np.uint8 and buffer.shape == (nbytes,) and buffer.flags.writeable
+        view = buffer[-4:]
+        del buffer
+        view[:] = 7  # still mapped
+        assert view.tolist() == [7, 7, 7, 7]

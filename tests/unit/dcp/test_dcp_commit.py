@@ -112,12 +112,12 @@ def test_load_planning_lists_nothing_and_reads_one_index(tmp_path):
     assert torch.equal(got["w"], _state(1)["w"]) and got["step"] == 1
     assert [c for c in recording.calls if c[0] == "list"] == []
     reads = [c[1] for c in recording.calls if c[0] == "read"]
-    assert reads == [
+    assert reads[:3] == [
         "step-1/nxd_ckpt/dcp_metadata.json",
         "step-1/.metadata",
         "step-1/nxd_ckpt/dcp_index.json",
-        "step-1/__0_0.distcp",
     ], reads
+    assert set(reads[3:]) <= {"step-1/__0_0.distcp"}, reads  # the data (a local file is mapped, not opened)
 
 
 def test_a_checkpoint_without_the_index_still_loads_verified_from_its_manifests(tmp_path):

@@ -292,6 +292,9 @@ class _CountingReads(DelegatingStorage):
         super().__init__(inner)
         self.bytes_read = 0
 
+    def local_path(self, path: str) -> None:
+        return None  # every read it counts goes through open_read (a local file is mapped, past any counter)
+
     def open_sequential(self, path: str, direct: bool = False):
         assert not path.endswith(".distcp"), f"{path} read as a stream, not by range"
         return self.inner.open_sequential(path, direct)
