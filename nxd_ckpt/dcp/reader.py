@@ -54,7 +54,7 @@ from nxd_ckpt.dcp.place import METADATA, CheckpointPlace, FolderId
 from nxd_ckpt.errors import CheckpointError, CheckpointNotFoundError, FormatError, IntegrityError, MissingFileError
 from nxd_ckpt.format import layout
 from nxd_ckpt.format.hashing import hash_bytes
-from nxd_ckpt.format.integrity import VerifiedFile
+from nxd_ckpt.format.integrity import MappedSpan, VerifiedFile
 from nxd_ckpt.format.manifests import (
     HEAD_BYTES,
     RESTORE_HINT,
@@ -315,7 +315,12 @@ class StorageReader(FolderId, _DcpStorageReader):
             for span in held:
                 pieces += span.pieces(arena[at : at + span.end - span.start])
                 at += span.end - span.start
-            pieces += [p for span in later if span.file.record is not None for p in span.pieces(None)]
+            for span in later:  # a local file's span is mapped: checked where the page cache holds it, kept
+                mapping = span.file.map_span(span.start, span.end)
+                for w in span.members:
+                    w.mapping = mapping
+                if span.file.record is not None:
+                    pieces += span.pieces(None, mapping)
             for span in held + later:
                 span.file.prefetch(span.start, span.end)
             _all(pool, _Piece.read, pieces)  # every range of the load read and checked (``later``: not kept)
@@ -401,6 +406,8 @@ class _Wanted:
     end: int
     layout: tuple[torch.dtype, tuple[int, ...], tuple[int, ...]] | None = None
     data: np.ndarray | None = None
+    mapping: MappedSpan | None = None
+    """The checked mapping of its span (a local file past the buffer), which it is used from."""
 
 
 def _locate(file: VerifiedFile, info: Any, item: ReadItem, whole_chunk: bool) -> _Wanted:
@@ -453,7 +460,7 @@ class _Span:
     end: int
     members: list[_Wanted]
 
-    def pieces(self, buffer: np.ndarray | None) -> list[_Piece]:
+    def pieces(self, buffer: np.ndarray | None, mapping: MappedSpan | None = None) -> list[_Piece]:
         """The span's reads for the thread pool, each about ``_PIECE_BYTES``, split where a block ends; into
         ``buffer`` (the span's bytes, which its members then use), else (None) each into a scratch buffer of its
         own, dropped once checked."""
@@ -469,30 +476,30 @@ class _Span:
             cuts.append(cut)
         view = memoryview(buffer) if buffer is not None else None
         return [
-            _Piece(self.file, a, b, view[a - self.start : b - self.start] if view is not None else None)
+            _Piece(self.file, a, b, view[a - self.start : b - self.start] if view is not None else None, mapping)
             for a, b in itertools.pairwise(cuts)
         ]
 
 
 @dataclasses.dataclass
 class _Piece:
-    """Bytes ``[start, end)`` of ``file``, read and checked into ``view`` (None: a scratch buffer, then dropped)."""
+    """Bytes ``[start, end)`` of ``file``, read and checked into ``view``; else checked in ``mapping`` (its span's,
+    a local file), else read into a scratch buffer, checked and dropped."""
 
     file: VerifiedFile
     start: int
     end: int
     view: memoryview | None
+    mapping: MappedSpan | None = None
 
     def read(self) -> None:
         if self.view is not None:
             self.file.read_into(self.start, self.view)
+        elif self.mapping is not None:
+            self.mapping.check(self.start, self.end)
         else:
-            if self.file.mappable():  # hashed where the page cache holds it: no copy
-                for _ in self.file.mapped_pieces(self.start, self.end):
-                    pass
-            else:
-                for _ in self.file.checked_pieces(self.start, self.end, _scratch(_SCRATCH_BYTES)):
-                    pass
+            for _ in self.file.checked_pieces(self.start, self.end, _scratch(_SCRATCH_BYTES)):
+                pass
 
 
 _per_thread = threading.local()
@@ -516,10 +523,10 @@ def _use_again(pool: ThreadPoolExecutor, items: list[_Wanted], planner: LoadPlan
     window = 2 * threads
 
     def read(w: _Wanted, target: torch.Tensor | None) -> _Built:
-        if w.file.mappable():
-            if _streamed(w, target):
+        if w.mapping is not None:
+            if _streamed(w, target, w.mapping):
                 return _Built(w.item, target)
-            data = w.file.mapped(w.start, w.end, again=True)
+            data = w.mapping.view(w.start, w.end)
         else:
             data = w.file.read(w.start, w.end)
         w.data = data
@@ -549,16 +556,16 @@ def _use_again(pool: ThreadPoolExecutor, items: list[_Wanted], planner: LoadPlan
         raise
 
 
-def _streamed(w: _Wanted, target: torch.Tensor | None) -> bool:
-    """Copy ``w``'s tensor bytes into ``target`` one checked block at a time, straight from the page cache's
-    mapping of its file, where they are laid out exactly as the target's; False (nothing copied) elsewhere."""
+def _streamed(w: _Wanted, target: torch.Tensor | None, mapping: MappedSpan) -> bool:
+    """Copy ``w``'s tensor bytes into ``target`` straight from the page cache's mapping of its file (checked),
+    where they are laid out exactly as the target's; False (nothing copied) elsewhere."""
     if target is None or target.device.type != "cpu" or w.item.type == LoadItemType.BYTE_IO:
         return False
-    pieces = w.file.mapped_pieces(w.start, w.end, again=True)
+    pieces = mapping.pieces(w.start, w.end)
     part, first = w, None
-    if w.layout is None:  # a whole item: its head block (the first piece) says where its tensor's bytes are
+    if w.layout is None:  # a whole item: its head (in the first piece) says where its tensor's bytes are
         first = next(pieces, None)
-        found = zip_structure.head_layout(first[1], w.file.where) if first is not None else None
+        found = zip_structure.head_layout(first[1][:HEAD_BYTES], w.file.where) if first is not None else None
         part = _part(w.file, w.item, w.start, w.end, *found) if found is not None else None
     dest = _flat_bytes(target, part) if part is not None else None
     if part is None or dest is None:

@@ -34,6 +34,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from nxd_ckpt import pages
 from nxd_ckpt.errors import FormatError, IntegrityError, StorageError
 from nxd_ckpt.format import layout
 from nxd_ckpt.format.hashing import hash_bytes
@@ -547,6 +548,14 @@ class VerifiedFile:
             finally:
                 os.close(fd)
 
+    def map_span(self, start: int, end: int) -> MappedSpan | None:
+        """A read-only mapping of the blocks holding ``[start, end)``, checked piece by piece and kept (see
+        ``MappedSpan``); None where the file is not ``mappable``."""
+        if end <= start or not self.mappable():
+            return None
+        data, base = self._map(start, end, again=None)
+        return MappedSpan(self, data, base)
+
     def mapped(self, start: int, end: int, again: bool = False) -> np.ndarray:
         """Bytes ``[start, end)`` as a read-only mapping of the file (``mappable`` only), every block holding them
         hashed from the mapping and checked first. The array keeps the mapping until it (and every view of it)
@@ -565,7 +574,7 @@ class VerifiedFile:
         data, base = self._map(start, end, again)
         yield from self._checked_blocks(data, base, start, end)
 
-    def _map(self, start: int, end: int, again: bool) -> tuple[np.ndarray, int]:
+    def _map(self, start: int, end: int, again: bool | None) -> tuple[np.ndarray, int]:
         """A read-only mapping of the blocks holding ``[start, end)`` and the file offset it starts at; its bytes
         count as read (``bytes_read``), or with ``again`` as used again (``bytes_reused``)."""
         rec, local = self.record, self.storage.local_path(self.path)
@@ -584,16 +593,22 @@ class VerifiedFile:
             size = os.fstat(fd).st_size
             if size < last:
                 raise block_error(self.storage.url, self.tag, self.path, rec, start, last, size - start)
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # the page tables filled in one call
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if again is not None else 0)
             mapping = mmap.mmap(fd, last - base, flags=flags, prot=mmap.PROT_READ, offset=base)
         finally:
             os.close(fd)  # the mapping stays
-        with self._lock:
-            if again:
-                self.bytes_reused += last - first
-            else:
-                self.bytes_read += last - first
+        self._count(last - first, again)
         return np.frombuffer(mapping, dtype=np.uint8), base
+
+    def _count(self, nbytes: int, again: bool | None) -> None:
+        """Bytes taken from storage (``bytes_read``), or with ``again`` used again (``bytes_reused``); None:
+        counted later, as they are checked."""
+        if again is not None:
+            with self._lock:
+                if again:
+                    self.bytes_reused += nbytes
+                else:
+                    self.bytes_read += nbytes
 
     def _checked_blocks(self, data: np.ndarray, base: int, start: int, end: int) -> Iterator[tuple[int, np.ndarray]]:
         """Each block of ``data`` (mapped from ``base``) holding ``[start, end)`` checked, and its part inside."""
@@ -695,6 +710,48 @@ class VerifiedFile:
         if end is None:
             end = self.record.size if self.record is not None else self.storage.size(self.path)
         return VerifiedStream(self, start, end)
+
+
+class MappedSpan:
+    """A read-only mapping of part of a ``VerifiedFile``'s local file (the page cache's pages, no copy), checked
+    piece by piece (``check``, on any thread) with each piece's pages locked in memory (``pages.lock``): what
+    was checked stays the bytes used later (``pieces``, ``view``), never dropped and read from the disk again,
+    so it is not checked twice. Where a lock was refused (``RLIMIT_MEMLOCK``), what is used is checked again.
+    The file must not be changed in place or truncated meanwhile: writers never do that, they replace files
+    whole. The mapping (and its locks) goes when the span and every view of it are gone."""
+
+    def __init__(self, file: VerifiedFile, data: np.ndarray, base: int) -> None:
+        self.file, self.data, self.base = file, data, base
+        self.locked = True
+        """Whether every piece checked so far kept its pages in memory."""
+
+    def check(self, start: int, end: int) -> None:
+        """Lock and check the blocks holding ``[start, end)``."""
+        rec = self.file.record
+        assert rec is not None
+        blocks = rec.blocks_over(start, end)
+        first, last = blocks[0][0] - self.base, blocks[-1][1] - self.base
+        address = self.data.__array_interface__["data"][0]
+        if not pages.lock(address + first, address + last):
+            self.locked = False
+        for _ in self.file._checked_blocks(self.data, self.base, start, end):
+            pass
+        self.file._count(last - first, again=False)
+
+    def pieces(self, start: int, end: int) -> Iterator[tuple[int, np.ndarray]]:
+        """Bytes ``[start, end)`` (checked by ``check`` before) as consecutive pieces: in one piece where they
+        stayed locked, else a block at a time, each checked again first."""
+        if self.locked:
+            yield start, self.data[start - self.base : end - self.base]
+            return
+        self.file._count(end - start, again=True)
+        yield from self.file._checked_blocks(self.data, self.base, start, end)
+
+    def view(self, start: int, end: int) -> np.ndarray:
+        """Bytes ``[start, end)`` in one array (checked again first where they did not stay locked)."""
+        for _ in self.pieces(start, end) if not self.locked else ():
+            pass
+        return self.data[start - self.base : end - self.base]
 
 
 class VerifiedStream(io.RawIOBase):
