@@ -29,6 +29,7 @@ from its own node's memory, else from a peer node's replica), verified the same 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import io
 import itertools
@@ -37,7 +38,7 @@ import pickle
 import sys
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -307,7 +308,8 @@ class StorageReader(FolderId, _DcpStorageReader):
             whole = not any(item.storage_offsets) and chunk == tuple(item.lengths)
             pairs.append((files[rel], info, item, whole))
         budget = self._budget()
-        with ThreadPoolExecutor(self.thread_count, thread_name_prefix="nxd_dcp_read") as pool:
+        mappings: list[MappedSpan] = []
+        with _closing(mappings), ThreadPoolExecutor(self.thread_count, thread_name_prefix="nxd_dcp_read") as pool:
             wanted = _all(pool, lambda p: _locate(*p), pairs)
             held, later = _within(_spans(wanted), budget)
             arena = pages.huge_buffer(sum(span.end - span.start for span in held))  # one mapping, 2 MiB pages
@@ -317,6 +319,7 @@ class StorageReader(FolderId, _DcpStorageReader):
                 at += span.end - span.start
             for span in later:  # a local file's span is mapped: checked where the page cache holds it, kept
                 mapping = span.file.map_span(span.start, span.end)
+                mappings += [mapping] if mapping is not None else []
                 for w in span.members:
                     w.mapping = mapping
                 if span.file.record is not None:
@@ -361,6 +364,17 @@ class StorageReader(FolderId, _DcpStorageReader):
                 )
         path = f"{self.place.folder}/{rel}"
         return VerifiedFile(self.place.root, path, record, tag=self.place.folder, kept_blocks=kept_blocks)
+
+
+@contextlib.contextmanager
+def _closing(mappings: list[MappedSpan]) -> Iterator[None]:
+    """Unmap the load's mappings as it ends (failed or not), their pages unlocked then, not at some later
+    collection."""
+    try:
+        yield
+    finally:
+        for mapping in mappings:
+            mapping.close()
 
 
 def _all(pool: ThreadPoolExecutor, fn: Callable[[Any], T], args: list[Any]) -> list[T]:

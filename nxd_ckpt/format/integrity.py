@@ -618,6 +618,7 @@ class VerifiedFile:
             block = data[block_start - base : block_end - base]
             found = hash_bytes(block)[1]
             if found != digest:
+                del block, data  # the error's traceback keeps this frame: not the mapping (``MappedSpan.close``)
                 raise block_error(self.storage.url, self.tag, self.path, rec, block_start, block_end, found)
             lo, hi = max(block_start, start), min(block_end, end)
             yield lo, block[lo - block_start : hi - block_start]
@@ -746,6 +747,18 @@ class MappedSpan:
             return
         self.file._count(end - start, again=True)
         yield from self.file._checked_blocks(self.data, self.base, start, end)
+
+    def close(self) -> None:
+        """Unmap now, its pages unlocked (not whenever the collector finds it): once nothing uses the span. A
+        view still held elsewhere keeps the mapping until that view goes."""
+        data, self.data = self.data, None
+        view = data.base if data is not None else None  # np.frombuffer's memoryview of the mmap
+        mapping = view.obj if isinstance(view, memoryview) else None
+        del data
+        if isinstance(mapping, mmap.mmap):
+            with contextlib.suppress(BufferError):
+                view.release()  # type: ignore[union-attr]
+                mapping.close()
 
     def view(self, start: int, end: int) -> np.ndarray:
         """Bytes ``[start, end)`` in one array (checked again first where they did not stay locked)."""

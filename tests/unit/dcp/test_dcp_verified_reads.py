@@ -355,3 +355,22 @@ def test_pages_not_kept_are_checked_again_as_they_are_used(tmp_path, monkeypatch
     monkeypatch.setattr(MappedSpan, "check", check_then_damage)
     with pytest.raises(CheckpointException, match="__0_0.distcp is corrupt"):
         dcp.load(_minus_ones(), storage_reader=StorageReader(path), no_dist=True)
+
+
+def test_a_load_unmaps_its_files_as_it_ends(tmp_path):
+    """The page cache's pages a load kept locked are let go when it returns (failed or not), not whenever the
+    collector gets to them."""
+    path = str(tmp_path / "step-1")
+    _save(path, _three(11))
+    data = os.path.join(path, "__0_0.distcp")
+
+    def mapped() -> bool:
+        with open("/proc/self/maps") as f:
+            return data in f.read()
+
+    dcp.load(_minus_ones(), storage_reader=StorageReader(path), no_dist=True)
+    assert not mapped()
+    _flip(data, _items(path)["c"][1] - 100)
+    with pytest.raises(CheckpointException, match="__0_0.distcp is corrupt"):
+        dcp.load(_minus_ones(), storage_reader=StorageReader(path), no_dist=True)
+    assert not mapped()
