@@ -54,6 +54,15 @@ def load_layout(f: Any, what: str, trusted: bool = False) -> tuple[Any, dict[str
     """A torch.save zip file's structure (``load_structure``: tensors on ``meta``, each storage tagged with its
     record) and each tensor record's data offset in the file, for reading tensor bytes by range; only the zip
     directory and ``data.pkl`` are read. FormatError if it is not a zip file or was written big-endian."""
+    reader, pickled = torchzip.open_zip(f, what)
+    if reader.has_record("byteorder") and reader.get_record("byteorder") not in (b"little", "little"):
+        raise FormatError(f"{what} was written on a big-endian machine; its tensors cannot be read by range")
+    state, keys = _replay_on_meta(pickled, what, trusted)
+    return state, {k: reader.get_record_offset(f"data/{k}") for k in keys}
+
+
+def _replay_on_meta(pickled: bytes, what: str, trusted: bool) -> tuple[Any, tuple[str, ...]]:
+    """``data.pkl`` replayed with storages on ``meta`` (each tagged with its record) and the records it names."""
     keys: list[str] = []
 
     def source(key: str, dtype: torch.dtype, nbytes: int) -> torch.UntypedStorage:
@@ -62,11 +71,8 @@ def load_layout(f: Any, what: str, trusted: bool = False) -> tuple[Any, dict[str
         keys.append(key)
         return untyped
 
-    reader, pickled = torchzip.open_zip(f, what)
-    if reader.has_record("byteorder") and reader.get_record("byteorder") not in (b"little", "little"):
-        raise FormatError(f"{what} was written on a big-endian machine; its tensors cannot be read by range")
     state = torchzip.load_records(pickled, source, what=what, trusted=trusted)
-    return state, {k: reader.get_record_offset(f"data/{k}") for k in keys}
+    return state, tuple(keys)
 
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
@@ -113,13 +119,4 @@ def head_layout(head: Any, what: str, trusted: bool = False) -> tuple[Any, dict[
 def _replayed(pickled: bytes, trusted: bool) -> tuple[Any, tuple[str, ...]]:
     """``data.pkl`` replayed with meta storages (each tagged with its record) and the records it names, kept by
     its bytes: a checkpoint's tensors of one shape share them. Callers must not change what it returns."""
-    keys: list[str] = []
-
-    def source(key: str, dtype: torch.dtype, nbytes: int) -> torch.UntypedStorage:
-        untyped = torch.UntypedStorage(nbytes, device="meta")
-        setattr(untyped, RECORD_ATTR, key)
-        keys.append(key)
-        return untyped
-
-    state = torchzip.load_records(pickled, source, what="data.pkl", trusted=trusted)
-    return state, tuple(keys)
+    return _replay_on_meta(pickled, "data.pkl", trusted)
