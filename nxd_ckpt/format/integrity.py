@@ -455,8 +455,8 @@ class VerifiedFile:
         self.bytes_read = 0
         """Bytes read from storage so far (blocks, and the whole file once for an older record)."""
         self.bytes_reused = 0
-        """Bytes read and checked before, used again from the page cache (``mapped``/``mapped_pieces`` with
-        ``again``): read from the disk again only where the kernel dropped them meanwhile."""
+        """Bytes checked before and checked again as they are used from the page cache (``MappedSpan`` where a
+        lock was refused): read from the disk again only where the kernel dropped them meanwhile."""
 
     def read(self, start: int, end: int) -> np.ndarray:
         """Bytes ``[start, end)``, checked."""
@@ -530,7 +530,7 @@ class VerifiedFile:
                 yield self._checked_run(f, run, scratch, start, end)
 
     def mappable(self) -> bool:
-        """Whether ``mapped`` and ``mapped_pieces`` can read this file: a local file recorded with block digests."""
+        """Whether ``map_span`` can map this file: a local file recorded with block digests."""
         rec = self.record
         return rec is not None and bool(rec.blocks) and self.storage.local_path(self.path) is not None
 
@@ -553,30 +553,12 @@ class VerifiedFile:
         ``MappedSpan``); None where the file is not ``mappable``."""
         if end <= start or not self.mappable():
             return None
-        data, base = self._map(start, end, again=None)
+        data, base = self._map(start, end)
         return MappedSpan(self, data, base)
 
-    def mapped(self, start: int, end: int, again: bool = False) -> np.ndarray:
-        """Bytes ``[start, end)`` as a read-only mapping of the file (``mappable`` only), every block holding them
-        hashed from the mapping and checked first. The array keeps the mapping until it (and every view of it)
-        is gone."""
-        data, base = self._map(start, end, again)
-        for _ in self._checked_blocks(data, base, start, end):
-            pass
-        return data[start - base : end - base]
-
-    def mapped_pieces(self, start: int, end: int, again: bool = False) -> Iterator[tuple[int, np.ndarray]]:
-        """Bytes ``[start, end)`` as consecutive checked pieces ``(offset, bytes)`` of a read-only mapping of the
-        file (``mappable`` only), one block at a time: each is checked while it is in the CPU cache, then handed
-        out, so a copy of it costs no second trip to memory. No copy is made and no fresh memory used: the bytes
-        are the page cache's, read from the disk again only where the kernel dropped them. The file must not be
-        truncated meanwhile (the mapping would fault): writers never do that, they replace files whole."""
-        data, base = self._map(start, end, again)
-        yield from self._checked_blocks(data, base, start, end)
-
-    def _map(self, start: int, end: int, again: bool | None) -> tuple[np.ndarray, int]:
-        """A read-only mapping of the blocks holding ``[start, end)`` and the file offset it starts at; its bytes
-        count as read (``bytes_read``), or with ``again`` as used again (``bytes_reused``)."""
+    def _map(self, start: int, end: int) -> tuple[np.ndarray, int]:
+        """A read-only mapping of the blocks holding ``[start, end)`` and the file offset it starts at (no page
+        is read yet: ``MappedSpan.check`` faults them in as it locks them)."""
         rec, local = self.record, self.storage.local_path(self.path)
         if rec is None or not rec.blocks or local is None:
             raise ValueError(f"{self.where} cannot be mapped (not a local file with block digests)")
@@ -593,22 +575,18 @@ class VerifiedFile:
             size = os.fstat(fd).st_size
             if size < last:
                 raise block_error(self.storage.url, self.tag, self.path, rec, start, last, size - start)
-            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if again is not None else 0)
-            mapping = mmap.mmap(fd, last - base, flags=flags, prot=mmap.PROT_READ, offset=base)
+            mapping = mmap.mmap(fd, last - base, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=base)
         finally:
             os.close(fd)  # the mapping stays
-        self._count(last - first, again)
         return np.frombuffer(mapping, dtype=np.uint8), base
 
-    def _count(self, nbytes: int, again: bool | None) -> None:
-        """Bytes taken from storage (``bytes_read``), or with ``again`` used again (``bytes_reused``); None:
-        counted later, as they are checked."""
-        if again is not None:
-            with self._lock:
-                if again:
-                    self.bytes_reused += nbytes
-                else:
-                    self.bytes_read += nbytes
+    def _count(self, nbytes: int, again: bool) -> None:
+        """Bytes taken from storage (``bytes_read``), or with ``again`` checked again (``bytes_reused``)."""
+        with self._lock:
+            if again:
+                self.bytes_reused += nbytes
+            else:
+                self.bytes_read += nbytes
 
     def _checked_blocks(self, data: np.ndarray, base: int, start: int, end: int) -> Iterator[tuple[int, np.ndarray]]:
         """Each block of ``data`` (mapped from ``base``) holding ``[start, end)`` checked, and its part inside."""
