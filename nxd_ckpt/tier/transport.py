@@ -130,6 +130,7 @@ class _Handler(socketserver.StreamRequestHandler):
 class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # listen backlog: every local rank's writer threads may connect at once (default 5)
 
     def __init__(self, address: tuple[str, int], storage: LocalStorage, token: str, timeout_s: float) -> None:
         super().__init__(address, _Handler)
