@@ -39,20 +39,22 @@ MIN_BYTES = 1 << 20
 
 _log = logging.getLogger(__name__)
 _supported: bool | None = None
-_madvise: Any = None
+
+
+@functools.cache
+def _libc() -> Any:
+    """The C library's ``madvise`` and ``mlock`` (Linux), typed."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mlock.restype = ctypes.c_int
+    return libc
 
 
 def _libc_madvise() -> Any:
-    global _madvise
-    if _madvise is None:
-        if not sys.platform.startswith("linux"):
-            _madvise = False
-        else:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            libc.madvise.restype = ctypes.c_int
-            _madvise = libc.madvise
-    return _madvise
+    """``madvise``, or False off Linux."""
+    return _libc().madvise if sys.platform.startswith("linux") else False
 
 
 def _whole_pages(start: int, end: int) -> tuple[int, int]:
@@ -142,14 +144,6 @@ def lock(start: int, end: int) -> bool:
         _lock_refused = True
         _log.debug("mlock refused (errno %d): pages are not kept in memory", ctypes.get_errno())
     return False
-
-
-@functools.cache
-def _libc() -> Any:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mlock.restype = ctypes.c_int
-    return libc
 
 
 def discard(start: int, end: int) -> None:
